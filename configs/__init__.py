@@ -1,0 +1,1 @@
+"""YAML configs shipped with specframe (this folder is installed as the package `specframe.configs`)."""

@@ -1,0 +1,3 @@
+from specframe.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,92 @@
+"""Exact acceptance of a draft tree against the target's distributions (DESIGN.md, "The algorithm").
+
+Walk from the root. At a node with target distribution r (start r = p at that node), try its children in
+order; child c with token x and draft distribution q (one-hot for deterministic children):
+
+    accept with probability min(1, r(x) / q(x))      -> move to c, r = p at c
+    else r = norm(max(0, r - q))                     -> next child
+
+When no child is accepted (or the node is a leaf), emit a sample from r and stop. A chain is the tree in
+which every node has one child, which gives Leviathan et al.'s rule with its bonus token; a deterministic
+child reduces to "accept with r(x), else zero x in r". The comparison u * q(x) < r(x) needs no division,
+so q(x) = 0 cannot blow up; all of it runs in float32 or better.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specframe.proposer import Proposal
+from specframe.sampling import SamplingParams, sample, sampling_probs
+
+
+class TreeAcceptance:
+    """The exact rule. `specframe.testing.broken` subclasses it to prove the conformance suite has power."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,  # [n + 1, V]: row 0 = root, row i + 1 = node i
+        proposal: Proposal,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> tuple[list[int], int]:
+        """Return (accepted node indices root-to-leaf, the next token emitted by the target)."""
+        tokens = proposal.tokens.tolist()
+        children: list[list[int]] = [[] for _ in range(len(tokens) + 1)]  # by row
+        for i, parent in enumerate(proposal.parents.tolist()):
+            children[parent + 1].append(i)
+        if params.greedy:
+            return self.greedy(logits, tokens, children)
+        deterministic = proposal.deterministic.tolist()
+        path: list[int] = []
+        row, parent_row = 0, 0
+        while True:
+            r = self.target_probs(logits, row, params)
+            if not children[row]:
+                return path, self.bonus(logits, row, parent_row, params, generator)
+            for c in children[row]:
+                q = None if deterministic[c] else proposal.draft_probs[c].float()
+                if self.accept(r, q, tokens[c], generator):
+                    path.append(c)
+                    row, parent_row = c + 1, row
+                    break
+                r = self.residual(r, q, tokens[c])
+            else:
+                return path, sample(r, generator)
+
+    @staticmethod
+    def greedy(logits: torch.Tensor, tokens: list[int], children: list[list[int]]) -> tuple[list[int], int]:
+        """Temperature 0: follow the child whose token is the target's argmax."""
+        best = logits.argmax(-1).tolist()
+        path: list[int] = []
+        row = 0
+        while True:
+            nxt = next((c for c in children[row] if tokens[c] == best[row]), None)
+            if nxt is None:
+                return path, best[row]
+            path.append(nxt)
+            row = nxt + 1
+
+    def target_probs(self, logits: torch.Tensor, row: int, params: SamplingParams) -> torch.Tensor:
+        return sampling_probs(logits[row], params)
+
+    def accept(self, r: torch.Tensor, q: torch.Tensor | None, x: int, generator: torch.Generator) -> bool:
+        u = torch.rand((), generator=generator, device=r.device, dtype=r.dtype)
+        qx = 1.0 if q is None else q[x]
+        return bool(u * qx < r[x])
+
+    def residual(self, r: torch.Tensor, q: torch.Tensor | None, x: int) -> torch.Tensor:
+        if q is None:
+            new = r.clone()
+            new[x] = 0.0
+        else:
+            new = (r - q).clamp_min_(0.0)
+        total = new.sum()
+        # A zero residual only arises from rounding (r == q would have accepted every draw): keep r.
+        return new / total if total > 0 else r
+
+    def bonus(
+        self, logits: torch.Tensor, row: int, parent_row: int, params: SamplingParams, generator: torch.Generator
+    ) -> int:
+        """Every drafted level was accepted down to a leaf: emit a token from p at the leaf."""
+        return sample(self.target_probs(logits, row, params), generator)

@@ -1,0 +1,11 @@
+"""The built-in proposers, registered through the same hook as any plugin."""
+
+from specframe.hookspecs import hookimpl
+from specframe.proposers.draft import DraftProposer
+from specframe.proposers.none import NoneProposer
+
+
+@hookimpl
+def register_proposers(register):
+    register(NoneProposer)
+    register(DraftProposer)

@@ -1,0 +1,168 @@
+"""The `specframe` command line (also `python -m specframe`). Exit codes: 0 ok, 2 bad input, 1 other failure."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from collections.abc import Callable
+
+from specframe.errors import BadInputError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specframe", description="Exact speculative decoding.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text with a proposer")
+    g.add_argument("--proposer", help="proposer name (proposer.name)")
+    g.add_argument("--prompt", help="prompt text; read from standard input when absent")
+    g.add_argument("--target", help="target model (target.model)")
+    g.add_argument("--max-new-tokens", type=int, help="generation.max_new_tokens")
+    g.add_argument("--temperature", type=float, help="sampling.temperature (0 = greedy)")
+    g.add_argument("--top-p", type=float, help="sampling.top_p")
+    g.add_argument("--top-k", type=int, help="sampling.top_k")
+    g.add_argument("--seed", type=int, help="sampling.seed")
+    g.add_argument("--config", help="YAML config file (or the name of a packaged one, e.g. draft.yaml)")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    g.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides (OmegaConf dotlist)")
+    g.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    g.set_defaults(run=cmd_generate)
+
+    p = sub.add_parser("plugins", help="list installed proposers")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    p.set_defaults(run=cmd_plugins)
+
+    c = sub.add_parser("check", help="run the exactness conformance suite on a proposer (tiny random models)")
+    c.add_argument("--proposer", required=True, help="proposer name")
+    c.add_argument("--device", action="append", help="device(s) to check; default: cpu and cuda if present")
+    c.add_argument("--quick", action="store_true", help="greedy and rollback checks only (no statistics)")
+    c.add_argument("--json", action="store_true")
+    c.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    c.set_defaults(run=cmd_check)
+
+    m = sub.add_parser("models", help="the offline default model(s)")
+    msub = m.add_subparsers(dest="models_command", required=True)
+    pull = msub.add_parser("pull", help="download, verify and cache a model alias")
+    pull.add_argument("alias", nargs="?", default="smollm2-135m-instruct")
+    pull.set_defaults(run=cmd_models_pull)
+    lst = msub.add_parser("list", help="aliases and where they are cached")
+    lst.add_argument("--json", action="store_true")
+    lst.set_defaults(run=cmd_models_list)
+    return parser
+
+
+def generate_overrides(args: argparse.Namespace) -> list[str]:
+    """Dotlist overrides: KEY=VALUE arguments, then the explicit flags (which win)."""
+    for item in args.overrides:
+        if "=" not in item:
+            raise BadInputError(f"override '{item}' is not KEY=VALUE")
+    flags = {
+        "proposer.name": args.proposer,
+        "target.model": args.target,
+        "generation.max_new_tokens": args.max_new_tokens,
+        "sampling.temperature": args.temperature,
+        "sampling.top_p": args.top_p,
+        "sampling.top_k": args.top_k,
+        "sampling.seed": args.seed,
+    }
+    return list(args.overrides) + [f"{k}={v}" for k, v in flags.items() if v is not None]
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specframe.config import load_config
+    from specframe.decoder import SpeculativeDecoder
+
+    cfg = load_config(args.config, generate_overrides(args))
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt.strip():
+        raise BadInputError("the prompt is empty")
+    decoder = SpeculativeDecoder.from_config(cfg)
+    result = decoder.generate(prompt, raw=args.raw)
+    if args.json:
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats}))
+    else:
+        print(result.text if result.text is not None else " ".join(map(str, result.token_ids)))
+        s = result.stats
+        print(
+            f"[{cfg.proposer_name}] {s['new_tokens']} tokens, {s['target_forwards']} target forwards, "
+            f"mean accepted length {s['mean_accepted_length']:.2f}, {s['tokens_per_s']:.1f} tokens/s",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from specframe.plugins import get_registry
+
+    reg = get_registry()
+    rows = [
+        {"name": e.name, "plugin": e.plugin, "distribution": e.distribution, "version": e.version,
+         "class": f"{e.cls.__module__}.{e.cls.__qualname__}"}
+        for e in sorted(reg.proposers.values(), key=lambda e: e.name)
+    ]
+    if args.json:
+        print(json.dumps({"proposers": rows, "failures": reg.failures}))
+        return 0
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        print(f"{r['name']:<{width}}  plugin {r['plugin']}  ({r['distribution']} {r['version']})")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from specframe.plugins import get_registry
+    from specframe.testing.conformance import run_suite
+
+    entry = get_registry().get(args.proposer)
+    report = run_suite(entry.cls, devices=args.device, quick=args.quick, log=None if args.json else print)
+    if args.json:
+        print(json.dumps(report.as_dict()))
+    else:
+        print(report.summary())
+    return 0 if report.passed else 1
+
+
+def cmd_models_pull(args: argparse.Namespace) -> int:
+    from specframe.models import pull_default_model
+
+    print(pull_default_model(args.alias))
+    return 0
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    from specframe.models import list_models
+
+    rows = list_models()
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        for r in rows:
+            print("  ".join(str(v) for v in r.values()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    run: Callable[[argparse.Namespace], int] = args.run
+    try:
+        return run(args)
+    except BadInputError as e:
+        return fail(args, e, 2)
+    except KeyboardInterrupt:
+        print("specframe: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        return fail(args, e, 1)
+
+
+def fail(args: argparse.Namespace, e: Exception, code: int) -> int:
+    if getattr(args, "debug", False):
+        traceback.print_exc()
+    message = " ".join(str(e).split()) or type(e).__name__
+    print(f"specframe: error: {message}", file=sys.stderr)
+    return code

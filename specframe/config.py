@@ -1,0 +1,149 @@
+"""Typed configuration: schema dataclasses -> YAML file -> dotlist overrides -> validated objects.
+
+`proposer.*` is validated by the chosen proposer's own `config_class`, picked by `proposer.name`.
+YAML files may live anywhere; a bare name such as `medusa.yaml` (or `configs/medusa.yaml` when no such file
+exists in the working directory) resolves to the copy shipped inside the installed package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from specframe.errors import ConfigError
+from specframe.sampling import check_sampling
+
+
+@dataclass
+class TargetConfig:
+    # The target model: an alias (`specframe models list`), local Hugging Face directory, hub id or .gguf file.
+    model: str = "smollm2-135m-instruct"
+    # Weights dtype: auto (bfloat16 on CUDA; the faster exact choice on CPU), float32, bfloat16, float16.
+    dtype: str = "auto"
+    # auto (CUDA when present), cpu, cuda, cuda:N.
+    device: str = "auto"
+    # Optional PEFT adapter directory, merged into the target; exactness is then w.r.t. the adapted model.
+    adapter: str | None = None
+    # Run model code shipped with a hub model. Off: only turn it on for models you trust.
+    trust_remote_code: bool = False
+
+
+@dataclass
+class SamplingConfig:
+    # 0 = greedy; otherwise logits are divided by it before top-k/top-p.
+    temperature: float = 0.0
+    # Nucleus sampling mass in (0, 1]; 1 = off.
+    top_p: float = 1.0
+    # Keep only the k most likely tokens; 0 = off.
+    top_k: int = 0
+    # Seed for every random draw (target and proposer); None = a fresh random seed per call.
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        check_sampling(self.temperature, self.top_k, self.top_p)
+
+
+@dataclass
+class GenerationConfig:
+    # Stop after this many new tokens.
+    max_new_tokens: int = 128
+    # Stop when the generated text contains any of these; the text is cut before it.
+    stop: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"generation.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class SpecframeConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    proposer_name: str = "none"  # `proposer.name` in YAML and overrides
+    proposer: Any = None  # an instance of the chosen proposer's config_class
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+
+
+def find_config(path: str | Path) -> Path:
+    p = Path(path)
+    if p.is_file():
+        return p
+    packaged = resources.files("specframe.configs") / p.name
+    if not p.is_absolute() and packaged.is_file():
+        return Path(str(packaged))
+    raise ConfigError(f"config file '{path}' does not exist (packaged configs: {', '.join(packaged_configs())})")
+
+
+def packaged_configs() -> list[str]:
+    folder = resources.files("specframe.configs")
+    return sorted(f.name for f in folder.iterdir() if f.name.endswith(".yaml")) if folder.is_dir() else []
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> SpecframeConfig:
+    """Merge defaults, an optional YAML file and `KEY=VALUE` overrides into a validated SpecframeConfig."""
+    from specframe.plugins import get_registry
+
+    try:
+        raw = OmegaConf.load(find_config(path)) if path else OmegaConf.create({})
+        if not isinstance(raw, DictConfig):
+            raise ConfigError(f"config file '{path}' must hold a mapping")
+        raw = OmegaConf.merge(raw, OmegaConf.from_dotlist(list(overrides or [])))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"bad config: {one_line(e)}") from e
+    proposer_raw = raw.pop("proposer", None) or OmegaConf.create({})
+    if not isinstance(proposer_raw, DictConfig):
+        raise ConfigError("proposer must be a mapping with at least 'name'")
+    name = proposer_raw.pop("name", "none")
+    if not isinstance(name, str):
+        raise ConfigError(f"proposer.name must be a string, got {name!r}")
+    entry = get_registry().get(name)
+    cfg = SpecframeConfig(proposer_name=name)
+    cfg.target, cfg.sampling, cfg.generation = (
+        structured(TargetConfig, raw.pop("target", None), "target"),
+        structured(SamplingConfig, raw.pop("sampling", None), "sampling"),
+        structured(GenerationConfig, raw.pop("generation", None), "generation"),
+    )
+    cfg.proposer = structured(entry.cls.config_class, proposer_raw, "proposer")
+    if len(raw):
+        raise ConfigError(f"unknown config key '{next(iter(raw.keys()))}' (known: target, proposer, sampling, generation)")
+    return cfg
+
+
+def structured(schema: type, values: Any, prefix: str) -> Any:
+    """Validate `values` against a dataclass schema; errors name the full key (`prefix.key`)."""
+    try:
+        base = OmegaConf.structured(schema)
+        if values is not None:
+            if not isinstance(values, DictConfig):
+                raise ConfigError(f"{prefix} must be a mapping, got {values!r}")
+            for key in values:
+                if OmegaConf.is_missing(values, key):  # `???` in YAML: the user must set it
+                    raise ConfigError(f"{prefix}.{key}: missing mandatory value (set it with {prefix}.{key}=...)")
+            base = OmegaConf.merge(base, values)
+        return OmegaConf.to_object(base)
+    except ConfigError:  # raised by a schema's __post_init__, already naming its full key
+        raise
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        where = f"{prefix}.{key}" if key else prefix
+        raise ConfigError(f"{where}: {one_line(e)}") from e
+
+
+def one_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def to_yaml(cfg: SpecframeConfig) -> str:
+    """Show a loaded config as YAML (with `proposer.name` folded back in)."""
+    d = {
+        "target": OmegaConf.to_container(OmegaConf.structured(cfg.target)),
+        "proposer": {"name": cfg.proposer_name, **OmegaConf.to_container(OmegaConf.structured(cfg.proposer))},
+        "sampling": OmegaConf.to_container(OmegaConf.structured(cfg.sampling)),
+        "generation": OmegaConf.to_container(OmegaConf.structured(cfg.generation)),
+    }
+    return OmegaConf.to_yaml(d)

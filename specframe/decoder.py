@@ -1,0 +1,315 @@
+"""The engine: prefill, then propose -> verify in one target forward -> accept -> roll back, until done."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specframe.acceptance import TreeAcceptance
+from specframe.errors import BadInputError, ProposerError, SpecframeError
+from specframe.kv_cache import keep_positions, new_cache, tree_attention_mask
+from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo, validate_proposal
+from specframe.sampling import SamplingParams
+
+Prompt = str | list[int] | list[dict[str, str]] | torch.Tensor
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # new tokens only
+    text: str | None  # decoded new tokens (special tokens skipped), None without a tokenizer
+    stats: dict[str, Any] = field(default_factory=dict)  # see DESIGN.md "Stats"
+
+
+def target_info(model: torch.nn.Module, tokenizer: Any = None) -> TargetInfo:
+    emb = model.get_output_embeddings()
+    return TargetInfo(
+        vocab_size=emb.weight.shape[0],
+        hidden_size=model.config.hidden_size,
+        num_layers=model.config.num_hidden_layers,
+        device=emb.weight.device,
+        dtype=emb.weight.dtype,
+        model=model,
+        tokenizer=tokenizer,
+    )
+
+
+class SpeculativeDecoder:
+    """Speculative decoding of one target model with one proposer (batch 1)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        proposer: Proposer,
+        tokenizer: Any = None,
+        sampling: SamplingParams = SamplingParams(),
+        max_new_tokens: int = 128,
+        stop: list[str] | None = None,
+        seed: int | None = None,
+        acceptance: TreeAcceptance | None = None,
+        plugin: str = "",
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.proposer = proposer
+        self.sampling = sampling
+        self.max_new_tokens = max_new_tokens
+        self.stop = list(stop or [])
+        self.seed = seed
+        self.acceptance = acceptance or TreeAcceptance()
+        self.info = target_info(model, tokenizer)
+        self.device = self.info.device
+        self.who = f"proposer '{proposer.name}'" + (f" (plugin '{plugin}')" if plugin else "")
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self.context_window = getattr(model.config, "max_position_embeddings", None) or 10**9
+        self.cache = None  # the target's KV cache of the latest generate call
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> SpeculativeDecoder:
+        """Build from a `SpecframeConfig` (see `specframe.config.load_config`): load the target, build the proposer."""
+        from specframe.models import load_model
+        from specframe.plugins import get_registry
+
+        t = cfg.target
+        loaded = load_model(
+            t.model, dtype=t.dtype, device=t.device, adapter=t.adapter, trust_remote_code=t.trust_remote_code
+        )
+        entry = get_registry().get(cfg.proposer_name)
+        info = target_info(loaded.model, loaded.tokenizer)
+        try:
+            proposer = entry.cls.from_config(cfg.proposer, info)
+        except SpecframeError:
+            raise
+        except Exception as e:  # a plugin's own bug: name it
+            raise ProposerError(f"proposer '{entry.name}' (plugin '{entry.plugin}') failed to build: {e}") from e
+        s = cfg.sampling
+        return cls(
+            loaded.model,
+            proposer,
+            tokenizer=loaded.tokenizer,
+            sampling=SamplingParams(s.temperature, s.top_k, s.top_p),
+            max_new_tokens=cfg.generation.max_new_tokens,
+            stop=list(cfg.generation.stop),
+            seed=s.seed,
+            plugin=entry.plugin,
+        )
+
+    # ---------------------------------------------------------------- prompt handling
+
+    def encode(self, prompt: Prompt, raw: bool = False) -> torch.Tensor:
+        """Token ids of `prompt`: ids verbatim; strings and message lists through the chat template."""
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1 or prompt.dtype not in (torch.long, torch.int32, torch.int64):
+                raise BadInputError("a tensor prompt must be a 1-D tensor of token ids")
+            ids = prompt.long().tolist()
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        elif isinstance(prompt, str | list):
+            if self.tokenizer is None:
+                raise BadInputError("the target has no tokenizer: pass the prompt as a list of token ids")
+            if isinstance(prompt, str) and not prompt.strip():
+                raise BadInputError("the prompt is empty")
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            if isinstance(prompt, list) and not all(isinstance(m, dict) and "content" in m for m in prompt):
+                raise BadInputError("a list prompt must hold token ids (int) or messages ({'role', 'content'})")
+            if not raw and getattr(self.tokenizer, "chat_template", None):
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                    ids = ids["input_ids"]
+            else:
+                text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+                ids = self.tokenizer(text)["input_ids"]
+        else:
+            raise BadInputError(f"unsupported prompt type {type(prompt).__name__}")
+        if not ids:
+            raise BadInputError("the prompt is empty")
+        if min(ids) < 0 or max(ids) >= self.info.vocab_size:
+            raise BadInputError(f"prompt token id out of range [0, {self.info.vocab_size})")
+        if len(ids) >= self.context_window:
+            raise BadInputError(
+                f"the prompt has {len(ids)} tokens; the target's context window is {self.context_window}"
+            )
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    # ---------------------------------------------------------------- the loop
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        raw: bool = False,
+    ) -> GenerationResult:
+        params = SamplingParams(
+            self.sampling.temperature if temperature is None else temperature,
+            self.sampling.top_k if top_k is None else top_k,
+            self.sampling.top_p if top_p is None else top_p,
+        )
+        max_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+            raise BadInputError(f"max_new_tokens must be an integer >= 1, got {max_new!r}")
+        stop = self.stop if stop is None else list(stop)
+        seed = self.seed if seed is None else seed
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed) if seed is not None else generator.seed()
+
+        start = time.perf_counter()
+        prompt_ids = self.encode(prompt, raw=raw)
+        model, proposer, layers = self.model, self.proposer, tuple(self.proposer.hidden_state_layers)
+        limit = min(max_new, self.context_window - prompt_ids.numel())
+        cache = self.cache = new_cache(model)  # kept on self for inspection (the rollback check)
+        stats = Counter()
+
+        out = model(
+            input_ids=prompt_ids[None], cache=cache, use_cache=True, output_hidden_states=bool(layers), logits_to_keep=1
+        )
+        stats.target_forwards += 1
+        _, first = self.acceptance(out.logits[0, -1:].float(), Proposal.empty(self.device), params, generator)
+        self._call(proposer.begin, prompt_ids, pick_hidden(out, layers, slice(None)))
+        generated = [first]
+
+        while not self._finished(generated, limit, stop):
+            past = cache.get_seq_length()
+            tokens = torch.cat([prompt_ids, torch.tensor(generated, device=self.device)])
+            max_depth = limit - len(generated) - 1  # a step emits depth + 1 tokens; limit respects the window
+            state = DecodeState(tokens, prompt_ids.numel(), params, generator, max_depth)
+            t0 = time.perf_counter()
+            proposal = self._call(proposer.propose, state)
+            validate_proposal(proposal, self.info.vocab_size, max_depth, self.who)
+            t1 = time.perf_counter()
+
+            n = len(proposal)
+            inputs = torch.cat([tokens[-1:], proposal.tokens.to(self.device)])[None]
+            if proposal.is_chain():
+                positions, mask = torch.arange(past, past + n + 1, device=self.device)[None], None
+            else:
+                depths = torch.tensor([0, *proposal.depths()], device=self.device)
+                positions = (past + depths)[None]
+                mask = tree_attention_mask(proposal.parents.tolist(), past, self.info.dtype, self.device)
+            out = model(
+                input_ids=inputs,
+                position_ids=positions,
+                attention_mask=mask,
+                cache=cache,
+                use_cache=True,
+                output_hidden_states=bool(layers),
+            )
+            stats.target_forwards += 1
+            path, nxt = self.acceptance(out.logits[0], proposal, params, generator)
+            keep = [0] + [c + 1 for c in path]
+            keep_positions(cache, past, keep, n + 1)
+            accepted_tokens = proposal.tokens[path].tolist() if path else []
+            generated += accepted_tokens + [nxt]
+            stats.record(proposal, len(path), t1 - t0, time.perf_counter() - t1)
+            if not self._finished(generated, limit, stop):
+                hidden = pick_hidden(out, layers, torch.tensor(keep, device=self.device))
+                self._call(proposer.accepted, Acceptance(path, accepted_tokens, nxt, hidden))
+
+        token_ids, text = self._truncate(generated, limit, stop)
+        wall = time.perf_counter() - start
+        return GenerationResult(token_ids, text, stats.as_dict(len(token_ids), wall))
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        """Call a proposer method; any exception becomes a ProposerError that names the proposer."""
+        try:
+            return fn(*args)
+        except ProposerError:
+            raise
+        except Exception as e:
+            raise ProposerError(f"{self.who} raised {type(e).__name__}: {e}") from e
+
+    # ---------------------------------------------------------------- stopping
+
+    def _finished(self, generated: list[int], limit: int, stop: list[str]) -> bool:
+        if len(generated) >= limit or any(t in self.eos_ids for t in generated):
+            return True
+        return bool(stop) and self.tokenizer is not None and any(s in self._decode(generated) for s in stop)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _truncate(self, generated: list[int], limit: int, stop: list[str]) -> tuple[list[int], str | None]:
+        """Cut at max_new_tokens, after the first EOS, and before the first stop string."""
+        ids = generated[:limit]
+        eos_at = next((i for i, t in enumerate(ids) if t in self.eos_ids), None)
+        if eos_at is not None:
+            ids = ids[: eos_at + 1]
+        if self.tokenizer is None:
+            return ids, None
+        text = self._decode(ids)
+        hits = [(text.index(s), s) for s in stop if s in text]
+        if hits:
+            at, s = min(hits)
+            text = text[:at]
+            n = next(k for k in range(1, len(ids) + 1) if s in self._decode(ids[:k]))
+            ids = ids[:n]
+        return ids, text
+
+
+def pick_hidden(out: Any, layers: tuple[int, ...], rows: slice | torch.Tensor) -> dict[int, torch.Tensor]:
+    """The requested layers' hidden states ([rows, hidden]) from a model output."""
+    if not layers:
+        return {}
+    return {layer: out.hidden_states[layer][0, rows] for layer in layers}
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for source in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list | tuple):
+            ids.update(int(t) for t in source)
+    return ids
+
+
+class Counter:
+    """Accumulates the per-step numbers behind the stats (DESIGN.md "Stats")."""
+
+    def __init__(self) -> None:
+        self.target_forwards = 0
+        self.proposed_tokens = 0  # tree depth proposed, summed over steps
+        self.proposed_nodes = 0
+        self.accepted_tokens = 0
+        self.proposed_by_position: list[int] = []  # [d] = steps that proposed a node at depth d + 1
+        self.accepted_by_position: list[int] = []  # [d] = steps that accepted a node at depth d + 1
+        self.propose_time = 0.0
+        self.verify_time = 0.0
+
+    def record(self, proposal: Proposal, accepted: int, propose_s: float, verify_s: float) -> None:
+        depth = max(proposal.depths(), default=0)
+        self.proposed_tokens += depth
+        self.proposed_nodes += len(proposal)
+        self.accepted_tokens += accepted
+        for counts, k in ((self.proposed_by_position, depth), (self.accepted_by_position, accepted)):
+            counts.extend([0] * (k - len(counts)))
+            for d in range(k):
+                counts[d] += 1
+        self.propose_time += propose_s
+        self.verify_time += verify_s
+
+    def as_dict(self, new_tokens: int, wall: float) -> dict[str, Any]:
+        return {
+            "new_tokens": new_tokens,
+            "target_forwards": self.target_forwards,
+            "mean_accepted_length": new_tokens / self.target_forwards,
+            "proposed_tokens": self.proposed_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else None,
+            "proposed_nodes": self.proposed_nodes,
+            "proposed_by_position": self.proposed_by_position,
+            "accepted_by_position": self.accepted_by_position,
+            "propose_time_s": self.propose_time,
+            "verify_time_s": self.verify_time,
+            "wall_time_s": wall,
+            "tokens_per_s": new_tokens / wall if wall > 0 else 0.0,
+        }

@@ -1,0 +1,25 @@
+"""Exceptions. The CLI maps `BadInputError` (and subclasses) to exit code 2, anything else to 1."""
+
+
+class SpecframeError(Exception):
+    """Base class of every error specframe raises on purpose."""
+
+
+class BadInputError(SpecframeError):
+    """Bad usage, bad config or bad input: the user can fix it. CLI exit code 2."""
+
+
+class ConfigError(BadInputError):
+    """A config key is unknown, has the wrong type, or a value is out of range."""
+
+
+class ModelLoadError(BadInputError):
+    """A model, tokenizer or adapter could not be loaded from what the user named."""
+
+
+class ProposerError(SpecframeError):
+    """A proposer (built-in or plugin) raised or returned a malformed proposal."""
+
+
+class PluginError(SpecframeError):
+    """A plugin could not be loaded or registered."""

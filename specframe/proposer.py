@@ -1,0 +1,178 @@
+"""The proposer contract: the `Proposer` abstract base class and the data it exchanges with the engine.
+
+A proposal is a tree of draft tokens hanging off the *root*: the last emitted token, which the target has
+not yet processed. Node i has token `tokens[i]` and parent `parents[i]` (-1 = the root; otherwise an earlier
+node, so the list is in topological order and cannot hold a cycle). A chain is the tree whose parents are
+-1, 0, 1, ....
+
+Each node also says how its token was chosen, which the exact acceptance rule needs:
+- `deterministic[i]` True: chosen without randomness (argmax, top-k, n-gram lookup); q is one-hot.
+- otherwise the token was drawn from `draft_probs[i]`, the full distribution q (already passed through the
+  same sampling transform as the target's p) at its parent's position; siblings drawn i.i.d. share it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from specframe.errors import ProposerError
+from specframe.sampling import SamplingParams
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [n] long, draft token ids
+    parents: torch.Tensor  # [n] long, parent node index, -1 = root
+    deterministic: torch.Tensor  # [n] bool, True = one-hot q
+    draft_probs: torch.Tensor | None = None  # [n, V] float, q of non-deterministic nodes (rows of others unused)
+
+    @classmethod
+    def empty(cls, device: torch.device | str = "cpu") -> Proposal:
+        z = torch.zeros(0, dtype=torch.long, device=device)
+        return cls(z, z.clone(), torch.zeros(0, dtype=torch.bool, device=device))
+
+    @classmethod
+    def chain(
+        cls, tokens: torch.Tensor, draft_probs: torch.Tensor | None = None, deterministic: bool = False
+    ) -> Proposal:
+        """A chain of len(tokens) nodes; `draft_probs` is None exactly when the chain is deterministic."""
+        n = tokens.numel()
+        parents = torch.arange(-1, n - 1, device=tokens.device)
+        det = torch.full((n,), deterministic or draft_probs is None, dtype=torch.bool, device=tokens.device)
+        return cls(tokens.reshape(-1).long(), parents, det, draft_probs)
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    def depths(self) -> list[int]:
+        """Depth of each node (children of the root have depth 1)."""
+        d: list[int] = []
+        for parent in self.parents.tolist():
+            d.append(1 if parent < 0 else d[parent] + 1)
+        return d
+
+    def is_chain(self) -> bool:
+        n = len(self)
+        return bool(n == 0 or torch.equal(self.parents.cpu(), torch.arange(-1, n - 1)))
+
+
+@dataclass
+class TargetInfo:
+    """What a proposer may know about the target when it is built."""
+
+    vocab_size: int  # rows of the target's logits; every token id must be below it
+    hidden_size: int
+    num_layers: int
+    device: torch.device
+    dtype: torch.dtype
+    model: Any = None  # the target model itself (e.g. to share its embeddings or LM head); never modify it
+    tokenizer: Any = None  # the target's tokenizer, or None
+
+
+@dataclass
+class DecodeState:
+    """What the engine tells a proposer before each proposal."""
+
+    tokens: torch.Tensor  # [T] long: prompt + every emitted token; tokens[-1] is the root (not in target's cache)
+    prompt_length: int  # tokens[:prompt_length] is the prompt
+    sampling: SamplingParams  # the transform for q must be exactly this one (see specframe.sampling)
+    generator: torch.Generator  # draw every random choice from this, so a seed reproduces the output
+    max_depth: int  # deepest node the engine can still use (remaining token budget and context window)
+
+
+@dataclass
+class Acceptance:
+    """What the engine tells a proposer after verification."""
+
+    accepted_nodes: list[int]  # proposal node indices on the accepted path, root-to-leaf order
+    accepted_tokens: list[int]  # their tokens
+    next_token: int  # the token the target emitted after them (residual or bonus); the next root
+    # Hidden states of the target layers the proposer asked for, at the positions newly kept in the
+    # target's cache (the root, then each accepted node): layer index -> [len(accepted_nodes) + 1, hidden].
+    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class Proposer(ABC):
+    """Base class of every proposer, built-in or plugin.
+
+    Subclasses set `name` and `config_class` (a dataclass whose fields are the `proposer.*` config keys,
+    validated in `__post_init__`), and may set `hidden_state_layers`: indices into the target's
+    `hidden_states` tuple (0 = embeddings, -1 = last layer after the final norm) it needs.
+    """
+
+    name: ClassVar[str]
+    config_class: ClassVar[type]
+    hidden_state_layers: tuple[int, ...] = ()
+
+    def __init__(self, config: Any, target: TargetInfo) -> None:
+        self.config = config
+        self.target = target
+
+    @classmethod
+    def from_config(cls, config: Any, target: TargetInfo) -> Proposer:
+        """Build from a config, loading any trained weights it names. Default: the constructor."""
+        return cls(config, target)
+
+    @classmethod
+    def random(cls, target: TargetInfo, config: Any = None, seed: int = 0) -> Proposer:
+        """Build with random weights for any target, so the conformance suite needs no trained artifact.
+
+        `config` defaults to `config_class()`; `seed` fixes the random weights. Default: the constructor."""
+        return cls(cls.config_class() if config is None else config, target)
+
+    @abstractmethod
+    def begin(self, prompt: torch.Tensor, hidden_states: dict[int, torch.Tensor]) -> None:
+        """Start a new sequence. `prompt` is [T]; `hidden_states` holds the requested layers over the prompt."""
+
+    @abstractmethod
+    def propose(self, state: DecodeState) -> Proposal:
+        """Draft a tree (or chain, or nothing) to continue `state.tokens`."""
+
+    @abstractmethod
+    def accepted(self, result: Acceptance) -> None:
+        """Learn what was kept, and roll back any state built on rejected nodes."""
+
+
+def validate_proposal(p: Proposal, vocab_size: int, max_depth: int, who: str) -> None:
+    """Raise ProposerError naming `who` unless `p` is a well-formed proposal."""
+
+    def bad(msg: str) -> ProposerError:
+        return ProposerError(f"{who} returned a malformed proposal: {msg}")
+
+    if not isinstance(p, Proposal):
+        raise bad(f"expected a Proposal, got {type(p).__name__}")
+    for fname in ("tokens", "parents", "deterministic"):
+        if not isinstance(getattr(p, fname), torch.Tensor):
+            raise bad(f"{fname} is not a tensor")
+    n = p.tokens.numel()
+    if p.tokens.dim() != 1 or p.parents.shape != p.tokens.shape or p.deterministic.shape != p.tokens.shape:
+        raise bad(
+            f"tokens, parents and deterministic must be 1-D of one length, got shapes "
+            f"{tuple(p.tokens.shape)}, {tuple(p.parents.shape)}, {tuple(p.deterministic.shape)}"
+        )
+    if p.tokens.dtype != torch.long or p.parents.dtype != torch.long or p.deterministic.dtype != torch.bool:
+        raise bad("tokens and parents must be int64 and deterministic bool")
+    if n == 0:
+        return
+    if int(p.tokens.min()) < 0 or int(p.tokens.max()) >= vocab_size:
+        raise bad(f"token id out of range [0, {vocab_size})")
+    idx = torch.arange(n, device=p.parents.device)
+    if bool(((p.parents < -1) | (p.parents >= idx)).any()):
+        raise bad("each parent must be -1 (the root) or an earlier node's index")
+    if max(p.depths()) > max_depth:
+        raise bad(f"tree depth {max(p.depths())} exceeds the allowed {max_depth}")
+    if not bool(p.deterministic.all()):
+        q = p.draft_probs
+        if not isinstance(q, torch.Tensor) or q.shape != (n, vocab_size):
+            shape = None if not isinstance(q, torch.Tensor) else tuple(q.shape)
+            raise bad(f"draft_probs must be [{n}, {vocab_size}] for sampled nodes, got {shape}")
+        rows = q[~p.deterministic].float()
+        if not bool(torch.isfinite(rows).all()) or bool((rows < 0).any()):
+            raise bad("draft_probs has negative or non-finite entries")
+        if not torch.allclose(rows.sum(-1), torch.ones_like(rows[:, 0]), atol=1e-3):
+            raise bad("draft_probs rows do not sum to 1")
+

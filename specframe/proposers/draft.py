@@ -1,0 +1,140 @@
+"""`draft`: a separate, smaller causal LM that drafts a chain of tokens with its own KV cache.
+
+Vocabulary: the draft must use the target's tokenizer (same token -> id map; checked when both have one).
+Its logits are mapped onto the target's V logit rows: rows the draft lacks get q = 0 (it cannot propose
+them; exactness is unaffected), rows past the target's V are dropped. Padding rows (ids past the tokenizer's
+length but inside the logit matrix) are kept as each model scores them, so p is exactly the target's.
+Without tokenizers the two logit widths must be equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specframe.errors import BadInputError, ConfigError
+from specframe.kv_cache import new_cache
+from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo
+from specframe.sampling import sampling_probs
+
+
+@dataclass
+class DraftConfig:
+    # The draft model: alias, local Hugging Face directory, hub id or .gguf file (see specframe.models).
+    model: str | None = None
+    # γ: tokens drafted per step. More pays off when the draft agrees often and is cheap.
+    num_speculative_tokens: int = 4
+    # Draft the draft's argmax (q one-hot) instead of sampling from q. Exact either way; under sampling,
+    # greedy drafts are accepted with probability p(x) rather than min(1, p/q).
+    greedy: bool = False
+    # Draft weights' dtype; "auto" = the target's.
+    dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_speculative_tokens, bool) or self.num_speculative_tokens < 1:
+            raise ConfigError(f"proposer.num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+
+
+class DraftProposer(Proposer):
+    name = "draft"
+    config_class = DraftConfig
+
+    def __init__(self, config: DraftConfig, target: TargetInfo, model: torch.nn.Module, tokenizer=None) -> None:
+        super().__init__(config, target)
+        check_same_vocabulary(model, tokenizer, target)
+        self.model = model
+        self.width = min(model.get_output_embeddings().weight.shape[0], target.vocab_size)
+        self.cache = None
+        self.cached = 0  # how many leading tokens of the sequence the draft's cache holds
+        self.drafted = 0  # chain length of the last proposal
+
+    @classmethod
+    def from_config(cls, config: DraftConfig, target: TargetInfo) -> DraftProposer:
+        from specframe.models import load_model
+
+        if not config.model:
+            raise ConfigError("proposer.model is required: the draft model (alias, directory, hub id or .gguf)")
+        dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(target.dtype)
+        loaded = load_model(config.model, dtype=dtype if config.dtype == "auto" else config.dtype,
+                            device=str(target.device))
+        return cls(config, target, loaded.model, loaded.tokenizer)
+
+    @classmethod
+    def random(cls, target: TargetInfo, config: DraftConfig | None = None, seed: int = 0) -> DraftProposer:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=target.vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
+                          initializer_range=0.5)  # wide init: peaky, varied q, so acceptance rules are exercised
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = LlamaForCausalLM(cfg)
+        model = model.to(device=target.device, dtype=target.dtype).eval()
+        return cls(config or DraftConfig(), target, model, None)
+
+    def begin(self, prompt: torch.Tensor, hidden_states: dict[int, torch.Tensor]) -> None:
+        self.cache = new_cache(self.model)
+        self.cached = 0
+
+    def _next_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed `tokens` ([k]) into the draft; logits at the last one mapped onto the target's rows."""
+        out = self.model(input_ids=tokens[None], cache=self.cache, use_cache=True)
+        self.cached += tokens.numel()
+        logits = out.logits[0, -1, : self.width].float()
+        if self.width < self.target.vocab_size:
+            logits = torch.cat([logits, logits.new_full((self.target.vocab_size - self.width,), float("-inf"))])
+        return logits
+
+    def propose(self, state: DecodeState) -> Proposal:
+        gamma = min(self.config.num_speculative_tokens, state.max_depth)
+        self.drafted = gamma
+        if gamma == 0:
+            return Proposal.empty(state.tokens.device)
+        greedy = self.config.greedy or state.sampling.greedy
+        logits = self._next_logits(state.tokens[self.cached :])
+        tokens, qs = [], []
+        for i in range(gamma):
+            if greedy:
+                x = logits.argmax().view(1)
+            else:
+                x, q = self.draw(logits, state)
+                qs.append(q)
+            tokens.append(x)
+            if i < gamma - 1:
+                logits = self._next_logits(x)
+        drafted = torch.cat(tokens)
+        return Proposal.chain(drafted, None if greedy else torch.stack(qs), deterministic=greedy)
+
+    def draw(self, logits: torch.Tensor, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample one draft token; return it ([1]) and q, the exact distribution it was drawn from."""
+        q = sampling_probs(logits, state.sampling)
+        return torch.multinomial(q, 1, generator=state.generator), q
+
+    def accepted(self, result: Acceptance) -> None:
+        # The cache holds the sequence up to the root plus drafts 1..γ-1; keep the root and the accepted drafts.
+        fed_drafts = self.drafted - 1
+        keep = min(len(result.accepted_nodes), fed_drafts)
+        if fed_drafts > keep:
+            self.cache.crop(-(fed_drafts - keep))
+            self.cached -= fed_drafts - keep
+
+
+def check_same_vocabulary(model: torch.nn.Module, tokenizer, target: TargetInfo) -> None:
+    """Refuse a draft whose token ids do not mean what the target's mean."""
+    width = model.get_output_embeddings().weight.shape[0]
+    if tokenizer is not None and target.tokenizer is not None:
+        if tokenizer.get_vocab() != target.tokenizer.get_vocab():
+            raise BadInputError(
+                f"draft/target vocabulary mismatch: the draft's tokenizer ({len(tokenizer)} tokens) does not map "
+                f"tokens to the same ids as the target's ({len(target.tokenizer)} tokens)"
+            )
+        if min(width, target.vocab_size) < len(target.tokenizer):
+            raise BadInputError(
+                f"draft/target vocabulary mismatch: logit widths {width} and {target.vocab_size} do not cover the "
+                f"tokenizer's {len(target.tokenizer)} tokens"
+            )
+    elif width != target.vocab_size:
+        raise BadInputError(
+            f"draft/target vocabulary mismatch: the draft has {width} logit rows, the target {target.vocab_size}"
+        )

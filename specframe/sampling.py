@@ -1,0 +1,65 @@
+"""The sampling transform T(logits) -> probabilities, applied identically to target (p) and draft (q).
+
+Order: temperature, then top-k, then top-p, then normalise. Everything is computed in float32 (or float64
+when the logits already are), so bf16/fp16 models share one numerically safe path. Temperature 0 is greedy:
+T returns the one-hot distribution of the argmax (lowest index on ties).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specframe.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy; otherwise logits are divided by it
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # keep the smallest set whose mass reaches top_p; 1.0 = off
+
+    def __post_init__(self) -> None:
+        check_sampling(self.temperature, self.top_k, self.top_p)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float, prefix: str = "sampling.") -> None:
+    """Raise ConfigError naming the key of the first out-of-range sampling value."""
+    if not temperature >= 0.0:  # also rejects NaN
+        raise ConfigError(f"{prefix}temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not (0.0 < top_p <= 1.0):
+        raise ConfigError(f"{prefix}top_p must be in (0, 1], got {top_p}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ConfigError(f"{prefix}top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """T(logits): [..., V] logits -> [..., V] probabilities (float32 or float64), rows sum to 1."""
+    x = logits.float() if logits.dtype not in (torch.float32, torch.float64) else logits
+    if params.greedy:
+        return torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).to(x.dtype)
+    x = x / params.temperature
+    vocab = x.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        sorted_p = sorted_x.softmax(-1)
+        # Drop a token when the mass strictly before it already reaches top_p; the top token always stays.
+        mass_before = sorted_p.cumsum(-1) - sorted_p
+        drop_sorted = mass_before >= params.top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """Draw one token id from a 1-D probability vector (need not be normalised)."""
+    return int(torch.multinomial(probs, 1, generator=generator))

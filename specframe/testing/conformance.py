@@ -1,0 +1,304 @@
+"""The exactness conformance suite: every proposer must leave the output distribution exactly the target's.
+
+Checks, on tiny random-weight Llama models (no downloads), per device:
+- greedy: token-identical to the target's own greedy decoding (recomputed from scratch, no cache);
+- rollback: after every verification the kept KV cache gives the logits a from-scratch forward gives;
+- sampling: chi-square goodness of fit of sampled 3-token continuations against the target distribution
+  enumerated exactly on an 8-token vocabulary, for several sampling settings;
+- power (suite-level): deliberately broken rules (testing/broken.py) must each be rejected by that test.
+
+Use it from the CLI (`specframe check --proposer NAME`), from Python (`run_suite`), or from pytest by
+subclassing `specframe.testing.suite.ProposerConformance`.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from specframe.acceptance import TreeAcceptance
+from specframe.decoder import SpeculativeDecoder, target_info
+from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer
+from specframe.sampling import SamplingParams, sampling_probs
+from specframe.testing.tiny import available_devices, tiny_llama
+
+ALPHA = 1e-3  # a check fails when its p-value is below this
+SAMPLES = 4000  # generate calls per chi-square test
+SAMPLING_VOCAB = 8  # tiny vocabulary: 8^3 = 512 continuations to enumerate exactly
+CONTINUATION = 3  # tokens per sampled continuation
+PROMPT = [1, 2, 3]
+SETTINGS: dict[str, SamplingParams] = {
+    "temperature=1": SamplingParams(1.0, 0, 1.0),
+    "temperature=0.7,top_p=0.9": SamplingParams(0.7, 0, 0.9),
+    "top_k=5": SamplingParams(1.0, 5, 1.0),
+}
+
+
+@dataclass
+class CheckResult:
+    check: str
+    device: str
+    passed: bool
+    detail: str
+    p_value: float | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class Report:
+    proposer: str
+    results: list[CheckResult] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.results) and all(r.passed for r in self.results)
+
+    def summary(self) -> str:
+        lines = [f"conformance of proposer '{self.proposer}':"]
+        for r in self.results:
+            p = f"  p={r.p_value:.3g}" if r.p_value is not None else ""
+            lines.append(f"  {'PASS' if r.passed else 'FAIL'}  {r.check} [{r.device}]{p}  {r.detail} ({r.seconds:.1f}s)")
+        n_ok = sum(r.passed for r in self.results)
+        lines.append(f"{n_ok} passed, {len(self.results) - n_ok} failed")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"proposer": self.proposer, "passed": self.passed, "results": [asdict(r) for r in self.results]}
+
+
+# ---------------------------------------------------------------------------------------------- building
+
+
+def make_decoder(
+    proposer_cls: type[Proposer],
+    device: str,
+    vocab_size: int,
+    config: Any = None,
+    acceptance: TreeAcceptance | None = None,
+    seed: int = 0,
+) -> SpeculativeDecoder:
+    """A tiny random target and the proposer's random-weight build for it."""
+    target = tiny_llama(vocab_size, seed=seed, device=device)
+    proposer = proposer_cls.random(target_info(target), config, seed=seed + 1)
+    return SpeculativeDecoder(target, proposer, acceptance=acceptance)
+
+
+@torch.inference_mode()
+def reference_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """The target's own greedy decoding, recomputed from scratch each token (no cache)."""
+    ids = torch.tensor(prompt, device=model.device)
+    out: list[int] = []
+    for _ in range(n):
+        x = int(model(input_ids=ids[None]).logits[0, -1].argmax())
+        out.append(x)
+        ids = torch.cat([ids, ids.new_tensor([x])])
+    return out
+
+
+@torch.inference_mode()
+def exact_distribution(model: torch.nn.Module, prompt: list[int], length: int, params: SamplingParams) -> torch.Tensor:
+    """P(x_1..x_length | prompt) under T(target logits) for every continuation, flattened base-V (float64)."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    probs = torch.ones(1, dtype=torch.float64)
+    seqs = [list(prompt)]
+    for _ in range(length):
+        batch = torch.tensor(seqs, device=model.device)
+        rows = sampling_probs(model(input_ids=batch).logits[:, -1].double(), params).cpu()  # [len(seqs), V]
+        probs = (probs[:, None] * rows).reshape(-1)
+        seqs = [s + [x] for s in seqs for x in range(vocab)]
+    return probs
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> tuple[float, int, float]:
+    """Pearson goodness of fit; cells with expected count < min_expected are pooled. Returns (stat, df, p)."""
+    n = counts.sum().item()
+    if bool((counts[probs == 0] > 0).any()):
+        return float("inf"), 0, 0.0  # an impossible continuation was emitted
+    expected = probs * n
+    big = expected >= min_expected
+    obs = torch.cat([counts[big].double(), counts[~big].double().sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    df = int(keep.sum()) - 1
+    p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2.0)))
+    return stat, df, p
+
+
+def sample_counts(decoder: SpeculativeDecoder, params: SamplingParams, n: int, seed: int = 0) -> torch.Tensor:
+    vocab = decoder.info.vocab_size
+    counts = torch.zeros(vocab**CONTINUATION, dtype=torch.long)
+    for i in range(n):
+        res = decoder.generate(PROMPT, max_new_tokens=CONTINUATION, temperature=params.temperature,
+                               top_k=params.top_k, top_p=params.top_p, seed=seed + i)
+        index = 0
+        for t in res.token_ids:
+            index = index * vocab + t
+        counts[index] += 1
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def check_greedy(proposer_cls: type[Proposer], device: str, config: Any = None) -> CheckResult:
+    t0 = time.perf_counter()
+    decoder = make_decoder(proposer_cls, device, vocab_size=SAMPLING_VOCAB, config=config)
+    prompts = [[1, 2, 3], [7], [(5 * i + 3) % SAMPLING_VOCAB for i in range(40)]]
+    accepted = 0
+    for prompt in prompts:
+        ref = reference_greedy(decoder.model, prompt, 32)
+        res = decoder.generate(prompt, max_new_tokens=32, temperature=0.0)
+        accepted += res.stats["accepted_tokens"]
+        if res.token_ids != ref:
+            first = next(i for i, (a, b) in enumerate(zip(res.token_ids, ref, strict=False)) if a != b)
+            return CheckResult("greedy", device, False, f"prompt {prompt[:5]}...: differs at token {first}: "
+                               f"{res.token_ids} vs {ref}", seconds=time.perf_counter() - t0)
+    return CheckResult("greedy", device, True, f"{len(prompts)} prompts x 32 tokens identical "
+                       f"({accepted} draft tokens accepted)", seconds=time.perf_counter() - t0)
+
+
+class RollbackProbe(Proposer):
+    """Wraps a proposer; before each proposal compares the engine's kept cache with a from-scratch forward."""
+
+    name = "rollback_probe"
+    config_class = dict
+
+    def __init__(self, inner: Proposer) -> None:
+        super().__init__(inner.config, inner.target)
+        self.inner = inner
+        self.hidden_state_layers = inner.hidden_state_layers
+        self.decoder: SpeculativeDecoder | None = None
+        self.max_diff = 0.0
+        self.checks = 0
+
+    def begin(self, prompt: torch.Tensor, hidden_states: dict[int, torch.Tensor]) -> None:
+        self.inner.begin(prompt, hidden_states)
+
+    def accepted(self, result: Acceptance) -> None:
+        self.inner.accepted(result)
+
+    def propose(self, state: DecodeState) -> Proposal:
+        model = self.decoder.model
+        cache = copy.deepcopy(self.decoder.cache)
+        past = cache.get_seq_length()
+        if past != state.tokens.numel() - 1:
+            raise AssertionError(f"cache holds {past} positions, the sequence {state.tokens.numel()} tokens")
+        pos = torch.tensor([[past]], device=state.tokens.device)
+        cached = model(input_ids=state.tokens[-1:][None], position_ids=pos, cache=cache).logits[0, -1]
+        scratch = model(input_ids=state.tokens[None]).logits[0, -1]
+        self.max_diff = max(self.max_diff, float((cached.float() - scratch.float()).abs().max()))
+        self.checks += 1
+        return self.inner.propose(state)
+
+
+def check_rollback(proposer_cls: type[Proposer], device: str, config: Any = None) -> CheckResult:
+    t0 = time.perf_counter()
+    decoder = make_decoder(proposer_cls, device, vocab_size=SAMPLING_VOCAB, config=config)
+    probe = RollbackProbe(decoder.proposer)
+    probe.decoder = decoder
+    decoder.proposer = probe
+    accepted = 0
+    for seed, temperature in itertools.product(range(4), (0.0, 1.0)):
+        res = decoder.generate([1, 2, 3, 4], max_new_tokens=20, temperature=temperature, seed=seed)
+        accepted += res.stats["accepted_tokens"]
+    ok = probe.max_diff < 1e-4 and probe.checks > 0
+    detail = f"{probe.checks} steps ({accepted} draft tokens accepted), max |logit diff| {probe.max_diff:.2e}"
+    return CheckResult("rollback", device, ok, detail, seconds=time.perf_counter() - t0)
+
+
+def check_sampling(
+    proposer_cls: type[Proposer],
+    device: str,
+    setting: str,
+    config: Any = None,
+    acceptance: TreeAcceptance | None = None,
+    samples: int = SAMPLES,
+    name: str = "sampling",
+) -> CheckResult:
+    t0 = time.perf_counter()
+    params = SETTINGS[setting]
+    decoder = make_decoder(proposer_cls, device, SAMPLING_VOCAB, config=config, acceptance=acceptance)
+    probs = exact_distribution(decoder.model, PROMPT, CONTINUATION, params)
+    counts = sample_counts(decoder, params, samples)
+    stat, df, p = chi_square(counts, probs)
+    detail = f"{setting}: chi2={stat:.1f} df={df}, {samples} samples"
+    return CheckResult(f"{name} {setting}", device, p >= ALPHA, detail, p, time.perf_counter() - t0)
+
+
+def power_cases() -> list[tuple[str, type[Proposer], Any, TreeAcceptance | None, str]]:
+    """(name, proposer class, config, acceptance, setting): each is wrong and must be caught."""
+    from specframe.proposers.draft import DraftConfig, DraftProposer
+    from specframe.testing.broken import (
+        BonusFromParent,
+        InvertedRatio,
+        ResampleFromTarget,
+        ResidualNotNormalised,
+        UntransformedQDraft,
+    )
+    from specframe.testing.tree_proposer import TreeConfig, TreeTestProposer
+
+    chain = DraftConfig(num_speculative_tokens=2)
+    return [
+        ("inverted_ratio", DraftProposer, chain, InvertedRatio(), "temperature=1"),
+        ("resample_from_target", DraftProposer, chain, ResampleFromTarget(), "temperature=1"),
+        ("bonus_from_parent", DraftProposer, DraftConfig(num_speculative_tokens=1), BonusFromParent(),
+         "temperature=1"),
+        ("residual_not_normalised", TreeTestProposer, TreeConfig(mode="deterministic", width=3, depth=1),
+         ResidualNotNormalised(), "temperature=1"),
+        ("q_not_transformed", UntransformedQDraft, chain, None, "temperature=0.7,top_p=0.9"),
+    ]
+
+
+def check_power(device: str, samples: int = SAMPLES, log: Callable[[str], None] | None = None) -> list[CheckResult]:
+    """Each broken variant must FAIL the sampling test; the result passes when it does."""
+    results = []
+    for name, cls, config, acceptance, setting in power_cases():
+        r = check_sampling(cls, device, setting, config=config, acceptance=acceptance, samples=samples)
+        caught = r.p_value is not None and r.p_value < ALPHA
+        res = CheckResult(f"power {name}", device, caught, ("caught: " if caught else "NOT caught: ") + r.detail,
+                          r.p_value, r.seconds)
+        results.append(res)
+        if log:
+            log(f"  {'PASS' if caught else 'FAIL'}  {res.check} [{device}] p={res.p_value:.3g}  {res.detail}")
+    return results
+
+
+def run_suite(
+    proposer_cls: type[Proposer],
+    devices: list[str] | None = None,
+    config: Any = None,
+    quick: bool = False,
+    power: bool | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Report:
+    """Run every check for one proposer class (built with random weights) on each device."""
+    report = Report(proposer_cls.name)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only add synchronisation cost
+    try:
+        for device in devices or available_devices():
+            checks: list[Callable[[], CheckResult]] = [
+                lambda d=device: check_greedy(proposer_cls, d, config),
+                lambda d=device: check_rollback(proposer_cls, d, config),
+            ]
+            if not quick:
+                checks += [lambda d=device, s=s: check_sampling(proposer_cls, d, s, config) for s in SETTINGS]
+            for check in checks:
+                r = check()
+                report.results.append(r)
+                if log:
+                    p = f" p={r.p_value:.3g}" if r.p_value is not None else ""
+                    log(f"  {'PASS' if r.passed else 'FAIL'}  {r.check} [{r.device}]{p}  {r.detail}")
+            if power if power is not None else not quick:
+                report.results += check_power(device, log=log)
+    finally:
+        torch.set_num_threads(threads)
+    return report

@@ -1,0 +1,50 @@
+"""The conformance suite as pytest tests, for plugin authors and for specframe's own test suite.
+
+    from specframe.testing.suite import ProposerConformance
+
+    class TestMyProposer(ProposerConformance):
+        proposer_class = MyProposer      # built with MyProposer.random(target_info, proposer_config)
+        proposer_config = None           # optional: a config_class instance
+
+The statistical tests are marked `slow`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from specframe.proposer import Proposer
+from specframe.testing import conformance
+from specframe.testing.tiny import available_devices
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only add synchronisation cost
+    yield
+    torch.set_num_threads(threads)
+
+
+def _assert(result: conformance.CheckResult) -> None:
+    assert result.passed, f"{result.check} [{result.device}]: {result.detail} (p={result.p_value})"
+
+
+@pytest.mark.parametrize("device", available_devices())
+class ProposerConformance:
+    proposer_class: ClassVar[type[Proposer]]
+    proposer_config: ClassVar[Any] = None
+
+    def test_greedy_identical_to_target(self, device: str) -> None:
+        _assert(conformance.check_greedy(self.proposer_class, device, self.proposer_config))
+
+    def test_rollback_matches_recompute(self, device: str) -> None:
+        _assert(conformance.check_rollback(self.proposer_class, device, self.proposer_config))
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("setting", list(conformance.SETTINGS))
+    def test_sampling_matches_target_distribution(self, device: str, setting: str) -> None:
+        _assert(conformance.check_sampling(self.proposer_class, device, setting, self.proposer_config))

@@ -1,0 +1,40 @@
+"""Tiny random-weight models for tests: fast, no downloads, peaky enough that acceptance rules matter."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def tiny_llama(
+    vocab_size: int = 8,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    hidden_size: int = 16,
+    num_layers: int = 2,
+    initializer_range: float = 0.5,  # large: logits spread over a few tokens, not uniform
+    max_position_embeddings: int = 256,
+) -> LlamaForCausalLM:
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg)
+    model.generation_config.eos_token_id = None
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def available_devices() -> list[str]:
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

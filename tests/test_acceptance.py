@@ -1,0 +1,100 @@
+"""The acceptance rule alone, with many draws: the emitted token must follow p exactly."""
+
+import pytest
+import torch
+
+from specframe.acceptance import TreeAcceptance
+from specframe.proposer import Proposal
+from specframe.sampling import SamplingParams
+from specframe.testing.broken import BROKEN_ACCEPTANCE
+from specframe.testing.conformance import ALPHA, chi_square
+
+V = 6
+P_ROOT = torch.tensor([0.35, 0.25, 0.2, 0.1, 0.07, 0.03])
+Q_ROOT = torch.tensor([0.05, 0.1, 0.1, 0.5, 0.2, 0.05])
+
+
+def first_token_counts(proposal: Proposal, n: int, rule=None, seed: int = 0) -> torch.Tensor:
+    """Draw the first emitted token n times; the rows after the root are arbitrary (uniform) targets."""
+    rule = rule or TreeAcceptance()
+    logits = torch.zeros(len(proposal) + 1, V)
+    logits[0] = P_ROOT.log()
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(V, dtype=torch.long)
+    for _ in range(n):
+        path, nxt = rule(logits, proposal, SamplingParams(1.0), g)
+        counts[proposal.tokens[path[0]] if path else nxt] += 1
+    return counts
+
+
+def det_children(tokens):
+    t = torch.tensor(tokens)
+    return Proposal(t, torch.full_like(t, -1), torch.ones(len(tokens), dtype=torch.bool))
+
+
+def iid_children(n, seed=1):
+    t = torch.multinomial(Q_ROOT, n, replacement=True, generator=torch.Generator().manual_seed(seed))
+    return t
+
+
+CASES = {
+    "no proposal": Proposal.empty(),
+    "deterministic chain": Proposal.chain(torch.tensor([3, 0])),
+    "deterministic siblings": det_children([3, 0, 1]),
+    "sibling repeats a rejected token": det_children([3, 3]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_deterministic_and_empty_proposals_emit_p(case):
+    counts = first_token_counts(CASES[case], 6000)
+    assert chi_square(counts, P_ROOT.double())[2] > ALPHA
+
+
+def test_iid_siblings_emit_p():
+    # Siblings must be fresh draws from q for every step; draw them here per call.
+    g = torch.Generator().manual_seed(5)
+    rule, counts = TreeAcceptance(), torch.zeros(V, dtype=torch.long)
+    logits = torch.zeros(4, V)
+    logits[0] = P_ROOT.log()
+    for _ in range(6000):
+        toks = torch.multinomial(Q_ROOT, 3, replacement=True, generator=g)
+        prop = Proposal(toks, torch.full((3,), -1), torch.zeros(3, dtype=torch.bool), Q_ROOT.expand(3, V).clone())
+        path, nxt = rule(logits, prop, SamplingParams(1.0), g)
+        counts[toks[path[0]] if path else nxt] += 1
+    assert chi_square(counts, P_ROOT.double())[2] > ALPHA
+
+
+def test_broken_rules_are_biased_on_deterministic_siblings():
+    for name in ("inverted_ratio", "residual_not_normalised"):
+        counts = first_token_counts(det_children([3, 0]), 6000, rule=BROKEN_ACCEPTANCE[name]())
+        assert chi_square(counts, P_ROOT.double())[2] < ALPHA, name
+
+
+def test_zero_draft_probability_does_not_divide_by_zero():
+    q = torch.zeros(1, V)
+    q[0, 1] = 1.0
+    # Token 0 "drawn" with q(0) = 0: u * 0 < p(0) accepts; nothing is NaN or out of range.
+    prop = Proposal(torch.tensor([0]), torch.tensor([-1]), torch.tensor([False]), q)
+    logits = torch.stack([P_ROOT.log(), torch.zeros(V)])
+    path, nxt = TreeAcceptance()(logits, prop, SamplingParams(1.0), torch.Generator().manual_seed(0))
+    assert path == [0] and 0 <= nxt < V
+
+
+def test_residual_that_rounds_to_zero_keeps_r():
+    r = torch.tensor([0.5, 0.5, 0.0])
+    assert torch.equal(TreeAcceptance().residual(r, r.clone(), 0), r)
+
+
+def test_greedy_follows_argmax_and_emits_it_at_the_first_mismatch():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [4.0, 0.0, 0.0], [0.0, 0.0, 9.0], [0.0, 0.0, 0.0]])
+    # root -> node0 (token 1, matches) -> node1 (token 1, target wants 0); node2 is a sibling of node0
+    prop = Proposal(torch.tensor([1, 1, 2]), torch.tensor([-1, 0, -1]), torch.ones(3, dtype=torch.bool))
+    path, nxt = TreeAcceptance()(logits, prop, SamplingParams(0.0), torch.Generator())
+    assert path == [0] and nxt == 0
+
+
+def test_bonus_token_after_a_fully_accepted_chain():
+    logits = torch.tensor([[9.0, 0.0, 0.0], [0.0, 9.0, 0.0], [0.0, 0.0, 9.0]])
+    path, nxt = TreeAcceptance()(logits, Proposal.chain(torch.tensor([0, 1])), SamplingParams(0.0), torch.Generator())
+    assert path == [0, 1] and nxt == 2

@@ -1,0 +1,58 @@
+import pytest
+
+from specframe import load_config
+from specframe.config import packaged_configs, to_yaml
+from specframe.errors import ConfigError
+from specframe.proposers.draft import DraftConfig
+
+
+def test_defaults():
+    cfg = load_config()
+    assert cfg.proposer_name == "none" and cfg.target.model == "smollm2-135m-instruct"
+    assert cfg.sampling.temperature == 0.0 and cfg.generation.max_new_tokens == 128
+
+
+def test_yaml_then_overrides_with_the_proposer_schema(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("proposer:\n  name: draft\n  model: /m\n  num_speculative_tokens: 5\nsampling:\n  top_k: 3\n")
+    cfg = load_config(f, ["proposer.num_speculative_tokens=2", "sampling.temperature=0.7", "generation.stop=[END]"])
+    assert isinstance(cfg.proposer, DraftConfig)
+    assert cfg.proposer.num_speculative_tokens == 2 and cfg.proposer.model == "/m"
+    assert cfg.sampling.top_k == 3 and cfg.sampling.temperature == 0.7 and cfg.generation.stop == ["END"]
+    assert "num_speculative_tokens: 2" in to_yaml(cfg)
+
+
+def test_packaged_configs_load_by_name():
+    assert {"none.yaml", "draft.yaml"} <= set(packaged_configs())
+    assert load_config("none.yaml").proposer_name == "none"
+    assert load_config("configs/draft.yaml", ["proposer.model=x"]).proposer.model == "x"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["proposer.name=draft", "proposer.nope=1"], "proposer.nope"),
+        (["target.modle=x"], "target.modle"),
+        (["bogus=1"], "unknown config key 'bogus'"),
+        (["sampling.top_k=abc"], "sampling.top_k"),
+        (["sampling.temperature=-1"], "sampling.temperature"),
+        (["sampling.top_p=0"], "sampling.top_p"),
+        (["sampling.top_k=-2"], "sampling.top_k"),
+        (["generation.max_new_tokens=0"], "generation.max_new_tokens"),
+        (["proposer.name=draft", "proposer.num_speculative_tokens=0"], "proposer.num_speculative_tokens"),
+        (["proposer.name=draft", "proposer.greedy=maybe"], "proposer.greedy"),
+    ],
+)
+def test_bad_config_names_the_full_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides)
+
+
+def test_missing_required_value_names_the_key():
+    with pytest.raises(ConfigError, match="proposer.model"):
+        load_config("draft.yaml")
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("/no/such.yaml")

@@ -1,0 +1,170 @@
+import pytest
+import torch
+
+from specframe import Proposal, SpeculativeDecoder
+from specframe.decoder import target_info
+from specframe.errors import BadInputError, ProposerError
+from specframe.proposers.draft import DraftConfig, DraftProposer
+from specframe.proposers.none import NoneConfig, NoneProposer
+from specframe.testing.conformance import reference_greedy
+from specframe.testing.tiny import tiny_llama
+
+
+def none_decoder(target):
+    return SpeculativeDecoder(target, NoneProposer(NoneConfig(), target_info(target)))
+
+
+def self_draft_decoder(target, gamma=3):
+    """The target drafting for itself: every draft is accepted under greedy decoding."""
+    return SpeculativeDecoder(target, DraftProposer(DraftConfig(num_speculative_tokens=gamma), target_info(target), target))
+
+
+def test_none_is_plain_decoding_with_mean_accepted_length_one(target):
+    res = none_decoder(target).generate([1, 2, 3], max_new_tokens=10)
+    assert res.token_ids == reference_greedy(target, [1, 2, 3], 10)
+    s = res.stats
+    assert s["new_tokens"] == 10 and s["target_forwards"] == 10 and s["mean_accepted_length"] == 1.0
+    assert s["proposed_tokens"] == 0 and s["acceptance_rate"] is None
+
+
+def test_stats_definitions_with_a_perfect_draft(target):
+    res = self_draft_decoder(target, gamma=3).generate([1, 2, 3], max_new_tokens=9)
+    s = res.stats
+    # prefill emits 1 token, then each step accepts 3 drafts + 1 bonus token: 1 + 4 + 4 = 9 tokens, 3 forwards
+    assert s["target_forwards"] == 3 and s["new_tokens"] == 9 and s["mean_accepted_length"] == 3.0
+    assert s["proposed_tokens"] == 6 and s["accepted_tokens"] == 6 and s["acceptance_rate"] == 1.0
+    assert s["accepted_by_position"] == [2, 2, 2]
+    assert s["wall_time_s"] > 0 and s["tokens_per_s"] == pytest.approx(9 / s["wall_time_s"])
+    assert res.token_ids == reference_greedy(target, [1, 2, 3], 9)
+
+
+def test_max_new_tokens_cuts_an_accepted_run(target):
+    res = self_draft_decoder(target, gamma=4).generate([1, 2, 3], max_new_tokens=3)
+    assert len(res.token_ids) == 3 and res.token_ids == reference_greedy(target, [1, 2, 3], 3)
+
+
+def test_draft_depth_never_exceeds_the_remaining_budget(target):
+    seen = []
+    dec = self_draft_decoder(target, gamma=4)
+    inner = dec.proposer.propose
+    dec.proposer.propose = lambda state: seen.append(state.max_depth) or inner(state)
+    dec.generate([1, 2, 3], max_new_tokens=7)
+    assert seen == [5, 0]  # 1 token from prefill; a step of 4 + 1 leaves 1 more, so nothing to draft
+
+
+def test_same_seed_same_output_under_sampling(target, info):
+    dec = SpeculativeDecoder(target, DraftProposer.random(info, DraftConfig(num_speculative_tokens=2), seed=3))
+    a = dec.generate([1, 2], max_new_tokens=20, temperature=1.0, seed=7).token_ids
+    b = dec.generate([1, 2], max_new_tokens=20, temperature=1.0, seed=7).token_ids
+    c = [dec.generate([1, 2], max_new_tokens=20, temperature=1.0, seed=s).token_ids for s in range(5)]
+    assert a == b and any(x != a for x in c)
+
+
+def test_eos_ends_generation_and_is_kept(target):
+    ref = reference_greedy(target, [1, 2, 3], 12)
+    target.generation_config.eos_token_id = ref[4]
+    try:
+        res = self_draft_decoder(target).generate([1, 2, 3], max_new_tokens=12)
+    finally:
+        target.generation_config.eos_token_id = None
+    assert res.token_ids == ref[: ref.index(ref[4]) + 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_targets_run(dtype):
+    target = tiny_llama(vocab_size=8, seed=0, dtype=dtype)
+    info = target_info(target)
+    dec = SpeculativeDecoder(target, DraftProposer.random(info, DraftConfig(num_speculative_tokens=3), seed=1))
+    for temperature in (0.0, 1.0):
+        res = dec.generate([1, 2, 3], max_new_tokens=16, temperature=temperature, seed=0)
+        assert len(res.token_ids) == 16 and all(0 <= t < 8 for t in res.token_ids)
+
+
+def test_prompt_errors(target):
+    dec = none_decoder(target)
+    with pytest.raises(BadInputError, match="empty"):
+        dec.generate([])
+    with pytest.raises(BadInputError, match="context window"):
+        dec.generate([1] * 256)
+    with pytest.raises(BadInputError, match="out of range"):
+        dec.generate([1, 99])
+    with pytest.raises(BadInputError, match="no tokenizer"):
+        dec.generate("hello")
+    with pytest.raises(BadInputError, match="max_new_tokens"):
+        dec.generate([1], max_new_tokens=0)
+
+
+def test_generation_stops_at_the_context_window():
+    target = tiny_llama(vocab_size=8, seed=0, max_position_embeddings=12)
+    res = self_draft_decoder(target, gamma=4).generate([1, 2, 3], max_new_tokens=50)
+    assert len(res.token_ids) == 9
+
+
+def test_hidden_states_of_kept_positions_reach_the_proposer(target, info):
+    got = []
+
+    class Spy(DraftProposer):
+        hidden_state_layers = (-1, 1)
+
+        def begin(self, prompt, hidden_states):
+            got.append(("begin", prompt.clone(), hidden_states))
+            super().begin(prompt, hidden_states)
+
+        def accepted(self, result):
+            got.append(("step", result, result.hidden_states))
+            super().accepted(result)
+
+    dec = SpeculativeDecoder(target, Spy(DraftConfig(num_speculative_tokens=3), info, target))
+    res = dec.generate([1, 2, 3], max_new_tokens=12)
+    full = torch.tensor([1, 2, 3] + res.token_ids)
+    with torch.no_grad():
+        ref = target(input_ids=full[None], output_hidden_states=True).hidden_states
+    assert torch.allclose(got[0][2][-1], ref[-1][0, :3], atol=1e-4)
+    pos = 3  # the first root (the token from prefill) sits at position 3
+    for _, result, hidden in got[1:]:
+        k = len(result.accepted_nodes) + 1
+        for layer in (-1, 1):
+            assert hidden[layer].shape == (k, target.config.hidden_size)
+            assert torch.allclose(hidden[layer], ref[layer][0, pos : pos + k], atol=1e-4)
+        pos += k
+
+
+class Malformed(NoneProposer):
+    name = "malformed"
+
+    def __init__(self, info, make):
+        super().__init__(NoneConfig(), info)
+        self.make = make
+
+    def propose(self, state):
+        return self.make(state)
+
+
+L = torch.long
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda s: Proposal.chain(torch.tensor([99])), "out of range"),
+        (lambda s: Proposal(torch.tensor([1, 2]), torch.tensor([-1, 1]), torch.ones(2, dtype=torch.bool)), "parent"),
+        (lambda s: Proposal(torch.tensor([1, 2]), torch.tensor([1, -1]), torch.ones(2, dtype=torch.bool)), "parent"),
+        (lambda s: Proposal(torch.tensor([1, 2]), torch.tensor([-1]), torch.ones(2, dtype=torch.bool)), "shape"),
+        (lambda s: Proposal(torch.tensor([1]), torch.tensor([-1]), torch.zeros(1, dtype=torch.bool)), "draft_probs"),
+        (lambda s: Proposal(torch.tensor([1]), torch.tensor([-1]), torch.zeros(1, dtype=torch.bool),
+                            torch.full((1, 8), 0.5)), "sum to 1"),
+        (lambda s: Proposal.chain(torch.ones(s.max_depth + 1, dtype=L)), "depth"),
+        (lambda s: [1, 2], "expected a Proposal"),
+        (lambda s: 1 / 0, "ZeroDivisionError"),
+    ],
+)
+def test_malformed_proposals_are_stopped_naming_the_proposer(target, info, make, message):
+    dec = SpeculativeDecoder(target, Malformed(info, make), plugin="acme-plugin")
+    with pytest.raises(ProposerError, match=f"(?s)proposer 'malformed' \\(plugin 'acme-plugin'\\).*{message}"):
+        dec.generate([1, 2, 3], max_new_tokens=5)
+
+
+def test_draft_vocabulary_mismatch_is_refused(info):
+    other = tiny_llama(vocab_size=16, seed=1)
+    with pytest.raises(BadInputError, match="vocabulary mismatch"):
+        DraftProposer(DraftConfig(), info, other)

@@ -1,0 +1,138 @@
+import types
+from dataclasses import dataclass
+
+import pytest
+
+from specframe import Proposal, Proposer, hookimpl
+from specframe import plugins as plugins_mod
+from specframe.errors import BadInputError, PluginError
+from specframe.plugins import Registry, build_registry
+
+
+@dataclass
+class EchoConfig:
+    n: int = 1
+
+
+class Echo(Proposer):
+    name = "echo"
+    config_class = EchoConfig
+
+    def begin(self, prompt, hidden_states):
+        pass
+
+    def propose(self, state):
+        return Proposal.empty()
+
+    def accepted(self, result):
+        pass
+
+
+def plugin_module(register_body):
+    mod = types.ModuleType("fake_plugin")
+
+    @hookimpl
+    def register_proposers(register):
+        register_body(register)
+
+    mod.register_proposers = register_proposers
+    return mod
+
+
+class FakeDist:
+    name, version = "acme-specframe", "1.2.3"
+
+
+class FakeEntryPoint:
+    def __init__(self, name, load):
+        self.name, self._load, self.dist = name, load, FakeDist()
+
+    def load(self):
+        return self._load()
+
+
+@pytest.fixture
+def entry_points(monkeypatch):
+    eps = []
+    monkeypatch.setattr(plugins_mod.importlib.metadata, "entry_points", lambda group: list(eps))
+    monkeypatch.delenv(plugins_mod.DISABLE_ENV, raising=False)
+    return eps
+
+
+def test_builtins_register_through_the_plugin_manager():
+    reg = build_registry(autoload=False)
+    assert reg.names() == ["draft", "none"]
+    assert {e.plugin for e in reg.proposers.values()} == {"builtin"}
+    assert reg.get("none").distribution == "specframe"
+
+
+def test_unknown_proposer_lists_installed():
+    with pytest.raises(BadInputError, match="unknown proposer 'nope'; installed: draft, none"):
+        build_registry(autoload=False).get("nope")
+
+
+def test_duplicate_names_are_refused():
+    reg = Registry()
+    reg.add(Echo, "a", "a", "1")
+    with pytest.raises(PluginError, match="already registered by plugin 'a'"):
+        reg.add(Echo, "b", "b", "1")
+
+
+def test_entry_point_plugin_is_listed_with_distribution_and_version(entry_points):
+    entry_points.append(FakeEntryPoint("echo-plugin", lambda: plugin_module(lambda register: register(Echo))))
+    reg = build_registry()
+    e = reg.get("echo")
+    assert (e.plugin, e.distribution, e.version, e.cls) == ("echo-plugin", "acme-specframe", "1.2.3", Echo)
+
+
+class NotAProposer:
+    name = "x"
+
+
+class Abstract(Proposer):
+    name = "abstract"
+    config_class = EchoConfig
+
+
+class BadName(Echo):
+    name = "has space"
+
+
+def _raise():
+    raise ImportError("no module named acme_missing")
+
+
+@pytest.mark.parametrize(
+    "load, message",
+    [
+        (_raise, "ImportError: no module named acme_missing"),
+        (lambda: plugin_module(lambda register: 1 / 0), "ZeroDivisionError"),
+        (lambda: plugin_module(lambda register: register(NotAProposer)), "not a specframe.Proposer"),
+        (lambda: plugin_module(lambda register: register(Abstract)), "does not implement"),
+        (lambda: plugin_module(lambda register: register(BadName)), "identifier"),
+        (lambda: plugin_module(lambda register: [register(Echo), register(Echo)]), "already registered"),
+        (lambda: types.SimpleNamespace(register_proposer=hookimpl(lambda register: None)), "unknown hook"),
+    ],
+)
+def test_broken_plugin_warns_naming_it_and_the_rest_keep_working(entry_points, load, message):
+    entry_points.append(FakeEntryPoint("broken-plugin", load))
+    with pytest.warns(UserWarning, match=f"plugin 'broken-plugin' .*{message}"):
+        reg = build_registry()
+    assert reg.names() == ["draft", "none"]
+    assert len(reg.failures) == 1
+
+
+def test_a_plugin_cannot_take_a_builtin_name(entry_points):
+    class Impostor(Echo):
+        name = "draft"
+
+    entry_points.append(FakeEntryPoint("impostor", lambda: plugin_module(lambda register: register(Impostor))))
+    with pytest.warns(UserWarning, match="already registered by plugin 'builtin'"):
+        reg = build_registry()
+    assert reg.get("draft").plugin == "builtin"
+
+
+def test_environment_variable_turns_autoload_off(entry_points, monkeypatch):
+    entry_points.append(FakeEntryPoint("echo-plugin", lambda: plugin_module(lambda register: register(Echo))))
+    monkeypatch.setenv(plugins_mod.DISABLE_ENV, "1")
+    assert "echo" not in build_registry().names()

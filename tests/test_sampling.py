@@ -1,0 +1,60 @@
+import pytest
+import torch
+
+from specframe.errors import ConfigError
+from specframe.sampling import SamplingParams, sampling_probs
+
+
+def test_greedy_is_one_hot_argmax_lowest_index_on_ties():
+    p = sampling_probs(torch.tensor([1.0, 3.0, 3.0, 0.0]), SamplingParams(0.0))
+    assert p.tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_temperature_then_normalise():
+    logits = torch.tensor([0.0, 1.0, 2.0])
+    p = sampling_probs(logits, SamplingParams(0.5))
+    assert torch.allclose(p, (logits / 0.5).softmax(-1))
+    assert p.dtype == torch.float32
+
+
+def test_top_k_keeps_k_largest():
+    p = sampling_probs(torch.tensor([0.0, 4.0, 1.0, 3.0, 2.0]), SamplingParams(1.0, top_k=2))
+    assert (p > 0).tolist() == [False, True, False, True, False]
+    assert abs(p.sum().item() - 1) < 1e-6
+
+
+def test_top_p_keeps_smallest_set_reaching_mass():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    p = sampling_probs(probs.log(), SamplingParams(1.0, top_p=0.8))
+    assert (p > 0).tolist() == [True, True, False, False]  # 0.5 + 0.3 reaches 0.8
+    p = sampling_probs(probs.log(), SamplingParams(1.0, top_p=0.81))
+    assert (p > 0).tolist() == [True, True, True, False]
+    assert torch.allclose(p[:3], probs[:3] / 0.95)
+
+
+def test_top_p_always_keeps_the_top_token():
+    p = sampling_probs(torch.tensor([5.0, 0.0]), SamplingParams(1.0, top_p=1e-9))
+    assert p.tolist() == [1.0, 0.0]
+
+
+def test_bf16_logits_are_computed_in_float32():
+    p = sampling_probs(torch.tensor([0.0, -20.0, 1.0], dtype=torch.bfloat16), SamplingParams(0.7))
+    assert p.dtype == torch.float32 and torch.isfinite(p).all() and p[1] > 0
+
+
+def test_transform_applies_row_wise_to_batches():
+    logits = torch.randn(3, 10)
+    params = SamplingParams(0.8, top_k=4, top_p=0.9)
+    batch = sampling_probs(logits, params)
+    for i in range(3):
+        assert torch.allclose(batch[i], sampling_probs(logits[i], params))
+
+
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+     ({"top_k": -1}, "top_k"), ({"temperature": float("nan")}, "temperature")],
+)
+def test_bad_values_name_the_key(kwargs, key):
+    with pytest.raises(ConfigError, match=f"sampling.{key}"):
+        SamplingParams(**kwargs)
