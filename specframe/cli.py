@@ -45,6 +45,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     c.set_defaults(run=cmd_check)
 
+    d = sub.add_parser("data", help="training data")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    dist = dsub.add_parser("distill", help="the target's own responses to training prompts (resumable)")
+    dist.add_argument("--prompts", default=None, help="JSONL with id and prompt (default: ../shared/data/train_prompts)")
+    dist.add_argument("--out", required=True, help="output JSONL (appended; existing ids are skipped)")
+    dist.add_argument("--target", default="smollm2-135m-instruct", help="target model")
+    dist.add_argument("--dtype", default="bfloat16", help="target dtype for generation (bfloat16 is ~2x faster on CPU)")
+    dist.add_argument("--device", default="auto")
+    dist.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    dist.add_argument("--batch-size", type=int, default=32)
+    dist.add_argument("--max-new-tokens", type=int, default=128)
+    dist.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer prompts")
+    dist.add_argument("--temperature", type=float, default=0.0, help="0 = greedy responses")
+    dist.add_argument("--seed", type=int, default=0)
+    dist.set_defaults(run=cmd_data_distill)
+
     m = sub.add_parser("models", help="the offline default model(s)")
     msub = m.add_subparsers(dest="models_command", required=True)
     pull = msub.add_parser("pull", help="download, verify and cache a model alias")
@@ -125,6 +141,25 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         print(report.summary())
     return 0 if report.passed else 1
+
+
+def cmd_data_distill(args: argparse.Namespace) -> int:
+    from specframe.data import DEFAULT_PROMPTS, distill, read_prompts
+    from specframe.models import load_model
+
+    for name in ("limit", "batch_size", "max_new_tokens", "max_prompt_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise BadInputError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    prompts = read_prompts(args.prompts or DEFAULT_PROMPTS)[: args.limit]
+    loaded = load_model(args.target, dtype=args.dtype, device=args.device, quiet=True)
+    if loaded.tokenizer is None:
+        raise BadInputError(f"target '{args.target}' has no tokenizer: distillation needs one for the chat template")
+    added = distill(loaded.model, loaded.tokenizer, prompts, args.out, max_new_tokens=args.max_new_tokens,
+                    batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
+                    temperature=args.temperature, seed=args.seed)
+    print(f"added {added} responses to {args.out}", file=sys.stderr)
+    return 0
 
 
 def cmd_models_pull(args: argparse.Namespace) -> int:

@@ -75,7 +75,8 @@ class SpeculativeDecoder:
 
         t = cfg.target
         loaded = load_model(
-            t.model, dtype=t.dtype, device=t.device, adapter=t.adapter, trust_remote_code=t.trust_remote_code
+            t.model, dtype=t.dtype, device=t.device, adapter=t.adapter, trust_remote_code=t.trust_remote_code,
+            quiet=True,
         )
         entry = get_registry().get(cfg.proposer_name)
         info = target_info(loaded.model, loaded.tokenizer)
@@ -175,8 +176,9 @@ class SpeculativeDecoder:
         _, first = self.acceptance(out.logits[0, -1:].float(), Proposal.empty(self.device), params, generator)
         self._call(proposer.begin, prompt_ids, pick_hidden(out, layers, slice(None)))
         generated = [first]
+        done = self._finished(generated, limit, stop, 1)
 
-        while not self._finished(generated, limit, stop):
+        while not done:
             past = cache.get_seq_length()
             tokens = torch.cat([prompt_ids, torch.tensor(generated, device=self.device)])
             max_depth = limit - len(generated) - 1  # a step emits depth + 1 tokens; limit respects the window
@@ -209,7 +211,8 @@ class SpeculativeDecoder:
             accepted_tokens = proposal.tokens[path].tolist() if path else []
             generated += accepted_tokens + [nxt]
             stats.record(proposal, len(path), t1 - t0, time.perf_counter() - t1)
-            if not self._finished(generated, limit, stop):
+            done = self._finished(generated, limit, stop, len(path) + 1)
+            if not done:
                 hidden = pick_hidden(out, layers, torch.tensor(keep, device=self.device))
                 self._call(proposer.accepted, Acceptance(path, accepted_tokens, nxt, hidden))
 
@@ -228,8 +231,9 @@ class SpeculativeDecoder:
 
     # ---------------------------------------------------------------- stopping
 
-    def _finished(self, generated: list[int], limit: int, stop: list[str]) -> bool:
-        if len(generated) >= limit or any(t in self.eos_ids for t in generated):
+    def _finished(self, generated: list[int], limit: int, stop: list[str], new: int) -> bool:
+        """Whether to stop, given that the last `new` tokens of `generated` were just emitted."""
+        if len(generated) >= limit or any(t in self.eos_ids for t in generated[-new:]):
             return True
         return bool(stop) and self.tokenizer is not None and any(s in self._decode(generated) for s in stop)
 

@@ -227,7 +227,8 @@ def load_model(
     with _quiet_transformers(quiet):
         path = Path(name).expanduser()
         if name in ALIASES:
-            cached = pull_default_model(name, quiet=quiet)
+            # The one-time pull always says what it does (it takes a while); `quiet` only hushes transformers.
+            cached = pull_default_model(name, quiet=False)
             model, tokenizer = _load_hf_dir(cached, kwargs)
             source = f"{name} ({cached})"
         elif path.is_dir():
@@ -271,7 +272,9 @@ def _quiet_transformers(quiet: bool) -> Iterator[None]:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     try:
-        yield
+        # The GGUF loader's progress bar is a bare tqdm that ignores the switch above.
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars_were_on:
@@ -543,9 +546,10 @@ def pull_default_model(alias: str = DEFAULT_ALIAS, *, quiet: bool = False, force
             )
         partial = Path(tempfile.mkdtemp(prefix=f".{alias}.partial-", dir=root))
         try:
-            model.save_pretrained(partial)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(partial)
+            with _quiet_transformers(quiet):
+                model.save_pretrained(partial)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(partial)
             marker = {
                 "alias": alias,
                 "requirement": spec.requirement,
@@ -555,7 +559,11 @@ def pull_default_model(alias: str = DEFAULT_ALIAS, *, quiet: bool = False, force
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
             (partial / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-            _publish(partial, final)
+            # mkdtemp makes a private (0700) dir; the cache is ordinary readable data.
+            partial.chmod(0o755)
+            for f in partial.iterdir():
+                f.chmod(0o644)
+            _publish(partial, final, replace=force)
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
@@ -563,10 +571,13 @@ def pull_default_model(alias: str = DEFAULT_ALIAS, *, quiet: bool = False, force
     return final
 
 
-def _publish(partial: Path, final: Path) -> None:
-    """Rename the finished `partial` dir to `final` atomically, replacing an old or broken copy."""
+def _publish(partial: Path, final: Path, *, replace: bool) -> None:
+    """Rename the finished `partial` dir to `final` atomically, replacing a broken copy (any copy with `replace`)."""
+    if not replace and _is_cached(final):  # another process finished the same pull first: keep theirs
+        shutil.rmtree(partial, ignore_errors=True)
+        return
     if final.exists():
-        trash = final.with_name(f".{final.name}.old-{os.getpid()}")
+        trash = final.with_name(f".{final.name}.old-{os.getpid()}-{time.time_ns()}")
         os.replace(final, trash)
         shutil.rmtree(trash, ignore_errors=True)
     try:

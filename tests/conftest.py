@@ -22,3 +22,31 @@ def target():
 @pytest.fixture
 def info(target):
     return target_info(target)
+
+
+def save_tiny_model(path, vocab_size=8, seed=0, tokenizer=True, max_position_embeddings=256):
+    """A tiny random Llama saved as a Hugging Face directory (safetensors), optionally with a word tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model = tiny_llama(vocab_size=vocab_size, seed=seed, max_position_embeddings=max_position_embeddings)
+    model.save_pretrained(path)
+    if tokenizer:
+        words = ["<unk>", "<eos>"] + [chr(ord("a") + i) for i in range(vocab_size - 2)]
+        tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+        fast.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "target": save_tiny_model(root / "target", seed=0),
+        "draft": save_tiny_model(root / "draft", seed=1),
+        "bare": save_tiny_model(root / "bare", seed=0, tokenizer=False),
+        "wide": save_tiny_model(root / "wide", vocab_size=12, seed=2),
+        "short": save_tiny_model(root / "short", seed=0, max_position_embeddings=8),
+    }

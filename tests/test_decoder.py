@@ -168,3 +168,17 @@ def test_draft_vocabulary_mismatch_is_refused(info):
     other = tiny_llama(vocab_size=16, seed=1)
     with pytest.raises(BadInputError, match="vocabulary mismatch"):
         DraftProposer(DraftConfig(), info, other)
+
+
+def test_stop_string_cuts_text_and_tokens(tiny_dirs):
+    from specframe.models import load_model
+
+    loaded = load_model(str(tiny_dirs["target"]), dtype="float32", device="cpu", quiet=True)
+    dec = SpeculativeDecoder(loaded.model, NoneProposer(NoneConfig(), target_info(loaded.model)), loaded.tokenizer)
+    full = dec.generate("a b", max_new_tokens=12, raw=True)
+    words = full.text.split()  # one word per token with this tokenizer
+    j = next(i for i in range(1, len(words)) if words[i] not in words[:i])
+    cut = dec.generate("a b", max_new_tokens=12, raw=True, stop=[words[j]])
+    # Like vLLM: the text stops before the stop string; the token ids keep the tokens that produced it.
+    assert cut.text == " ".join(words[:j]) + " "
+    assert cut.token_ids == full.token_ids[: j + 1]

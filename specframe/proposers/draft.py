@@ -57,7 +57,7 @@ class DraftProposer(Proposer):
             raise ConfigError("proposer.model is required: the draft model (alias, directory, hub id or .gguf)")
         dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(target.dtype)
         loaded = load_model(config.model, dtype=dtype if config.dtype == "auto" else config.dtype,
-                            device=str(target.device))
+                            device=str(target.device), quiet=True)
         return cls(config, target, loaded.model, loaded.tokenizer)
 
     @classmethod

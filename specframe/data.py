@@ -1,0 +1,138 @@
+"""Self-distillation data: the target's own responses to training prompts, as token ids.
+
+Format (one JSON object per line, UTF-8; every trainer reads it through `read_distill`):
+
+    {"id": str, "source": str, "prompt_ids": [int, ...], "response_ids": [int, ...], "finished": bool}
+
+`prompt_ids` is the chat-templated prompt exactly as specframe feeds it; `response_ids` the target's greedy
+(or sampled) continuation, EOS included when it was reached (`finished`). The file is appended one batch at
+a time, so an interrupted run resumes where it stopped: ids already present are skipped.
+Spec-Bench is for measurement only; prompts that look like Spec-Bench questions are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specframe.errors import BadInputError
+
+DEFAULT_PROMPTS = "../shared/data/train_prompts/prompts.jsonl"
+
+
+@dataclass
+class DistillExample:
+    id: str
+    source: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    finished: bool
+
+
+def read_prompts(path: str | Path) -> list[dict]:
+    p = Path(path)
+    if not p.is_file():
+        raise BadInputError(f"prompts file '{path}' does not exist")
+    rows = []
+    with p.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise BadInputError(f"{path}:{n}: not JSON: {e}") from e
+            if "question_id" in row or "turns" in row:
+                raise BadInputError(f"{path} looks like Spec-Bench (question_id/turns): never train on it")
+            if not isinstance(row.get("prompt"), str) or "id" not in row:
+                raise BadInputError(f"{path}:{n}: each line needs 'id' and a string 'prompt'")
+            rows.append(row)
+    return rows
+
+
+def read_distill(path: str | Path) -> list[DistillExample]:
+    p = Path(path)
+    if not p.is_file():
+        raise BadInputError(f"distillation data '{path}' does not exist (make it with `specframe data distill`)")
+    out = []
+    with p.open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                out.append(DistillExample(str(row["id"]), row.get("source", ""), row["prompt_ids"],
+                                          row["response_ids"], bool(row.get("finished", False))))
+    return out
+
+
+def batches(items: list, size: int) -> Iterator[list]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+@torch.inference_mode()
+def distill(
+    model: torch.nn.Module,
+    tokenizer,
+    prompts: list[dict],
+    out_path: str | Path,
+    max_new_tokens: int = 128,
+    batch_size: int = 32,
+    max_prompt_tokens: int = 384,
+    temperature: float = 0.0,
+    seed: int = 0,
+    quiet: bool = False,
+) -> int:
+    """Append the target's responses for every prompt not yet in `out_path`; return how many were added."""
+    from tqdm import tqdm
+
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = {e.id for e in read_distill(out)} if out.exists() else set()
+    todo = []
+    for row in prompts:
+        if str(row["id"]) in done:
+            continue
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
+                                            tokenize=True)
+        ids = ids["input_ids"] if not isinstance(ids, list) else ids
+        if len(ids) <= max_prompt_tokens:
+            todo.append((str(row["id"]), row.get("source", ""), ids))
+    todo.sort(key=lambda t: len(t[2]))  # similar lengths per batch: little padding
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
+    device = next(model.parameters()).device
+    torch.manual_seed(seed)
+    added = 0
+    bar = tqdm(total=len(todo), desc="distill", unit="prompt", disable=quiet, file=sys.stderr)
+    start = time.perf_counter()
+    with out.open("a", encoding="utf-8") as f:
+        for batch in batches(todo, batch_size):
+            width = max(len(ids) for _, _, ids in batch)
+            input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros_like(input_ids)
+            for i, (_, _, ids) in enumerate(batch):  # left padding
+                input_ids[i, width - len(ids) :] = torch.tensor(ids)
+                mask[i, width - len(ids) :] = 1
+            gen = model.generate(
+                input_ids=input_ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                do_sample=temperature > 0, temperature=temperature if temperature > 0 else None, top_p=None,
+                top_k=None, pad_token_id=pad,
+            )[:, width:].tolist()
+            for (id_, source, ids), resp in zip(batch, gen, strict=True):
+                finished = eos in resp
+                resp = resp[: resp.index(eos) + 1] if finished else resp
+                f.write(json.dumps({"id": id_, "source": source, "prompt_ids": ids, "response_ids": resp,
+                                    "finished": finished}) + "\n")
+            f.flush()
+            added += len(batch)
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{sum(len(r) for r in gen) / max(1e-9, time.perf_counter() - start):.0f}")
+            start = time.perf_counter()
+    bar.close()
+    return added

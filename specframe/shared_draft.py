@@ -1,0 +1,106 @@
+"""A small draft built from the target itself: a few decoder layers on the target's own embeddings, with a
+reduced vocabulary whose output rows are the target's own LM-head rows (FR-Spec style).
+
+Only the draft's decoder layers and final norm are stored (safetensors, float16); the embeddings and head
+rows are taken from the target at load time, so an artifact carries no weight the target already has.
+Exactness is unaffected by the reduced vocabulary: tokens outside it get q = 0, so the draft never
+proposes them and the acceptance rule still reproduces p.
+
+Directory format:
+    draft_config.json   {"format": "specframe-shared-draft", "version": 1, "llama_config": {...},
+                         "init_layers": [...], "target": {...fingerprint...}, "metrics": {...}}
+    draft_vocab.json    [token ids of the draft's output rows]
+    model.safetensors   the draft's layers and norm
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specframe.errors import ModelLoadError
+
+FORMAT = "specframe-shared-draft"
+
+
+def is_shared_draft(path: str | Path) -> bool:
+    p = Path(path) / "draft_config.json"
+    if not p.is_file():
+        return False
+    try:
+        return json.loads(p.read_text()).get("format") == FORMAT
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def target_fingerprint(target: torch.nn.Module) -> dict:
+    """What must match between a draft and the target it was trained for."""
+    emb = target.get_input_embeddings().weight
+    sample = emb[:64].detach().float().cpu().numpy().tobytes()
+    return {"vocab_size": emb.shape[0], "hidden_size": emb.shape[1],
+            "embedding_sha256": hashlib.sha256(sample).hexdigest()}
+
+
+def build_shared_draft(target: torch.nn.Module, num_layers: int, vocab_ids: torch.Tensor,
+                       init_layers: list[int] | None = None) -> LlamaForCausalLM:
+    """A LlamaForCausalLM of `num_layers` layers sharing `target`'s embedding module; its head is the
+    target's output rows `vocab_ids` (a copy, [K, hidden]). Layers start as copies of `init_layers`."""
+    tcfg = target.config
+    if tcfg.model_type != "llama":
+        raise ModelLoadError(f"the shared draft needs a Llama-architecture target, got '{tcfg.model_type}'")
+    cfg = LlamaConfig(**{**tcfg.to_dict(), "num_hidden_layers": num_layers, "vocab_size": len(vocab_ids),
+                         "tie_word_embeddings": False, "architectures": ["LlamaForCausalLM"]})
+    draft = LlamaForCausalLM(cfg)
+    draft.model.embed_tokens = target.get_input_embeddings()  # shared module, never trained
+    head = target.get_output_embeddings().weight.detach()[vocab_ids.to(target.device)]
+    draft.lm_head.weight = torch.nn.Parameter(head.clone(), requires_grad=False)
+    if init_layers is not None:
+        for i, src in enumerate(init_layers):
+            draft.model.layers[i].load_state_dict(target.model.layers[src].state_dict())
+        draft.model.norm.load_state_dict(target.model.norm.state_dict())
+    draft.config.vocab_size = len(vocab_ids)
+    return draft.to(device=target.device, dtype=target.dtype)
+
+
+def own_state_dict(draft: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """The weights the draft adds to the target: its layers and final norm."""
+    return {k: v for k, v in draft.state_dict().items() if k.startswith(("model.layers.", "model.norm."))}
+
+
+def save_shared_draft(draft: LlamaForCausalLM, vocab_ids: torch.Tensor, target: torch.nn.Module, out: Path,
+                      init_layers: list[int], metrics: dict, extra: dict | None = None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(torch.float16).contiguous().cpu() for k, v in own_state_dict(draft).items()}
+    save_file(tensors, out / "model.safetensors")
+    (out / "draft_vocab.json").write_text(json.dumps(vocab_ids.tolist()))
+    cfg = {k: v for k, v in draft.config.to_dict().items() if k not in ("transformers_version",)}
+    meta = {"format": FORMAT, "version": 1, "llama_config": cfg, "init_layers": init_layers,
+            "target": target_fingerprint(target), "metrics": metrics, **(extra or {})}
+    (out / "draft_config.json").write_text(json.dumps(meta, indent=2))
+
+
+def load_shared_draft(path: str | Path, target: torch.nn.Module) -> tuple[LlamaForCausalLM, torch.Tensor]:
+    """Rebuild a saved shared draft on `target`; returns (draft, vocab_ids). Refuses a draft made for
+    another target."""
+    p = Path(path)
+    meta = json.loads((p / "draft_config.json").read_text())
+    want, have = meta["target"], target_fingerprint(target)
+    if want != have:
+        raise ModelLoadError(
+            f"draft '{p}' was trained for another target (vocab {want['vocab_size']}, hidden {want['hidden_size']},"
+            f" embedding fingerprint {want['embedding_sha256'][:12]}); this target has vocab {have['vocab_size']},"
+            f" hidden {have['hidden_size']}, fingerprint {have['embedding_sha256'][:12]}"
+        )
+    vocab_ids = torch.tensor(json.loads((p / "draft_vocab.json").read_text()), dtype=torch.long)
+    draft = build_shared_draft(target, meta["llama_config"]["num_hidden_layers"], vocab_ids)
+    state = load_file(p / "model.safetensors")
+    missing = set(own_state_dict(draft)) - set(state)
+    if missing:
+        raise ModelLoadError(f"draft '{p}' is missing weights: {sorted(missing)[:3]}")
+    draft.load_state_dict({k: v.to(target.dtype) for k, v in state.items()}, strict=False)
+    return draft.to(target.device).eval().requires_grad_(False), vocab_ids.to(target.device)

