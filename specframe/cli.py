@@ -45,10 +45,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     c.set_defaults(run=cmd_check)
 
+    t = sub.add_parser("train", help="train a proposer's drafter or heads on self-distillation data")
+    t.add_argument("--proposer", required=True, help="proposer name")
+    t.add_argument("--target", default="smollm2-135m-instruct", help="target model")
+    t.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (training runs in float32)")
+    t.add_argument("--resume", action="store_true", help="continue from the output folder's checkpoint")
+    t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="training options (see docs), e.g. layers=4")
+    t.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    t.set_defaults(run=cmd_train)
+
     d = sub.add_parser("data", help="training data")
     dsub = d.add_subparsers(dest="data_command", required=True)
     dist = dsub.add_parser("distill", help="the target's own responses to training prompts (resumable)")
-    dist.add_argument("--prompts", default=None, help="JSONL with id and prompt (default: ../shared/data/train_prompts)")
+    dist.add_argument(
+        "--prompts", default=None, help="JSONL with id and prompt (default: ../shared/data/train_prompts)"
+    )
     dist.add_argument("--out", required=True, help="output JSONL (appended; existing ids are skipped)")
     dist.add_argument("--target", default="smollm2-135m-instruct", help="target model")
     dist.add_argument("--dtype", default="bfloat16", help="target dtype for generation (bfloat16 is ~2x faster on CPU)")
@@ -60,6 +71,37 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--temperature", type=float, default=0.0, help="0 = greedy responses")
     dist.add_argument("--seed", type=int, default=0)
     dist.set_defaults(run=cmd_data_distill)
+
+    b = sub.add_parser("bench", help="Spec-Bench style speed/acceptance benchmark (writes JSON, Markdown, PNG)")
+    b.add_argument("--proposers", default="none,draft,medusa,eagle,ngram",
+                   help="comma-separated specframe proposers; missing ones or ones without a trained artifact are "
+                        "skipped with a message")
+    b.add_argument("--baselines", default="hf,hf-assisted,hf-pld",
+                   help="comma-separated transformers baselines: hf, hf-assisted, hf-pld ('' for none)")
+    b.add_argument("--subtasks", default="mt_bench,translation,summarization,qa,math_reasoning,rag",
+                   help="comma-separated Spec-Bench subtasks")
+    b.add_argument("--limit", type=int, default=None, help="first N questions of each subtask (default: all)")
+    b.add_argument("--questions", default=None,
+                   help="Spec-Bench question.jsonl (default: ../shared/data/spec_bench/question.jsonl)")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--target", default=None, help="target model (target.model)")
+    b.add_argument("--dtype", default=None, help="target.dtype")
+    b.add_argument("--device", default=None, help="target.device")
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (Spec-Bench); > 0 = sampling")
+    b.add_argument("--top-p", type=float, default=1.0)
+    b.add_argument("--top-k", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0, help="base seed; each (question, turn) derives its own")
+    b.add_argument("--pld-tokens", type=int, default=10, help="hf-pld's prompt_lookup_num_tokens")
+    b.add_argument("--tie-threshold", type=float, default=1e-3,
+                   help="a first difference is a near-tie if the top-2 logit gap <= this x max(1, |top-1 logit|)")
+    b.add_argument("--out", default="runs/bench", help="output folder: bench.json, bench.md, *.png")
+    b.add_argument("--results-doc", default=None, help="also write this Markdown results page (docs/results.md)")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="target.<key>=... for the target, <proposer>.<key>=... for one proposer "
+                        "(e.g. draft.num_speculative_tokens=5)")
+    b.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    b.set_defaults(run=cmd_bench)
 
     m = sub.add_parser("models", help="the offline default model(s)")
     msub = m.add_subparsers(dest="models_command", required=True)
@@ -117,8 +159,13 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
     reg = get_registry()
     rows = [
-        {"name": e.name, "plugin": e.plugin, "distribution": e.distribution, "version": e.version,
-         "class": f"{e.cls.__module__}.{e.cls.__qualname__}"}
+        {
+            "name": e.name,
+            "plugin": e.plugin,
+            "distribution": e.distribution,
+            "version": e.version,
+            "class": f"{e.cls.__module__}.{e.cls.__qualname__}",
+        }
         for e in sorted(reg.proposers.values(), key=lambda e: e.name)
     ]
     if args.json:
@@ -143,6 +190,26 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from specframe.config import structured
+    from specframe.models import load_model
+    from specframe.plugins import get_registry
+
+    entry = get_registry().get(args.proposer)
+    if entry.cls.train_config_class is None:
+        raise BadInputError(f"proposer '{entry.name}' has nothing to train")
+    from omegaconf import OmegaConf
+
+    for item in args.overrides:
+        if "=" not in item:
+            raise BadInputError(f"option '{item}' is not KEY=VALUE")
+    config = structured(entry.cls.train_config_class, OmegaConf.from_dotlist(args.overrides), "train")
+    loaded = load_model(args.target, dtype="float32", device=args.device, quiet=True)
+    metrics = entry.cls.train(config, loaded.model, loaded.tokenizer, resume=args.resume)
+    print(json.dumps(metrics.get("heldout", metrics)))
+    return 0
+
+
 def cmd_data_distill(args: argparse.Namespace) -> int:
     from specframe.data import DEFAULT_PROMPTS, distill, read_prompts
     from specframe.models import load_model
@@ -155,10 +222,38 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
     loaded = load_model(args.target, dtype=args.dtype, device=args.device, quiet=True)
     if loaded.tokenizer is None:
         raise BadInputError(f"target '{args.target}' has no tokenizer: distillation needs one for the chat template")
-    added = distill(loaded.model, loaded.tokenizer, prompts, args.out, max_new_tokens=args.max_new_tokens,
-                    batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
-                    temperature=args.temperature, seed=args.seed)
+    added = distill(
+        loaded.model,
+        loaded.tokenizer,
+        prompts,
+        args.out,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        max_prompt_tokens=args.max_prompt_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
     print(f"added {added} responses to {args.out}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from specframe.bench import BenchOptions, main_table, run_bench
+
+    def names(text: str) -> list[str]:
+        return [n.strip() for n in text.split(",") if n.strip()]
+
+    options = BenchOptions(
+        proposers=names(args.proposers), baselines=names(args.baselines), subtasks=names(args.subtasks),
+        limit=args.limit, questions=args.questions, max_new_tokens=args.max_new_tokens, target=args.target,
+        dtype=args.dtype, device=args.device, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, overrides=list(args.overrides), pld_tokens=args.pld_tokens, tie_threshold=args.tie_threshold,
+        out=args.out, results_doc=args.results_doc, progress=not args.no_progress,
+    )
+    doc = run_bench(options)
+    print("\n".join(main_table(doc)))
+    wrote = [f"{options.out}/bench.json", f"{options.out}/bench.md", f"{options.out}/*.png"]
+    print(f"wrote {', '.join(wrote + ([options.results_doc] if options.results_doc else []))}", file=sys.stderr)
     return 0
 
 

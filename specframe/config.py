@@ -110,7 +110,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     )
     cfg.proposer = structured(entry.cls.config_class, proposer_raw, "proposer")
     if len(raw):
-        raise ConfigError(f"unknown config key '{next(iter(raw.keys()))}' (known: target, proposer, sampling, generation)")
+        raise ConfigError(
+            f"unknown config key '{next(iter(raw.keys()))}' (known: target, proposer, sampling, generation)"
+        )
     return cfg
 
 

@@ -65,8 +65,15 @@ def read_distill(path: str | Path) -> list[DistillExample]:
         for line in f:
             if line.strip():
                 row = json.loads(line)
-                out.append(DistillExample(str(row["id"]), row.get("source", ""), row["prompt_ids"],
-                                          row["response_ids"], bool(row.get("finished", False))))
+                out.append(
+                    DistillExample(
+                        str(row["id"]),
+                        row.get("source", ""),
+                        row["prompt_ids"],
+                        row["response_ids"],
+                        bool(row.get("finished", False)),
+                    )
+                )
     return out
 
 
@@ -98,8 +105,9 @@ def distill(
     for row in prompts:
         if str(row["id"]) in done:
             continue
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
-                                            tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, tokenize=True
+        )
         ids = ids["input_ids"] if not isinstance(ids, list) else ids
         if len(ids) <= max_prompt_tokens:
             todo.append((str(row["id"]), row.get("source", ""), ids))
@@ -120,15 +128,24 @@ def distill(
                 input_ids[i, width - len(ids) :] = torch.tensor(ids)
                 mask[i, width - len(ids) :] = 1
             gen = model.generate(
-                input_ids=input_ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-                do_sample=temperature > 0, temperature=temperature if temperature > 0 else None, top_p=None,
-                top_k=None, pad_token_id=pad,
+                input_ids=input_ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=max_new_tokens,
+                do_sample=temperature > 0,
+                temperature=temperature if temperature > 0 else None,
+                top_p=None,
+                top_k=None,
+                pad_token_id=pad,
             )[:, width:].tolist()
             for (id_, source, ids), resp in zip(batch, gen, strict=True):
                 finished = eos in resp
                 resp = resp[: resp.index(eos) + 1] if finished else resp
-                f.write(json.dumps({"id": id_, "source": source, "prompt_ids": ids, "response_ids": resp,
-                                    "finished": finished}) + "\n")
+                f.write(
+                    json.dumps(
+                        {"id": id_, "source": source, "prompt_ids": ids, "response_ids": resp, "finished": finished}
+                    )
+                    + "\n"
+                )
             f.flush()
             added += len(batch)
             bar.update(len(batch))

@@ -24,7 +24,7 @@ class GenerationResult:
     stats: dict[str, Any] = field(default_factory=dict)  # see DESIGN.md "Stats"
 
 
-def target_info(model: torch.nn.Module, tokenizer: Any = None) -> TargetInfo:
+def target_info(model: torch.nn.Module, tokenizer: Any = None, name: str = "") -> TargetInfo:
     emb = model.get_output_embeddings()
     return TargetInfo(
         vocab_size=emb.weight.shape[0],
@@ -34,6 +34,7 @@ def target_info(model: torch.nn.Module, tokenizer: Any = None) -> TargetInfo:
         dtype=emb.weight.dtype,
         model=model,
         tokenizer=tokenizer,
+        name=name,
     )
 
 
@@ -45,7 +46,7 @@ class SpeculativeDecoder:
         model: torch.nn.Module,
         proposer: Proposer,
         tokenizer: Any = None,
-        sampling: SamplingParams = SamplingParams(),
+        sampling: SamplingParams | None = None,
         max_new_tokens: int = 128,
         stop: list[str] | None = None,
         seed: int | None = None,
@@ -55,7 +56,7 @@ class SpeculativeDecoder:
         self.model = model
         self.tokenizer = tokenizer
         self.proposer = proposer
-        self.sampling = sampling
+        self.sampling = sampling or SamplingParams()  # defaults: greedy
         self.max_new_tokens = max_new_tokens
         self.stop = list(stop or [])
         self.seed = seed
@@ -75,11 +76,15 @@ class SpeculativeDecoder:
 
         t = cfg.target
         loaded = load_model(
-            t.model, dtype=t.dtype, device=t.device, adapter=t.adapter, trust_remote_code=t.trust_remote_code,
+            t.model,
+            dtype=t.dtype,
+            device=t.device,
+            adapter=t.adapter,
+            trust_remote_code=t.trust_remote_code,
             quiet=True,
         )
         entry = get_registry().get(cfg.proposer_name)
-        info = target_info(loaded.model, loaded.tokenizer)
+        info = target_info(loaded.model, loaded.tokenizer, t.model)
         try:
             proposer = entry.cls.from_config(cfg.proposer, info)
         except SpecframeError:

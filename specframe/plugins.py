@@ -63,13 +63,16 @@ def check_proposer_class(cls: type, plugin: str) -> None:
         raise PluginError(f"plugin '{plugin}': {cls.__name__}.name must be an identifier string, got {name!r}")
     if not dataclasses.is_dataclass(getattr(cls, "config_class", None)):
         raise PluginError(f"plugin '{plugin}': {cls.__name__}.config_class must be a dataclass")
+    if getattr(cls, "train_config_class", None) is not None and not callable(getattr(cls, "train", None)):
+        raise PluginError(f"plugin '{plugin}': {cls.__name__} sets train_config_class but has no train()")
     if getattr(cls, "__abstractmethods__", None):
         missing = ", ".join(sorted(cls.__abstractmethods__))
         raise PluginError(f"plugin '{plugin}': {cls.__name__} does not implement {missing}")
 
 
-def register_plugin(pm: pluggy.PluginManager, registry: Registry, module: object, plugin: str, dist: str,
-                    version: str) -> None:
+def register_plugin(
+    pm: pluggy.PluginManager, registry: Registry, module: object, plugin: str, dist: str, version: str
+) -> None:
     """Register one plugin module and collect its proposers; all or nothing."""
     found: list[type] = []
     pm.register(module, name=plugin)

@@ -71,6 +71,7 @@ class TargetInfo:
     dtype: torch.dtype
     model: Any = None  # the target model itself (e.g. to share its embeddings or LM head); never modify it
     tokenizer: Any = None  # the target's tokenizer, or None
+    name: str = ""  # the target as configured (`target.model`: alias, path or hub id); "" when built in code
 
 
 @dataclass
@@ -107,6 +108,9 @@ class Proposer(ABC):
     name: ClassVar[str]
     config_class: ClassVar[type]
     hidden_state_layers: tuple[int, ...] = ()
+    # Options of `specframe train --proposer NAME` (a dataclass), or None when the proposer has nothing to
+    # train. A trainable proposer also defines `train(config, target, tokenizer, resume) -> dict of metrics`.
+    train_config_class: ClassVar[type | None] = None
 
     def __init__(self, config: Any, target: TargetInfo) -> None:
         self.config = config
@@ -175,4 +179,3 @@ def validate_proposal(p: Proposal, vocab_size: int, max_depth: int, who: str) ->
             raise bad("draft_probs has negative or non-finite entries")
         if not torch.allclose(rows.sum(-1), torch.ones_like(rows[:, 0]), atol=1e-3):
             raise bad("draft_probs rows do not sum to 1")
-

@@ -42,19 +42,30 @@ def target_fingerprint(target: torch.nn.Module) -> dict:
     """What must match between a draft and the target it was trained for."""
     emb = target.get_input_embeddings().weight
     sample = emb[:64].detach().float().cpu().numpy().tobytes()
-    return {"vocab_size": emb.shape[0], "hidden_size": emb.shape[1],
-            "embedding_sha256": hashlib.sha256(sample).hexdigest()}
+    return {
+        "vocab_size": emb.shape[0],
+        "hidden_size": emb.shape[1],
+        "embedding_sha256": hashlib.sha256(sample).hexdigest(),
+    }
 
 
-def build_shared_draft(target: torch.nn.Module, num_layers: int, vocab_ids: torch.Tensor,
-                       init_layers: list[int] | None = None) -> LlamaForCausalLM:
+def build_shared_draft(
+    target: torch.nn.Module, num_layers: int, vocab_ids: torch.Tensor, init_layers: list[int] | None = None
+) -> LlamaForCausalLM:
     """A LlamaForCausalLM of `num_layers` layers sharing `target`'s embedding module; its head is the
     target's output rows `vocab_ids` (a copy, [K, hidden]). Layers start as copies of `init_layers`."""
     tcfg = target.config
     if tcfg.model_type != "llama":
         raise ModelLoadError(f"the shared draft needs a Llama-architecture target, got '{tcfg.model_type}'")
-    cfg = LlamaConfig(**{**tcfg.to_dict(), "num_hidden_layers": num_layers, "vocab_size": len(vocab_ids),
-                         "tie_word_embeddings": False, "architectures": ["LlamaForCausalLM"]})
+    cfg = LlamaConfig(
+        **{
+            **tcfg.to_dict(),
+            "num_hidden_layers": num_layers,
+            "vocab_size": len(vocab_ids),
+            "tie_word_embeddings": False,
+            "architectures": ["LlamaForCausalLM"],
+        }
+    )
     draft = LlamaForCausalLM(cfg)
     draft.model.embed_tokens = target.get_input_embeddings()  # shared module, never trained
     head = target.get_output_embeddings().weight.detach()[vocab_ids.to(target.device)]
@@ -72,15 +83,29 @@ def own_state_dict(draft: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     return {k: v for k, v in draft.state_dict().items() if k.startswith(("model.layers.", "model.norm."))}
 
 
-def save_shared_draft(draft: LlamaForCausalLM, vocab_ids: torch.Tensor, target: torch.nn.Module, out: Path,
-                      init_layers: list[int], metrics: dict, extra: dict | None = None) -> None:
+def save_shared_draft(
+    draft: LlamaForCausalLM,
+    vocab_ids: torch.Tensor,
+    target: torch.nn.Module,
+    out: Path,
+    init_layers: list[int],
+    metrics: dict,
+    extra: dict | None = None,
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(torch.float16).contiguous().cpu() for k, v in own_state_dict(draft).items()}
     save_file(tensors, out / "model.safetensors")
     (out / "draft_vocab.json").write_text(json.dumps(vocab_ids.tolist()))
     cfg = {k: v for k, v in draft.config.to_dict().items() if k not in ("transformers_version",)}
-    meta = {"format": FORMAT, "version": 1, "llama_config": cfg, "init_layers": init_layers,
-            "target": target_fingerprint(target), "metrics": metrics, **(extra or {})}
+    meta = {
+        "format": FORMAT,
+        "version": 1,
+        "llama_config": cfg,
+        "init_layers": init_layers,
+        "target": target_fingerprint(target),
+        "metrics": metrics,
+        **(extra or {}),
+    }
     (out / "draft_config.json").write_text(json.dumps(meta, indent=2))
 
 
@@ -104,3 +129,19 @@ def load_shared_draft(path: str | Path, target: torch.nn.Module) -> tuple[LlamaF
         raise ModelLoadError(f"draft '{p}' is missing weights: {sorted(missing)[:3]}")
     draft.load_state_dict({k: v.to(target.dtype) for k, v in state.items()}, strict=False)
     return draft.to(target.device).eval().requires_grad_(False), vocab_ids.to(target.device)
+
+
+def as_full_vocab_model(draft: LlamaForCausalLM, vocab_ids: torch.Tensor, vocab_size: int) -> LlamaForCausalLM:
+    """The same draft with a full-vocabulary head (rows outside `vocab_ids` score -1e4), for libraries that
+    need an ordinary causal LM over the target's vocabulary, e.g. transformers' assisted generation."""
+    full = LlamaForCausalLM(LlamaConfig(**{**draft.config.to_dict(), "vocab_size": vocab_size}))
+    full.model = draft.model
+    head = torch.nn.Linear(draft.config.hidden_size, vocab_size, bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.fill_(-1e4)
+        head.weight[vocab_ids.cpu()] = draft.lm_head.weight.detach().float().cpu()
+        head.bias[vocab_ids.cpu()] = 0.0
+    full.lm_head = head.to(device=draft.lm_head.weight.device, dtype=draft.lm_head.weight.dtype)
+    full.generation_config = draft.generation_config
+    return full.eval().requires_grad_(False)

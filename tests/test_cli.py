@@ -22,14 +22,34 @@ def gen_args(tiny_dirs, *extra):
 
 
 def test_generate_json_with_a_draft(capsys, tiny_dirs):
-    code, out, err = run(capsys, *gen_args(tiny_dirs, "--proposer", "draft", "--json", f"proposer.model={tiny_dirs['draft']}",
-                                           "proposer.num_speculative_tokens=3", "--prompt", "a b c", "--raw"))
+    code, out, err = run(
+        capsys,
+        *gen_args(
+            tiny_dirs,
+            "--proposer",
+            "draft",
+            "--json",
+            f"proposer.model={tiny_dirs['draft']}",
+            "proposer.num_speculative_tokens=3",
+            "--prompt",
+            "a b c",
+            "--raw",
+        ),
+    )
     assert code == 0, err
     res = json.loads(out)
     assert set(res) == {"text", "token_ids", "stats"}
     assert len(res["token_ids"]) <= 6 and isinstance(res["text"], str)
-    assert {"new_tokens", "target_forwards", "mean_accepted_length", "proposed_tokens", "accepted_tokens",
-            "acceptance_rate", "wall_time_s", "tokens_per_s"} <= set(res["stats"])
+    assert {
+        "new_tokens",
+        "target_forwards",
+        "mean_accepted_length",
+        "proposed_tokens",
+        "accepted_tokens",
+        "acceptance_rate",
+        "wall_time_s",
+        "tokens_per_s",
+    } <= set(res["stats"])
 
 
 def test_generate_plain_text_and_stdin_prompt(capsys, tiny_dirs, monkeypatch):
@@ -71,14 +91,24 @@ def test_bad_input_exits_2_with_one_line(capsys, tiny_dirs, extra, message):
 
 
 def test_prompt_longer_than_context(capsys, tiny_dirs):
-    code, _, err = run(capsys, "generate", "--target", str(tiny_dirs["short"]), "--proposer", "none", "--raw",
-                       "--prompt", " ".join(["a"] * 20))
+    code, _, err = run(
+        capsys,
+        "generate",
+        "--target",
+        str(tiny_dirs["short"]),
+        "--proposer",
+        "none",
+        "--raw",
+        "--prompt",
+        " ".join(["a"] * 20),
+    )
     assert code == 2 and "context window is 8" in err
 
 
 def test_vocabulary_mismatch(capsys, tiny_dirs):
-    code, _, err = run(capsys, *gen_args(tiny_dirs, "--proposer", "draft", f"proposer.model={tiny_dirs['wide']}",
-                                         "--prompt", "a"))
+    code, _, err = run(
+        capsys, *gen_args(tiny_dirs, "--proposer", "draft", f"proposer.model={tiny_dirs['wide']}", "--prompt", "a")
+    )
     assert code == 2 and "vocabulary mismatch" in err
 
 
@@ -95,8 +125,14 @@ def test_debug_shows_traceback(capsys, tiny_dirs):
 def test_token_id_prompt_without_tokenizer_through_python(tiny_dirs):
     from specframe import SpeculativeDecoder, load_config
 
-    cfg = load_config(overrides=[f"target.model={tiny_dirs['bare']}", "proposer.name=draft",
-                                 f"proposer.model={tiny_dirs['draft']}", "generation.max_new_tokens=5"])
+    cfg = load_config(
+        overrides=[
+            f"target.model={tiny_dirs['bare']}",
+            "proposer.name=draft",
+            f"proposer.model={tiny_dirs['draft']}",
+            "generation.max_new_tokens=5",
+        ]
+    )
     res = SpeculativeDecoder.from_config(cfg).generate([1, 2, 3])
     assert res.text is None and len(res.token_ids) == 5
 
@@ -115,6 +151,10 @@ def test_check_quick(capsys):
 
 
 def test_python_dash_m_entry_point():
-    r = subprocess.run([sys.executable, "-m", "specframe", "generate", "--proposer", "zzz", "--prompt", "x"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "specframe", "generate", "--proposer", "zzz", "--prompt", "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "unknown proposer 'zzz'" in r.stderr

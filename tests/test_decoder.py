@@ -16,7 +16,9 @@ def none_decoder(target):
 
 def self_draft_decoder(target, gamma=3):
     """The target drafting for itself: every draft is accepted under greedy decoding."""
-    return SpeculativeDecoder(target, DraftProposer(DraftConfig(num_speculative_tokens=gamma), target_info(target), target))
+    return SpeculativeDecoder(
+        target, DraftProposer(DraftConfig(num_speculative_tokens=gamma), target_info(target), target)
+    )
 
 
 def test_none_is_plain_decoding_with_mean_accepted_length_one(target):
@@ -151,8 +153,12 @@ L = torch.long
         (lambda s: Proposal(torch.tensor([1, 2]), torch.tensor([1, -1]), torch.ones(2, dtype=torch.bool)), "parent"),
         (lambda s: Proposal(torch.tensor([1, 2]), torch.tensor([-1]), torch.ones(2, dtype=torch.bool)), "shape"),
         (lambda s: Proposal(torch.tensor([1]), torch.tensor([-1]), torch.zeros(1, dtype=torch.bool)), "draft_probs"),
-        (lambda s: Proposal(torch.tensor([1]), torch.tensor([-1]), torch.zeros(1, dtype=torch.bool),
-                            torch.full((1, 8), 0.5)), "sum to 1"),
+        (
+            lambda s: Proposal(
+                torch.tensor([1]), torch.tensor([-1]), torch.zeros(1, dtype=torch.bool), torch.full((1, 8), 0.5)
+            ),
+            "sum to 1",
+        ),
         (lambda s: Proposal.chain(torch.ones(s.max_depth + 1, dtype=L)), "depth"),
         (lambda s: [1, 2], "expected a Proposal"),
         (lambda s: 1 / 0, "ZeroDivisionError"),

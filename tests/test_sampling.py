@@ -52,8 +52,13 @@ def test_transform_applies_row_wise_to_batches():
 
 @pytest.mark.parametrize(
     "kwargs, key",
-    [({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-     ({"top_k": -1}, "top_k"), ({"temperature": float("nan")}, "temperature")],
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"temperature": float("nan")}, "temperature"),
+    ],
 )
 def test_bad_values_name_the_key(kwargs, key):
     with pytest.raises(ConfigError, match=f"sampling.{key}"):

@@ -17,6 +17,7 @@ from specframe.errors import BadInputError, ConfigError
 from specframe.kv_cache import new_cache
 from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo
 from specframe.sampling import sampling_probs
+from specframe.training.draft import DraftTrainConfig
 
 
 @dataclass
@@ -39,11 +40,27 @@ class DraftConfig:
 class DraftProposer(Proposer):
     name = "draft"
     config_class = DraftConfig
+    train_config_class = DraftTrainConfig
 
-    def __init__(self, config: DraftConfig, target: TargetInfo, model: torch.nn.Module, tokenizer=None) -> None:
+    @classmethod
+    def train(cls, config: DraftTrainConfig, target: torch.nn.Module, tokenizer, resume: bool = False) -> dict:
+        from specframe.training.draft import train_draft
+
+        return train_draft(config, target, tokenizer, resume=resume)
+
+    def __init__(
+        self,
+        config: DraftConfig,
+        target: TargetInfo,
+        model: torch.nn.Module,
+        tokenizer=None,
+        vocab_ids: torch.Tensor | None = None,
+    ) -> None:
         super().__init__(config, target)
-        check_same_vocabulary(model, tokenizer, target)
+        if vocab_ids is None:
+            check_same_vocabulary(model, tokenizer, target)
         self.model = model
+        self.vocab_ids = vocab_ids  # target ids of the draft's logit columns (a reduced vocabulary), or None
         self.width = min(model.get_output_embeddings().weight.shape[0], target.vocab_size)
         self.cache = None
         self.cached = 0  # how many leading tokens of the sequence the draft's cache holds
@@ -51,22 +68,39 @@ class DraftProposer(Proposer):
 
     @classmethod
     def from_config(cls, config: DraftConfig, target: TargetInfo) -> DraftProposer:
+        from specframe.artifacts import shipped_draft
         from specframe.models import load_model
+        from specframe.shared_draft import is_shared_draft, load_shared_draft
 
-        if not config.model:
-            raise ConfigError("proposer.model is required: the draft model (alias, directory, hub id or .gguf)")
+        path = config.model or shipped_draft(target.name)
+        if not path:
+            raise ConfigError(
+                f"proposer.model is required: no draft ships for target '{target.name}'; give a draft model "
+                "(alias, directory, hub id or .gguf) or train one with `specframe train --proposer draft`"
+            )
+        if is_shared_draft(path):
+            model, vocab_ids = load_shared_draft(path, target.model)
+            return cls(config, target, model, vocab_ids=vocab_ids)
         dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(target.dtype)
-        loaded = load_model(config.model, dtype=dtype if config.dtype == "auto" else config.dtype,
-                            device=str(target.device), quiet=True)
+        loaded = load_model(
+            path, dtype=dtype if config.dtype == "auto" else config.dtype, device=str(target.device), quiet=True
+        )
         return cls(config, target, loaded.model, loaded.tokenizer)
 
     @classmethod
     def random(cls, target: TargetInfo, config: DraftConfig | None = None, seed: int = 0) -> DraftProposer:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        cfg = LlamaConfig(vocab_size=target.vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
-                          initializer_range=0.5)  # wide init: peaky, varied q, so acceptance rules are exercised
+        cfg = LlamaConfig(
+            vocab_size=target.vocab_size,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=4096,
+            initializer_range=0.5,
+        )  # wide init: peaky, varied q, so acceptance rules are exercised
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = LlamaForCausalLM(cfg)
@@ -82,6 +116,8 @@ class DraftProposer(Proposer):
         out = self.model(input_ids=tokens[None], cache=self.cache, use_cache=True)
         self.cached += tokens.numel()
         logits = out.logits[0, -1, : self.width].float()
+        if self.vocab_ids is not None:  # reduced vocabulary: q = 0 outside it
+            return logits.new_full((self.target.vocab_size,), float("-inf")).index_copy_(0, self.vocab_ids, logits)
         if self.width < self.target.vocab_size:
             logits = torch.cat([logits, logits.new_full((self.target.vocab_size - self.width,), float("-inf"))])
         return logits

@@ -63,7 +63,9 @@ class Report:
         lines = [f"conformance of proposer '{self.proposer}':"]
         for r in self.results:
             p = f"  p={r.p_value:.3g}" if r.p_value is not None else ""
-            lines.append(f"  {'PASS' if r.passed else 'FAIL'}  {r.check} [{r.device}]{p}  {r.detail} ({r.seconds:.1f}s)")
+            lines.append(
+                f"  {'PASS' if r.passed else 'FAIL'}  {r.check} [{r.device}]{p}  {r.detail} ({r.seconds:.1f}s)"
+            )
         n_ok = sum(r.passed for r in self.results)
         lines.append(f"{n_ok} passed, {len(self.results) - n_ok} failed")
         return "\n".join(lines)
@@ -136,8 +138,14 @@ def sample_counts(decoder: SpeculativeDecoder, params: SamplingParams, n: int, s
     vocab = decoder.info.vocab_size
     counts = torch.zeros(vocab**CONTINUATION, dtype=torch.long)
     for i in range(n):
-        res = decoder.generate(PROMPT, max_new_tokens=CONTINUATION, temperature=params.temperature,
-                               top_k=params.top_k, top_p=params.top_p, seed=seed + i)
+        res = decoder.generate(
+            PROMPT,
+            max_new_tokens=CONTINUATION,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            seed=seed + i,
+        )
         index = 0
         for t in res.token_ids:
             index = index * vocab + t
@@ -159,10 +167,20 @@ def check_greedy(proposer_cls: type[Proposer], device: str, config: Any = None) 
         accepted += res.stats["accepted_tokens"]
         if res.token_ids != ref:
             first = next(i for i, (a, b) in enumerate(zip(res.token_ids, ref, strict=False)) if a != b)
-            return CheckResult("greedy", device, False, f"prompt {prompt[:5]}...: differs at token {first}: "
-                               f"{res.token_ids} vs {ref}", seconds=time.perf_counter() - t0)
-    return CheckResult("greedy", device, True, f"{len(prompts)} prompts x 32 tokens identical "
-                       f"({accepted} draft tokens accepted)", seconds=time.perf_counter() - t0)
+            return CheckResult(
+                "greedy",
+                device,
+                False,
+                f"prompt {prompt[:5]}...: differs at token {first}: {res.token_ids} vs {ref}",
+                seconds=time.perf_counter() - t0,
+            )
+    return CheckResult(
+        "greedy",
+        device,
+        True,
+        f"{len(prompts)} prompts x 32 tokens identical ({accepted} draft tokens accepted)",
+        seconds=time.perf_counter() - t0,
+    )
 
 
 class RollbackProbe(Proposer):
@@ -249,10 +267,14 @@ def power_cases() -> list[tuple[str, type[Proposer], Any, TreeAcceptance | None,
     return [
         ("inverted_ratio", DraftProposer, chain, InvertedRatio(), "temperature=1"),
         ("resample_from_target", DraftProposer, chain, ResampleFromTarget(), "temperature=1"),
-        ("bonus_from_parent", DraftProposer, DraftConfig(num_speculative_tokens=1), BonusFromParent(),
-         "temperature=1"),
-        ("residual_not_normalised", TreeTestProposer, TreeConfig(mode="deterministic", width=3, depth=1),
-         ResidualNotNormalised(), "temperature=1"),
+        ("bonus_from_parent", DraftProposer, DraftConfig(num_speculative_tokens=1), BonusFromParent(), "temperature=1"),
+        (
+            "residual_not_normalised",
+            TreeTestProposer,
+            TreeConfig(mode="deterministic", width=3, depth=1),
+            ResidualNotNormalised(),
+            "temperature=1",
+        ),
         ("q_not_transformed", UntransformedQDraft, chain, None, "temperature=0.7,top_p=0.9"),
     ]
 
@@ -263,8 +285,9 @@ def check_power(device: str, samples: int = SAMPLES, log: Callable[[str], None] 
     for name, cls, config, acceptance, setting in power_cases():
         r = check_sampling(cls, device, setting, config=config, acceptance=acceptance, samples=samples)
         caught = r.p_value is not None and r.p_value < ALPHA
-        res = CheckResult(f"power {name}", device, caught, ("caught: " if caught else "NOT caught: ") + r.detail,
-                          r.p_value, r.seconds)
+        res = CheckResult(
+            f"power {name}", device, caught, ("caught: " if caught else "NOT caught: ") + r.detail, r.p_value, r.seconds
+        )
         results.append(res)
         if log:
             log(f"  {'PASS' if caught else 'FAIL'}  {res.check} [{device}] p={res.p_value:.3g}  {res.detail}")

@@ -44,8 +44,7 @@ class TreeTestProposer(Proposer):
 
     @classmethod
     def random(cls, target: TargetInfo, config: TreeConfig | None = None, seed: int = 0) -> TreeTestProposer:
-        model = tiny_llama(target.vocab_size, seed=seed + 1000, device=target.device, dtype=target.dtype,
-                           num_layers=1)
+        model = tiny_llama(target.vocab_size, seed=seed + 1000, device=target.device, dtype=target.dtype, num_layers=1)
         return cls(config or TreeConfig(), target, model)
 
     def begin(self, prompt: torch.Tensor, hidden_states: dict[int, torch.Tensor]) -> None:
@@ -82,5 +81,6 @@ class TreeTestProposer(Proposer):
             return Proposal.empty(state.tokens.device)
         device = state.tokens.device
         det = torch.full((len(tokens),), deterministic, dtype=torch.bool, device=device)
-        return Proposal(torch.cat(tokens), torch.tensor(parents, device=device), det,
-                        None if deterministic else torch.stack(probs))
+        return Proposal(
+            torch.cat(tokens), torch.tensor(parents, device=device), det, None if deterministic else torch.stack(probs)
+        )

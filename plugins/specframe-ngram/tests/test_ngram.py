@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from specframe_ngram import NgramConfig, NgramIndex, NgramProposer, build_trie
+
 from specframe import DecodeState, SamplingParams, SpeculativeDecoder
 from specframe.decoder import target_info
 from specframe.errors import ConfigError
 from specframe.proposer import validate_proposal
 from specframe.testing.tiny import tiny_llama
-
-from specframe_ngram import NgramConfig, NgramIndex, NgramProposer, build_trie
 
 
 def make_proposer(vocab_size: int = 50, **config) -> NgramProposer:
@@ -91,6 +91,7 @@ def test_config_errors_name_the_full_key(overrides, key):
 @pytest.mark.parametrize("max_candidates", [1, 4])
 def test_speeds_up_repetitive_greedy_output(max_candidates):
     model = tiny_llama(8, seed=3)
-    decoder = SpeculativeDecoder(model, NgramProposer.random(target_info(model), NgramConfig(max_candidates=max_candidates)))
+    proposer = NgramProposer.random(target_info(model), NgramConfig(max_candidates=max_candidates))
+    decoder = SpeculativeDecoder(model, proposer)
     res = decoder.generate([1, 2, 3], max_new_tokens=64, temperature=0.0)
     assert res.stats["accepted_tokens"] > 0 and res.stats["mean_accepted_length"] > 1.5

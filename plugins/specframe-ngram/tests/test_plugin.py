@@ -4,12 +4,12 @@ import importlib.metadata
 import json
 
 import pytest
+from specframe_ngram import NgramConfig, NgramProposer
+
 from specframe import load_config
 from specframe.cli import main
 from specframe.errors import ConfigError
 from specframe.plugins import build_registry
-
-from specframe_ngram import NgramConfig, NgramProposer
 
 
 def installed_version() -> str:

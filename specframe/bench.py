@@ -1,0 +1,1038 @@
+"""Spec-Bench style benchmark: every method on one shared target, interleaved prompt by prompt, in one run.
+
+Methods are specframe proposers (`none`, `draft`, `ngram`, ...) and transformers baselines on the same
+model object: `hf` (plain `generate`), `hf-assisted` (assisted generation with the `draft` proposer's draft)
+and `hf-pld` (prompt-lookup decoding). Spec-Bench's protocol: batch 1, greedy by default, every turn of a
+question fed in order with the method's own earlier answers in context, one warm-up call per method.
+
+The numbers (DESIGN.md "Stats", shared/data/README.md):
+- mean accepted length: new tokens / target forwards (prefill included), pooled over every turn of the
+  subtask (total tokens / total forwards), so long answers weigh more than short ones;
+- tokens/s: Spec-Bench's mean over questions of (the question's new tokens over all its turns / its seconds);
+- speedup: ratio of those means, over `hf` and over `none`, measured in the same run;
+- acceptance rate: accepted / proposed draft tokens (tree: accepted / depth proposed), and by draft position;
+- identity (greedy only): each turn's tokens against `hf`'s for the same conversation; at a first difference
+  the target's top-2 logits are recomputed from scratch in float32 to tell a near-tie from a bug;
+- predicted speedup (chain proposers): Leviathan et al.'s model fed with the measured α and costs.
+
+Results go to `<out>/bench.json`, `<out>/bench.md` and two PNG plots; `results_doc` also writes a Markdown
+page with the machine and the command (docs/results.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specframe.errors import BadInputError
+
+# Spec-Bench's six subtasks and the `category` values of question.jsonl that make them up.
+SUBTASKS: dict[str, tuple[str, ...]] = {
+    "mt_bench": ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"),
+    "translation": ("translation",),
+    "summarization": ("summarization",),
+    "qa": ("qa",),
+    "math_reasoning": ("math_reasoning",),
+    "rag": ("rag",),
+}
+SUBTASK_OF = {category: subtask for subtask, categories in SUBTASKS.items() for category in categories}
+BASELINES = ("hf", "hf-assisted", "hf-pld")
+DEFAULT_PROPOSERS = ("none", "draft", "medusa", "eagle", "ngram")
+REFERENCE = "hf"  # greedy reference and the first speedup denominator
+ENGINE_BASELINE = "none"  # the second speedup denominator; also gives the plain decode step's cost
+QUESTIONS_RELATIVE = Path("..") / "shared" / "data" / "spec_bench" / "question.jsonl"  # from the project root
+OVERALL = "overall"
+WARMUP_PROMPT = "Say hello."
+WARMUP_TOKENS = 8
+FORMAT = "specframe-bench"
+
+
+def default_questions_path() -> Path:
+    """`../shared/data/spec_bench/question.jsonl` from the working directory, else from this source checkout."""
+    here = Path.cwd() / QUESTIONS_RELATIVE
+    if here.is_file():
+        return here
+    checkout = Path(__file__).resolve().parents[1] / QUESTIONS_RELATIVE  # specframe/ -> project root
+    return checkout if checkout.is_file() else here
+
+
+# ------------------------------------------------------------------------------------------------ options
+
+
+@dataclass
+class BenchOptions:
+    # Methods: specframe proposer names, then transformers baselines (see BASELINES).
+    proposers: list[str] = field(default_factory=lambda: list(DEFAULT_PROPOSERS))
+    baselines: list[str] = field(default_factory=lambda: list(BASELINES))
+    # Spec-Bench subtasks to run (keys of SUBTASKS), each with its first `limit` questions (None = all).
+    subtasks: list[str] = field(default_factory=lambda: list(SUBTASKS))
+    limit: int | None = None
+    # question.jsonl; None = the shared data folder (default_questions_path).
+    questions: str | None = None
+    max_new_tokens: int = 128
+    # Target (target.model / dtype / device); None = the config default.
+    target: str | None = None
+    dtype: str | None = None
+    device: str | None = None
+    # Sampling: temperature 0 = greedy (Spec-Bench's setting); > 0 reports speed and acceptance, not identity.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0  # each (question, turn) gets seed + 10 * question_id + turn, the same for every method
+    # KEY=VALUE: `target.*` for the target, `<proposer>.<key>` for one proposer (e.g. draft.num_speculative_tokens=5).
+    overrides: list[str] = field(default_factory=list)
+    # transformers prompt lookup: tokens proposed per step (its max_matching_ngram_size stays at its default).
+    pld_tokens: int = 10
+    # A first difference is a near-tie when the target's top-2 logit gap <= tie_threshold * max(1, |top-1 logit|).
+    tie_threshold: float = 1e-3
+    out: str = "runs/bench"
+    results_doc: str | None = None  # also write this Markdown page (docs/results.md)
+    progress: bool = True  # tqdm bar with ETA on stderr
+
+    def validate(self) -> None:
+        """Raise BadInputError (exit 2) on options that cannot run, before any model is loaded."""
+        unknown = [s for s in self.subtasks if s not in SUBTASKS]
+        if unknown:
+            raise BadInputError(f"unknown subtask '{unknown[0]}'; known: {', '.join(SUBTASKS)}")
+        if not self.subtasks:
+            raise BadInputError(f"no subtask given; known: {', '.join(SUBTASKS)}")
+        unknown = [b for b in self.baselines if b not in BASELINES]
+        if unknown:
+            raise BadInputError(f"unknown baseline '{unknown[0]}'; known: {', '.join(BASELINES)}")
+        if not self.proposers and not self.baselines:
+            raise BadInputError("nothing to run: give --proposers and/or --baselines")
+        clash = set(self.proposers) & set(BASELINES)
+        if clash:
+            raise BadInputError(f"'{sorted(clash)[0]}' is a baseline: list it under --baselines")
+        for name, value in (("limit", self.limit), ("max-new-tokens", self.max_new_tokens),
+                            ("pld-tokens", self.pld_tokens)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise BadInputError(f"--{name} must be an integer >= 1, got {value!r}")
+        if not self.tie_threshold >= 0:
+            raise BadInputError(f"--tie-threshold must be >= 0, got {self.tie_threshold}")
+        from specframe.errors import ConfigError
+        from specframe.sampling import check_sampling
+
+        try:
+            check_sampling(self.temperature, self.top_k, self.top_p, prefix="--")
+        except ConfigError as e:  # name the flag as typed: --top-p, not --top_p
+            raise BadInputError(str(e).replace("top_p", "top-p").replace("top_k", "top-k")) from None
+        split_overrides(self.overrides, self.proposers)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def command(self) -> str:
+        """The `specframe bench` command that reproduces this run (every setting spelt out)."""
+        argv = ["specframe", "bench", "--proposers", ",".join(self.proposers), "--baselines", ",".join(self.baselines),
+                "--subtasks", ",".join(self.subtasks)]
+        if self.limit is not None:
+            argv += ["--limit", str(self.limit)]
+        argv += ["--max-new-tokens", str(self.max_new_tokens)]
+        for flag, value in (("--questions", self.questions), ("--target", self.target), ("--dtype", self.dtype),
+                            ("--device", self.device)):
+            if value is not None:
+                argv += [flag, str(value)]
+        if not self.greedy:
+            argv += ["--temperature", str(self.temperature), "--top-p", str(self.top_p), "--top-k", str(self.top_k)]
+        if self.seed != 0:
+            argv += ["--seed", str(self.seed)]
+        if self.pld_tokens != 10:
+            argv += ["--pld-tokens", str(self.pld_tokens)]
+        if self.tie_threshold != 1e-3:
+            argv += ["--tie-threshold", str(self.tie_threshold)]
+        argv += ["--out", self.out]
+        if self.results_doc:
+            argv += ["--results-doc", self.results_doc]
+        return shlex.join(argv + list(self.overrides))
+
+
+def split_overrides(overrides: list[str], proposers: Iterable[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """KEY=VALUE overrides -> (`target.*` dotlist for every config, {proposer: its `proposer.*` dotlist})."""
+    names = set(proposers)
+    shared: list[str] = []
+    own: dict[str, list[str]] = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        head, dot, rest = key.partition(".")
+        if not sep or not dot or not rest:
+            raise BadInputError(f"override '{item}' is not KEY=VALUE with KEY = target.<key> or <proposer>.<key>")
+        if head == "target":
+            shared.append(item)
+        elif head in names:
+            own.setdefault(head, []).append(f"proposer.{rest}={value}")
+        else:
+            raise BadInputError(
+                f"override '{item}': '{head}' is neither 'target' nor a proposer of this run "
+                f"({', '.join(sorted(names)) or 'none'}); sampling and generation have their own flags"
+            )
+    return shared, own
+
+
+# ------------------------------------------------------------------------------------------------ questions
+
+
+@dataclass
+class Question:
+    question_id: int
+    subtask: str
+    category: str
+    turns: list[str]
+
+
+def read_questions(path: str | Path, subtasks: list[str], limit: int | None = None) -> list[Question]:
+    """The questions of `subtasks` (first `limit` of each, in file order), grouped by subtask."""
+    p = Path(path)
+    if not p.is_file():
+        raise BadInputError(f"questions file '{p}' does not exist (give --questions PATH of Spec-Bench's "
+                            "question.jsonl)")
+    by_subtask: dict[str, list[Question]] = {s: [] for s in subtasks}
+    with p.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                q = Question(int(row["question_id"]), SUBTASK_OF.get(row["category"], ""), row["category"],
+                             [str(t) for t in row["turns"]])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                raise BadInputError(f"questions file '{p}' line {number}: not a Spec-Bench question ({e})") from e
+            if not q.turns:
+                raise BadInputError(f"questions file '{p}' line {number}: question {q.question_id} has no turns")
+            if q.subtask in by_subtask and (limit is None or len(by_subtask[q.subtask]) < limit):
+                by_subtask[q.subtask].append(q)
+    empty = [s for s, qs in by_subtask.items() if not qs]
+    if empty:
+        raise BadInputError(f"questions file '{p}' has no question of subtask '{empty[0]}'")
+    return [q for s in subtasks for q in by_subtask[s]]
+
+
+# ------------------------------------------------------------------------------------------------ methods
+
+
+@dataclass
+class Output:
+    token_ids: list[int]  # new tokens, up to and including the first EOS
+    target_forwards: int  # prefill included
+    seconds: float  # perf_counter around the call
+    stats: dict[str, Any] | None  # specframe's stats (DESIGN.md); None for transformers
+
+
+@dataclass
+class Method:
+    name: str
+    kind: str  # "specframe" or "transformers"
+    description: str
+    run: Callable[[list[int], int, int], Output]  # (prompt ids, max new tokens, seed) -> Output
+
+
+class ForwardCounter:
+    """Counts the target's forward calls (transformers reports none); a pre-hook on the top module."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.calls = 0
+        self.handle = model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *_: Any) -> None:
+        self.calls += 1
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def specframe_method(name: str, decoder: Any, options: BenchOptions, description: str) -> Method:
+    def run(ids: list[int], max_new: int, seed: int) -> Output:
+        t0 = time.perf_counter()
+        res = decoder.generate(ids, max_new_tokens=max_new, temperature=options.temperature, top_p=options.top_p,
+                               top_k=options.top_k, seed=seed)
+        seconds = time.perf_counter() - t0
+        return Output(res.token_ids, res.stats["target_forwards"], seconds, res.stats)
+
+    return Method(name, "specframe", description, run)
+
+
+def hf_method(name: str, model: Any, counter: ForwardCounter, eos_ids: list[int], options: BenchOptions,
+              description: str, **extra: Any) -> Method:
+    """transformers `generate` on the shared target; `extra` selects assisted or prompt-lookup decoding."""
+    pad = eos_ids[0] if eos_ids else None
+
+    def run(ids: list[int], max_new: int, seed: int) -> Output:
+        x = torch.tensor([ids], device=model.device)
+        kwargs: dict[str, Any] = {"max_new_tokens": max_new, "eos_token_id": eos_ids or None, "pad_token_id": pad}
+        if options.greedy:
+            kwargs["do_sample"] = False
+        else:
+            # Same transform as specframe's T: temperature, top-k (0 = off), top-p.
+            kwargs.update(do_sample=True, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
+            torch.manual_seed(seed)
+        counter.calls = 0
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kwargs, **extra)
+        seconds = time.perf_counter() - t0
+        new = cut_at_eos(out[0, len(ids):].tolist(), eos_ids)
+        return Output(new, counter.calls, seconds, None)
+
+    return Method(name, "transformers", description, run)
+
+
+def cut_at_eos(ids: list[int], eos_ids: Iterable[int]) -> list[int]:
+    eos = set(eos_ids)
+    at = next((i for i, t in enumerate(ids) if t in eos), None)
+    return ids if at is None else ids[: at + 1]
+
+
+def hf_assistant(draft: Any, target_vocab: int) -> tuple[torch.nn.Module, int]:
+    """The `draft` proposer's model as transformers wants an assistant, with its own generation config; and γ."""
+    from specframe.shared_draft import as_full_vocab_model
+
+    gamma = int(draft.config.num_speculative_tokens)
+    vocab_ids = getattr(draft, "vocab_ids", None)
+    if vocab_ids is not None:  # a reduced-vocabulary shared draft: give it the target's full vocabulary
+        assistant = as_full_vocab_model(draft.model, vocab_ids, target_vocab)
+    else:
+        # A shallow copy shares the weights; only the generation config, which transformers reads and
+        # mutates, must be this copy's own so the proposer's model is left untouched.
+        assistant = copy.copy(draft.model)
+    cfg = copy.deepcopy(assistant.generation_config)
+    cfg.num_assistant_tokens = gamma
+    cfg.num_assistant_tokens_schedule = "constant"
+    # transformers stops drafting early below this confidence by default; 0 makes it draft exactly γ tokens
+    # per step, as specframe's `draft` does, so the two differ only in their engines.
+    cfg.assistant_confidence_threshold = 0.0
+    assistant.generation_config = cfg
+    return assistant, gamma
+
+
+@dataclass
+class Setup:
+    """Everything built once, before the timed loop."""
+
+    model: Any
+    tokenizer: Any
+    encoder: Any  # a SpeculativeDecoder whose `encode` turns a conversation into the ids every method gets
+    methods: list[Method]
+    skipped: dict[str, str]  # method -> why it is not run
+    counter: ForwardCounter
+    eos_ids: list[int]
+    target: str
+    dtype: str
+    device: str
+
+
+def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
+    """Load the target once and build every method on it; methods that cannot run are skipped with a reason."""
+    from specframe.config import load_config
+    from specframe.decoder import SpeculativeDecoder, eos_token_ids, target_info
+    from specframe.errors import ModelLoadError
+    from specframe.models import load_model
+    from specframe.plugins import get_registry
+
+    shared, own = split_overrides(options.overrides, options.proposers)
+    flags = {"target.model": options.target, "target.dtype": options.dtype, "target.device": options.device}
+    shared = shared + [f"{k}={v}" for k, v in flags.items() if v is not None]
+    cfg = load_config(overrides=["proposer.name=none", *shared])
+    t = cfg.target
+    loaded = load_model(t.model, dtype=t.dtype, device=t.device, adapter=t.adapter,
+                        trust_remote_code=t.trust_remote_code, quiet=True)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    if tokenizer is None:
+        raise ModelLoadError(f"target '{t.model}' has no tokenizer: the benchmark's questions are text")
+    info = target_info(model, tokenizer, name=t.model)
+    registry = get_registry()
+    eos_ids = sorted(eos_token_ids(model, tokenizer))
+
+    def proposer(name: str) -> Any:
+        """Build proposer `name` on the shared target; raises BadInputError when it cannot be built."""
+        entry = registry.get(name)  # unknown name: BadInputError
+        pcfg = load_config(overrides=[f"proposer.name={name}", *shared, *own.get(name, [])]).proposer
+        return entry.cls.from_config(pcfg, info)
+
+    skipped: dict[str, str] = {}
+    methods: list[Method] = []
+    built: dict[str, Any] = {}
+    for name in options.proposers:
+        if name not in registry.proposers:
+            skipped[name] = f"not installed (installed: {', '.join(registry.names())})"
+            continue
+        try:
+            built[name] = proposer(name)
+        except BadInputError as e:  # no trained artifact for this target, or one that does not fit it
+            skipped[name] = " ".join(str(e).split())
+            continue
+        decoder = SpeculativeDecoder(model, built[name], tokenizer=tokenizer, plugin=registry.get(name).plugin)
+        entry = registry.get(name)
+        methods.append(specframe_method(name, decoder, options, f"specframe proposer '{name}' "
+                                                                 f"(plugin {entry.plugin}, {entry.distribution} "
+                                                                 f"{entry.version})"))
+    encoder = SpeculativeDecoder(model, built.get("none") or registry.get("none").cls.from_config(
+        load_config(overrides=["proposer.name=none", *shared]).proposer, info), tokenizer=tokenizer)
+
+    counter = ForwardCounter(model)
+    for name in options.baselines:
+        if name == "hf":
+            methods.append(hf_method(name, model, counter, eos_ids, options, "transformers generate (plain)"))
+        elif name == "hf-pld":
+            methods.append(hf_method(name, model, counter, eos_ids, options,
+                                     f"transformers prompt-lookup decoding, prompt_lookup_num_tokens="
+                                     f"{options.pld_tokens}, default max_matching_ngram_size",
+                                     prompt_lookup_num_tokens=options.pld_tokens))
+        elif name == "hf-assisted":
+            draft = built.get("draft")
+            if draft is None and "draft" in skipped:
+                skipped[name] = f"no draft model: {skipped['draft']}"
+                continue
+            if draft is None:
+                try:
+                    draft = proposer("draft")
+                except BadInputError as e:
+                    skipped[name] = f"no draft model: {' '.join(str(e).split())}"
+                    continue
+            assistant, gamma = hf_assistant(draft, info.vocab_size)
+            methods.append(hf_method(name, model, counter, eos_ids, options,
+                                     f"transformers assisted generation with the `draft` proposer's draft, "
+                                     f"num_assistant_tokens={gamma} (constant schedule, confidence threshold 0)",
+                                     assistant_model=assistant))
+    if not methods:
+        counter.remove()
+        raise BadInputError("nothing to run: every method was skipped (" +
+                            "; ".join(f"{k}: {v}" for k, v in skipped.items()) + ")")
+    for name, why in skipped.items():
+        log(f"skipping {name}: {why}")
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return Setup(model, tokenizer, encoder, methods, skipped, counter, eos_ids, t.model, dtype, str(info.device))
+
+
+# ------------------------------------------------------------------------------------------------ identity
+
+
+def first_difference(reference: list[int], output: list[int]) -> int | None:
+    """Index of the first position where the two token lists differ (a length difference counts), or None."""
+    for i, (a, b) in enumerate(zip(reference, output, strict=False)):
+        if a != b:
+            return i
+    return None if len(reference) == len(output) else min(len(reference), len(output))
+
+
+@torch.no_grad()
+def top2_logits(model: torch.nn.Module, context: list[int]) -> tuple[tuple[int, float], tuple[int, float]]:
+    """The target's two largest next-token logits after `context`: one from-scratch forward (no cache), float32."""
+    x = torch.tensor([context], device=next(model.parameters()).device)
+    logits = model(input_ids=x, use_cache=False).logits[0, -1].float()
+    values, ids = logits.topk(2)
+    return (int(ids[0]), float(values[0])), (int(ids[1]), float(values[1]))
+
+
+def is_near_tie(top1: float, top2: float, threshold: float) -> bool:
+    """Near-tie: the top-2 gap is within `threshold` of the top logit's magnitude (at least 1, for logits near 0)."""
+    return top1 - top2 <= threshold * max(1.0, abs(top1))
+
+
+def explain_difference(model32: torch.nn.Module, prompt: list[int], reference: list[int], output: list[int],
+                       at: int, threshold: float) -> dict[str, Any]:
+    """Why `output` leaves `reference` at position `at`: the float32 top-2 of the target there."""
+    (t1, l1), (t2, l2) = top2_logits(model32, prompt + reference[:at])
+    return {
+        "position": at,
+        "reference_token": reference[at] if at < len(reference) else None,
+        "method_token": output[at] if at < len(output) else None,
+        "top1": {"token": t1, "logit": l1},
+        "top2": {"token": t2, "logit": l2},
+        "gap": l1 - l2,
+        "relative_gap": (l1 - l2) / max(1.0, abs(l1)),
+        "near_tie": is_near_tie(l1, l2, threshold),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+
+def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the benchmark and write its outputs; returns the JSON document (also in `<out>/bench.json`)."""
+    from tqdm import tqdm
+
+    log = log or (lambda msg: print(f"specframe bench: {msg}", file=sys.stderr, flush=True))
+    options.validate()
+    questions_path = Path(options.questions) if options.questions else default_questions_path()
+    questions = read_questions(questions_path, options.subtasks, options.limit)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    load_start = os.getloadavg()
+    with warnings.catch_warnings(), quiet_transformers():
+        warnings.simplefilter("ignore")  # transformers' per-call advice would bury the progress bar
+        setup = build(options, log)
+        try:
+            records, failed = timed_loop(setup, questions, options, log, tqdm)
+        finally:
+            setup.counter.remove()
+        if options.greedy and any(m.name == REFERENCE for m in setup.methods) and REFERENCE not in failed:
+            check_identity(records, setup, options)
+    load_end = os.getloadavg()
+    for r in records:  # prompts are long and re-made from the questions; the JSON keeps their length only
+        del r["prompt_ids"]
+    skipped = {**setup.skipped, **failed}
+    methods = [m for m in setup.methods if m.name not in failed]
+    doc = {
+        "format": FORMAT,
+        "version": 1,
+        "command": options.command(),
+        "date": started.isoformat(timespec="seconds"),
+        "duration_s": (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(),
+        "machine": machine_info(setup.device),
+        "loadavg_start": list(load_start),
+        "loadavg_end": list(load_end),
+        "settings": {
+            **{k: v for k, v in asdict(options).items() if k not in ("progress",)},
+            "questions": str(questions_path),
+            "target": setup.target,
+            "dtype": setup.dtype,
+            "device": setup.device,
+            "greedy": options.greedy,
+            "torch_threads": torch.get_num_threads(),
+            "questions_run": {s: sum(q.subtask == s for q in questions) for s in options.subtasks},
+        },
+        "methods": {m.name: {"kind": m.kind, "description": m.description} for m in methods},
+        "skipped": skipped,
+        "definitions": DEFINITIONS | {"near_tie": f"top-1 minus top-2 logit <= {options.tie_threshold} x "
+                                                    "max(1, |top-1 logit|), float32 from-scratch forward"},
+        "summary": summarize(records, [m.name for m in methods], options.subtasks),
+        "records": records,
+    }
+    write_outputs(doc, options)
+    return doc
+
+
+DEFINITIONS = {
+    "mean_accepted_length": "total new tokens / total target forwards (prefill included) over every turn of the "
+                            "subtask (pooled, not a mean of per-turn ratios); plain decoding scores 1.00",
+    "tokens_per_s": "mean over questions of (new tokens of all its turns / seconds of all its turns), Spec-Bench's",
+    "speedup": "tokens/s of the method / tokens/s of the baseline (hf or none) on the same questions, same run",
+    "acceptance_rate": "accepted draft tokens / proposed draft tokens (tree: / depth proposed), pooled",
+    "acceptance_by_position": "[d] = verification steps that accepted a token at draft depth d+1 / steps that "
+                              "proposed one there",
+    "accepted_length_histogram": "[k] = verification steps (prefill excluded) that emitted k+1 tokens "
+                                 "(k accepted drafts + the target's token)",
+    "alpha": "per-token acceptance probability, estimated as accepted / (accepted + rejections); a step that "
+             "accepted fewer drafts than the deepest depth proposed counts one rejection (so a whole shorter "
+             "draft near the token budget counts as a rejection: a slight underestimate)",
+    "predicted_speedup": "Leviathan et al.: E[tokens/step] = (1 - alpha^(gamma+1)) / (1 - alpha); speedup = "
+                         "E[tokens/step] x plain step cost / (gamma x draft cost per token + verify cost per "
+                         "step); costs from the stats' propose_time_s / proposed_tokens and verify_time_s / steps, "
+                         "the plain step from `none` (propose + verify time per step)",
+    "identical": "greedy only: the turn's tokens equal hf's for the same conversation; a turn after an earlier "
+                 "difference has another context and is not compared",
+}
+
+
+def conversation_ids(encoder: Any, turns: list[str], answers: list[str]) -> list[int]:
+    """Ids of the conversation so far (user turns with the method's own answers between), generation prompt on."""
+    messages: list[dict[str, str]] = []
+    for i, text in enumerate(turns):
+        messages.append({"role": "user", "content": text})
+        if i < len(answers):
+            messages.append({"role": "assistant", "content": answers[i]})
+    return encoder.encode(messages).tolist()
+
+
+def timed_loop(setup: Setup, questions: list[Question], options: BenchOptions, log: Callable[[str], None],
+               tqdm: Any) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Warm up every method, then run question by question, every method on each (order rotated per question)."""
+    methods = list(setup.methods)
+    failed: dict[str, str] = {}
+    warm = setup.encoder.encode(WARMUP_PROMPT).tolist()
+    for m in list(methods):
+        try:
+            m.run(warm, min(WARMUP_TOKENS, options.max_new_tokens), options.seed)
+        except Exception as e:  # a baseline transformers refuses, or a broken plugin: report, keep the rest
+            failed[m.name] = f"failed in warm-up: {type(e).__name__}: {' '.join(str(e).split())}"
+            log(f"dropping {m.name}: {failed[m.name]}")
+            methods.remove(m)
+    records: list[dict[str, Any]] = []
+    total = sum(len(q.turns) for q in questions) * len(methods)
+    bar = tqdm(total=total, unit="gen", desc="bench", disable=not options.progress, file=sys.stderr,
+               dynamic_ncols=True)
+    with bar, torch.inference_mode():
+        for qi, q in enumerate(questions):
+            k = qi % len(methods) if methods else 0
+            for m in methods[k:] + methods[:k]:  # rotate so drift over the run hits every method alike
+                if m.name in failed:
+                    continue
+                bar.set_postfix_str(f"{q.subtask} q{q.question_id} {m.name}")
+                answers: list[str] = []
+                try:
+                    for turn in range(len(q.turns)):
+                        ids = conversation_ids(setup.encoder, q.turns[: turn + 1], answers)
+                        out = m.run(ids, options.max_new_tokens, options.seed + 10 * q.question_id + turn)
+                        answers.append(setup.tokenizer.decode(out.token_ids, skip_special_tokens=True).strip())
+                        records.append(record(m, q, turn, ids, out))
+                        bar.update(1)
+                except BadInputError:
+                    raise  # e.g. a prompt longer than the context window: the user's to fix
+                except Exception as e:
+                    failed[m.name] = (f"failed on question {q.question_id}: {type(e).__name__}: "
+                                      f"{' '.join(str(e).split())}")
+                    log(f"dropping {m.name}: {failed[m.name]}")
+    records = [r for r in records if r["method"] not in failed]
+    return records, failed
+
+
+def record(m: Method, q: Question, turn: int, prompt: list[int], out: Output) -> dict[str, Any]:
+    stats = out.stats
+    if stats is not None:
+        stats = {k: v for k, v in stats.items() if k not in ("new_tokens", "target_forwards")}
+    return {
+        "method": m.name,
+        "question_id": q.question_id,
+        "subtask": q.subtask,
+        "category": q.category,
+        "turn": turn,
+        "prompt_ids": prompt,
+        "prompt_tokens": len(prompt),
+        "token_ids": out.token_ids,
+        "new_tokens": len(out.token_ids),
+        "target_forwards": out.target_forwards,
+        "seconds": out.seconds,
+        "stats": stats,
+        "identical": None,
+        "context_differs": None,
+        "difference": None,
+    }
+
+
+def check_identity(records: list[dict[str, Any]], setup: Setup, options: BenchOptions) -> None:
+    """Mark each record identical or not to hf's turn; explain every first difference by the target's top-2."""
+    model32 = None
+    ref = {(r["question_id"], r["turn"]): r for r in records if r["method"] == REFERENCE}
+    by_conversation: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in records:
+        if r["method"] != REFERENCE:
+            by_conversation.setdefault((r["method"], r["question_id"]), []).append(r)
+    for turns in by_conversation.values():
+        for r in turns:
+            base = ref.get((r["question_id"], r["turn"]))
+            if base is None:
+                continue
+            if r["prompt_ids"] != base["prompt_ids"]:
+                r["context_differs"] = True  # an earlier answer differed: this turn answers another conversation
+                continue
+            r["context_differs"] = False
+            at = first_difference(base["token_ids"], r["token_ids"])
+            r["identical"] = at is None
+            if at is not None:
+                if model32 is None:
+                    model32 = float32_copy(setup.model)
+                r["difference"] = explain_difference(model32, r["prompt_ids"], base["token_ids"], r["token_ids"], at,
+                                                     options.tie_threshold)
+
+
+def float32_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """The target in float32 (itself when it already is) for the tie check's from-scratch forward."""
+    if next(model.parameters()).dtype == torch.float32:
+        return model
+    return copy.deepcopy(model).float()
+
+
+# ------------------------------------------------------------------------------------------------ aggregation
+
+
+def mean_accepted_length(records: list[dict[str, Any]]) -> float | None:
+    """Total new tokens / total target forwards (DESIGN.md), pooled over the records."""
+    forwards = sum(r["target_forwards"] for r in records)
+    return sum(r["new_tokens"] for r in records) / forwards if forwards else None
+
+
+def tokens_per_second(records: list[dict[str, Any]]) -> float | None:
+    """Spec-Bench's speed: per question, all its turns' tokens over all their seconds; then the mean."""
+    per_q: dict[int, list[float]] = {}
+    for r in records:
+        acc = per_q.setdefault(r["question_id"], [0.0, 0.0])
+        acc[0] += r["new_tokens"]
+        acc[1] += r["seconds"]
+    speeds = [tokens / seconds for tokens, seconds in per_q.values() if seconds > 0]
+    return statistics.mean(speeds) if speeds else None
+
+
+def add_lists(a: list[int], b: list[int]) -> list[int]:
+    """Elementwise sum of two count lists of different lengths (missing entries count 0)."""
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
+
+
+def pooled_stats(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Sums of specframe's counters over the records; None when none of them carries stats (transformers)."""
+    with_stats = [r for r in records if r["stats"] is not None]
+    if not with_stats:
+        return None
+    pooled: dict[str, Any] = {"proposed_tokens": 0, "accepted_tokens": 0, "proposed_nodes": 0, "propose_time_s": 0.0,
+                              "verify_time_s": 0.0, "steps": 0, "decode_tokens": 0, "proposed_by_position": [],
+                              "accepted_by_position": []}
+    for r in with_stats:
+        s = r["stats"]
+        for key in ("proposed_tokens", "accepted_tokens", "proposed_nodes", "propose_time_s", "verify_time_s"):
+            pooled[key] += s.get(key) or 0
+        pooled["steps"] += r["target_forwards"] - 1  # verification steps: every forward after the prefill
+        pooled["decode_tokens"] += r["new_tokens"] - 1  # the prefill emits the first token
+        for key in ("proposed_by_position", "accepted_by_position"):
+            pooled[key] = add_lists(pooled[key], s.get(key) or [])
+    return pooled
+
+
+def acceptance_by_position(proposed: list[int], accepted: list[int]) -> list[float | None]:
+    """[d] = accepted[d] / proposed[d]: how often a draft at depth d+1 was accepted when one was proposed there."""
+    return [(accepted[d] if d < len(accepted) else 0) / p if p else None for d, p in enumerate(proposed)]
+
+
+def accepted_length_histogram(steps: int, accepted_by_position: list[int]) -> list[int]:
+    """[k] = steps that accepted exactly k drafts (emitted k+1 tokens), from [d] = steps that accepted >= d+1."""
+    at_least = [steps, *accepted_by_position, 0]
+    return [at_least[k] - at_least[k + 1] for k in range(len(accepted_by_position) + 1)]
+
+
+def estimate_alpha(accepted_tokens: int, proposed_by_position: list[int], accepted_by_position: list[int]
+                   ) -> float | None:
+    """Per-token acceptance probability of a chain, accepted / (accepted + rejections) (see DEFINITIONS)."""
+    if not proposed_by_position or not proposed_by_position[0]:
+        return None
+    gamma = len(proposed_by_position)
+    whole = accepted_by_position[gamma - 1] if len(accepted_by_position) >= gamma else 0
+    rejections = proposed_by_position[0] - whole
+    tried = accepted_tokens + rejections
+    return accepted_tokens / tried if tried else None
+
+
+def expected_tokens_per_step(alpha: float, gamma: int) -> float:
+    """Leviathan et al. eq. 1: tokens per step of a γ-token chain accepted i.i.d. with probability α."""
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def predicted_speedup(alpha: float, gamma: int, draft_cost: float, verify_cost: float, plain_cost: float) -> float:
+    """Expected tokens per step over one step's cost (γ draft tokens + one verification), in plain steps."""
+    return expected_tokens_per_step(alpha, gamma) * plain_cost / (gamma * draft_cost + verify_cost)
+
+
+def prediction(pooled: dict[str, Any] | None, plain: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The Leviathan et al. prediction for a chain proposer, beside what was measured; None where it does not apply."""
+    if pooled is None or not pooled["proposed_tokens"] or not pooled["steps"]:
+        return None
+    if pooled["proposed_nodes"] != pooled["proposed_tokens"]:
+        return {"applies": False, "why": "tree proposals: the chain formula does not apply"}
+    if plain is None or not plain["steps"]:
+        return {"applies": False, "why": f"needs `{ENGINE_BASELINE}` in the run for the plain step's cost"}
+    gamma = len(pooled["proposed_by_position"])
+    alpha = estimate_alpha(pooled["accepted_tokens"], pooled["proposed_by_position"], pooled["accepted_by_position"])
+    draft_cost = pooled["propose_time_s"] / pooled["proposed_tokens"]
+    verify_cost = pooled["verify_time_s"] / pooled["steps"]
+    plain_cost = (plain["propose_time_s"] + plain["verify_time_s"]) / plain["steps"]
+    loop_time = pooled["propose_time_s"] + pooled["verify_time_s"]
+    plain_loop = plain["propose_time_s"] + plain["verify_time_s"]
+    return {
+        "applies": True,
+        "gamma": gamma,
+        "alpha": alpha,
+        "expected_tokens_per_step": expected_tokens_per_step(alpha, gamma),
+        "measured_tokens_per_step": pooled["decode_tokens"] / pooled["steps"],
+        "draft_cost_per_token_s": draft_cost,
+        "verify_cost_per_step_s": verify_cost,
+        "plain_step_s": plain_cost,
+        "predicted_speedup": predicted_speedup(alpha, gamma, draft_cost, verify_cost, plain_cost),
+        # The formula models the decode loop only; this is the same loop measured (prefill and overhead excluded).
+        "measured_loop_speedup": (pooled["decode_tokens"] / loop_time) / (plain["decode_tokens"] / plain_loop)
+        if loop_time > 0 and plain_loop > 0 and plain["decode_tokens"] else None,
+    }
+
+
+def identity_summary(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    compared = [r for r in records if r["identical"] is not None]
+    if not compared:
+        return None
+    differ = [r for r in compared if not r["identical"]]
+    return {
+        "compared": len(compared),
+        "identical": len(compared) - len(differ),
+        "differ": len(differ),
+        "differ_at_near_tie": sum(bool(r["difference"] and r["difference"]["near_tie"]) for r in differ),
+        "differ_not_tie": sum(not (r["difference"] and r["difference"]["near_tie"]) for r in differ),
+        "context_differs": sum(bool(r["context_differs"]) for r in records),
+    }
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarize(records: list[dict[str, Any]], methods: list[str], subtasks: list[str]) -> dict[str, Any]:
+    """{subtask or 'overall': {method: numbers}} — see DEFINITIONS for each number."""
+    out: dict[str, Any] = {}
+    for subtask in [*subtasks, OVERALL]:
+        rows = [r for r in records if subtask in (OVERALL, r["subtask"])]
+        speed = {m: tokens_per_second([r for r in rows if r["method"] == m]) for m in methods}
+        plain = pooled_stats([r for r in rows if r["method"] == ENGINE_BASELINE])
+        table: dict[str, Any] = {}
+        for m in methods:
+            rs = [r for r in rows if r["method"] == m]
+            if not rs:
+                continue
+            pooled = pooled_stats(rs)
+            table[m] = {
+                "questions": len({r["question_id"] for r in rs}),
+                "turns": len(rs),
+                "new_tokens": sum(r["new_tokens"] for r in rs),
+                "target_forwards": sum(r["target_forwards"] for r in rs),
+                "seconds": sum(r["seconds"] for r in rs),
+                "mean_accepted_length": mean_accepted_length(rs),
+                "tokens_per_s": speed[m],
+                "speedup_vs_hf": ratio(speed[m], speed.get(REFERENCE)),
+                "speedup_vs_none": ratio(speed[m], speed.get(ENGINE_BASELINE)),
+                "acceptance_rate": ratio(pooled["accepted_tokens"], pooled["proposed_tokens"]) if pooled else None,
+                "proposed_by_position": pooled["proposed_by_position"] if pooled else None,
+                "accepted_by_position": pooled["accepted_by_position"] if pooled else None,
+                "acceptance_by_position": acceptance_by_position(pooled["proposed_by_position"],
+                                                                 pooled["accepted_by_position"]) if pooled else None,
+                "accepted_length_histogram": accepted_length_histogram(pooled["steps"], pooled["accepted_by_position"])
+                if pooled else None,
+                "identity": identity_summary(rs),
+                "prediction": prediction(pooled, plain),
+            }
+        out[subtask] = table
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ outputs
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+    }
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:{spec}}{suffix}"
+
+
+def identity_cell(identity: dict[str, Any] | None) -> str:
+    if identity is None:
+        return "–"
+    text = f"{identity['identical']}/{identity['compared']}"
+    if identity["differ"]:
+        text += f" ({identity['differ_at_near_tie']} at near-tie, {identity['differ_not_tie']} not)"
+    return text
+
+
+def main_table(doc: dict[str, Any]) -> list[str]:
+    lines = ["| subtask | method | questions | mean accepted length | tokens/s | speedup vs hf | speedup vs none | "
+             "acceptance rate | greedy output = hf |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for subtask, table in doc["summary"].items():
+        for m, s in table.items():
+            lines.append(f"| {subtask} | {m} | {s['questions']} | {fmt(s['mean_accepted_length'])} | "
+                         f"{fmt(s['tokens_per_s'], '.1f')} | {fmt(s['speedup_vs_hf'], '.2f', 'x')} | "
+                         f"{fmt(s['speedup_vs_none'], '.2f', 'x')} | {fmt(s['acceptance_rate'], '.3f')} | "
+                         f"{identity_cell(s['identity'])} |")
+    return lines
+
+
+def markdown(doc: dict[str, Any], plots: bool = True) -> str:
+    """The report as Markdown: setup, main table, acceptance by position, prediction, differences, skipped."""
+    s, mach = doc["settings"], doc["machine"]
+    mode = ("greedy" if s["greedy"]
+            else f"sampling (temperature {s['temperature']}, top-p {s['top_p']}, top-k {s['top_k']})")
+    per = ", ".join(f"{k} {v}" for k, v in s["questions_run"].items())
+    lines = [
+        f"- command: `{doc['command']}`",
+        f"- date: {doc['date']} (took {doc['duration_s']:.0f} s)",
+        f"- target: `{s['target']}` ({s['dtype']}, {s['device']}); {mode}; max_new_tokens {s['max_new_tokens']}; "
+        f"batch 1; torch threads {s['torch_threads']}",
+        f"- questions: {per} (from `{s['questions']}`)",
+        f"- machine: {mach['nproc']} CPUs ({mach['cpu']}){', GPU ' + mach['gpu'] if 'gpu' in mach else ''}; "
+        f"Python {mach['python']}, torch {mach['torch']}, transformers {mach['transformers']}",
+        f"- load average (1/5/15 min) at start {fmt_load(doc['loadavg_start'])}, at end {fmt_load(doc['loadavg_end'])}",
+        "",
+        "## Speed, acceptance, identity",
+        "",
+        *main_table(doc),
+        "",
+    ]
+    overall = doc["summary"].get(OVERALL, {})
+    pos = {m: v["acceptance_by_position"] for m, v in overall.items() if v["acceptance_by_position"]}
+    if pos:
+        depth = max(len(v) for v in pos.values())
+        lines += ["## Acceptance by draft position (all subtasks)", "",
+                  "| method | " + " | ".join(f"depth {d + 1}" for d in range(depth)) + " |",
+                  "|---|" + "---:|" * depth]
+        for m, v in pos.items():
+            cells = [fmt(v[d], ".3f") if d < len(v) else "–" for d in range(depth)]
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines.append("")
+    preds = [(sub, m, v["prediction"]) for sub, t in doc["summary"].items() for m, v in t.items()
+             if v["prediction"] is not None]
+    if preds:
+        lines += ["## Predicted vs measured speedup (chain proposers; Leviathan et al.)", "",
+                  "| subtask | method | γ | α | tokens/step predicted | measured | draft cost/token | "
+                  "verify cost/step | plain step | predicted speedup | measured (decode loop) | "
+                  "measured (end to end, vs none) |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for sub, m, p in preds:
+            if not p["applies"]:
+                lines.append(f"| {sub} | {m} | {p['why']} |" + " |" * 10)
+                continue
+            lines.append(
+                f"| {sub} | {m} | {p['gamma']} | {fmt(p['alpha'], '.3f')} | "
+                f"{fmt(p['expected_tokens_per_step'])} | {fmt(p['measured_tokens_per_step'])} | "
+                f"{fmt(1e3 * p['draft_cost_per_token_s'], '.1f', ' ms')} | "
+                f"{fmt(1e3 * p['verify_cost_per_step_s'], '.1f', ' ms')} | "
+                f"{fmt(1e3 * p['plain_step_s'], '.1f', ' ms')} | "
+                f"{fmt(p['predicted_speedup'], '.2f', 'x')} | {fmt(p['measured_loop_speedup'], '.2f', 'x')} | "
+                f"{fmt(doc['summary'][sub][m]['speedup_vs_none'], '.2f', 'x')} |")
+        lines.append("")
+    diffs = [r for r in doc["records"] if r["difference"] is not None]
+    if diffs:
+        lines += ["## Outputs that differ from hf's greedy output", "",
+                  "| method | question | turn | position | hf token | method token | top-2 gap (float32) | "
+                  "relative | near-tie |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for r in diffs:
+            d = r["difference"]
+            lines.append(f"| {r['method']} | {r['question_id']} | {r['turn'] + 1} | {d['position']} | "
+                         f"{d['reference_token']} | {d['method_token']} | {d['gap']:.3g} | {d['relative_gap']:.3g} | "
+                         f"{'yes' if d['near_tie'] else '**no**'} |")
+        lines.append("")
+    if doc["skipped"]:
+        lines += ["## Skipped", ""] + [f"- `{m}`: {why}" for m, why in doc["skipped"].items()] + [""]
+    lines += ["## Methods", ""] + [f"- `{m}`: {v['description']}" for m, v in doc["methods"].items()] + [""]
+    lines += ["## Definitions", ""] + [f"- {k}: {v}" for k, v in doc["definitions"].items()] + [""]
+    if plots:
+        lines += ["## Plots", "", "![speedup per subtask](speedup.png)", "",
+                  "![accepted lengths](accepted_lengths.png)", ""]
+    return "\n".join(lines)
+
+
+def fmt_load(load: list[float]) -> str:
+    return "/".join(f"{x:.2f}" for x in load)
+
+
+def write_plots(doc: dict[str, Any], out: Path) -> list[Path]:
+    """speedup.png (per subtask and method) and accepted_lengths.png (share of steps by tokens emitted)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    summary = doc["summary"]
+    methods = list(doc["methods"])
+    subtasks = list(summary)
+    key, base = ("speedup_vs_hf", REFERENCE) if REFERENCE in methods else ("speedup_vs_none", ENGINE_BASELINE)
+    shown = [m for m in methods if m != base]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(subtasks) * max(1, len(shown)) / 2), 4))
+    width = 0.8 / max(1, len(shown))
+    for i, m in enumerate(shown):
+        ys = [summary[s].get(m, {}).get(key) or 0.0 for s in subtasks]
+        ax.bar([x + i * width for x in range(len(subtasks))], ys, width, label=m)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width * (len(shown) - 1) / 2 for x in range(len(subtasks))], subtasks, rotation=20)
+    ax.set_ylabel(f"speedup over {base} (tokens/s ratio)")
+    ax.set_title(f"{doc['settings']['target']}, {'greedy' if doc['settings']['greedy'] else 'sampling'}")
+    if shown:
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    paths = [out / "speedup.png"]
+    fig.savefig(paths[0], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    overall = summary.get(OVERALL, {})
+    hists = {m: v["accepted_length_histogram"] for m, v in overall.items()
+             if v["accepted_length_histogram"] and len(v["accepted_length_histogram"]) > 1}
+    width = 0.8 / max(1, len(hists))
+    for i, (m, h) in enumerate(hists.items()):
+        total = sum(h) or 1
+        ax.bar([k + 1 + i * width for k in range(len(h))], [c / total for c in h], width, label=m)
+    if hists:
+        ax.legend(fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "no proposer drafted tokens", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("tokens emitted per verification step (accepted drafts + 1)")
+    ax.set_ylabel("share of steps")
+    ax.set_title("accepted lengths, all subtasks")
+    fig.tight_layout()
+    paths.append(out / "accepted_lengths.png")
+    fig.savefig(paths[1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def results_page(doc: dict[str, Any]) -> str:
+    """docs/results.md: the run's Markdown with how it was made; regenerated by the command it names."""
+    head = [
+        "# Results",
+        "",
+        "<!-- Generated by `specframe bench ... --results-doc docs/results.md`; do not edit by hand. -->",
+        "",
+        "The latest benchmark numbers on this machine. Regenerate this page with the command below (it rewrites "
+        "the file); plots and per-turn records are in the run's `--out` folder (`bench.json`, `speedup.png`, "
+        "`accepted_lengths.png`).",
+        "",
+    ]
+    return "\n".join(head) + markdown(doc, plots=False)
+
+
+def write_outputs(doc: dict[str, Any], options: BenchOptions) -> None:
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(doc, indent=1))
+    (out / "bench.md").write_text("# specframe bench\n\n" + markdown(doc))
+    write_plots(doc, out)
+    if options.results_doc:
+        page = Path(options.results_doc)
+        page.parent.mkdir(parents=True, exist_ok=True)
+        page.write_text(results_page(doc))
+
+
+class quiet_transformers:
+    """Hush transformers' logging (generation advice per call) for the run; restore it after."""
+
+    def __enter__(self) -> quiet_transformers:
+        from transformers.utils import logging as hf_logging
+
+        self.level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity(self.level)

@@ -1,0 +1,104 @@
+"""What every trainer shares: sequences from self-distillation data, batching, checkpoints, progress."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specframe.data import DistillExample
+
+
+@dataclass
+class Sequence:
+    ids: list[int]  # prompt + response, truncated to max_length
+    first_target: int  # positions t >= first_target - 1 predict response tokens (loss positions)
+
+
+def to_sequences(examples: list[DistillExample], max_length: int) -> list[Sequence]:
+    out = []
+    for e in examples:
+        ids = (e.prompt_ids + e.response_ids)[:max_length]
+        if len(ids) > len(e.prompt_ids):  # at least one response token to learn
+            out.append(Sequence(ids, len(e.prompt_ids)))
+    return out
+
+
+def split_heldout(examples: list[DistillExample], fraction: float, seed: int = 0):
+    """Deterministic split by id, so the held-out set is the same across runs and resumes."""
+    import hashlib
+
+    def bucket(e: DistillExample) -> float:
+        h = hashlib.sha256(f"{seed}:{e.id}".encode()).digest()
+        return int.from_bytes(h[:8], "big") / 2**64
+
+    train = [e for e in examples if bucket(e) >= fraction]
+    heldout = [e for e in examples if bucket(e) < fraction]
+    return train, heldout
+
+
+def make_batches(seqs: list[Sequence], batch_size: int, seed: int) -> list[list[Sequence]]:
+    """Batches of similar lengths (little padding), in a seeded random order."""
+    ordered = sorted(seqs, key=lambda s: len(s.ids))
+    batches = [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
+    random.Random(seed).shuffle(batches)
+    return batches
+
+
+def collate(batch: list[Sequence], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids [B, T], attention_mask [B, T], loss_mask [B, T]): loss at positions predicting the response."""
+    width = max(len(s.ids) for s in batch)
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    loss = torch.zeros_like(ids, dtype=torch.bool)
+    for i, s in enumerate(batch):  # right padding
+        ids[i, : len(s.ids)] = torch.tensor(s.ids)
+        attn[i, : len(s.ids)] = 1
+        loss[i, s.first_target - 1 : len(s.ids) - 1] = True
+    return ids, attn, loss
+
+
+def save_checkpoint(
+    folder: Path, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, state: dict
+) -> None:
+    """Weights and optimizer moments as safetensors (never pickle), progress as JSON; written atomically."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in params.items()}, tmp / "model.safetensors")
+    moments = {}
+    for i, st in optimizer.state_dict()["state"].items():
+        for k, v in st.items():
+            moments[f"{i}.{k}"] = v.detach().reshape(-1).contiguous().cpu() if v.dim() == 0 else v.detach().cpu()
+    save_file(moments, tmp / "optim.safetensors")
+    (tmp / "state.json").write_text(json.dumps(state, indent=2))
+    if folder.exists():
+        for f in folder.iterdir():
+            f.unlink()
+        folder.rmdir()
+    tmp.rename(folder)
+
+
+def load_checkpoint(
+    folder: Path, named_params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer
+) -> dict:
+    weights = load_file(folder / "model.safetensors")
+    with torch.no_grad():
+        for k, p in named_params.items():
+            p.copy_(weights[k])
+    moments = load_file(folder / "optim.safetensors")
+    sd = optimizer.state_dict()
+    params = sd["param_groups"][0]["params"]
+    state = {}
+    for i in params:
+        keys = [k for k in moments if k.split(".", 1)[0] == str(i)]
+        if keys:
+            state[i] = {
+                k.split(".", 1)[1]: (moments[k].reshape(()) if k.endswith("step") else moments[k]) for k in keys
+            }
+    sd["state"] = state
+    optimizer.load_state_dict(sd)
+    return json.loads((folder / "state.json").read_text())

@@ -1,0 +1,205 @@
+"""`specframe train --proposer draft`: distil a small shared-weights draft from the target (DistillSpec).
+
+The draft is a few of the target's own decoder layers (initialised as copies), on the target's embeddings,
+with a reduced output vocabulary (the most frequent tokens of the distillation data; rows = the target's own
+LM-head rows). Only the layers and the final norm are trained, with forward KL(p_target || q_draft) over the
+reduced vocabulary at every response position. Reported on held-out prompts: top-1 agreement with the
+target's greedy choice and alpha = 1 - TV(p, q) at temperature 1 (the expected acceptance of one sampled
+draft token), over the full vocabulary (q = 0 outside the draft's).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specframe.data import read_distill
+from specframe.errors import ConfigError
+from specframe.shared_draft import build_shared_draft, save_shared_draft
+from specframe.training.common import (
+    collate,
+    load_checkpoint,
+    make_batches,
+    save_checkpoint,
+    split_heldout,
+    to_sequences,
+)
+
+
+@dataclass
+class DraftTrainConfig:
+    # Self-distillation data from `specframe data distill` (JSONL of prompt/response token ids).
+    data: str = "runs/distill/smollm2-135m-instruct.jsonl"
+    # Output folder for the trained draft (draft_config.json, draft_vocab.json, model.safetensors, card).
+    out: str = "runs/draft"
+    # Decoder layers in the draft: more agree better with the target but cost more per drafted token.
+    layers: int = 4
+    # Target layers the draft's layers start from (default: the first `layers`).
+    init_layers: list[int] = field(default_factory=list)
+    # Output vocabulary: the most frequent tokens of the data. Smaller is cheaper; tokens outside get q = 0.
+    vocab_size: int = 8192
+    # Passes over the training split.
+    epochs: int = 3
+    # Peak AdamW learning rate (linear warm-up, cosine decay).
+    lr: float = 5e-4
+    # Sequences per optimisation step.
+    batch_size: int = 8
+    # Longest prompt + response used (tokens).
+    max_length: int = 512
+    # Fraction of prompts held out for the reported metrics.
+    heldout_fraction: float = 0.05
+    # Seed for batching order.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("layers", "vocab_size", "epochs", "batch_size", "max_length"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"train.{key} must be >= 1, got {getattr(self, key)}")
+        if not 0 < self.heldout_fraction < 1:
+            raise ConfigError(f"train.heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+        if self.init_layers and len(self.init_layers) != self.layers:
+            raise ConfigError(f"train.init_layers must list {self.layers} layers, got {self.init_layers}")
+
+
+def choose_vocab(examples, size: int, vocab_size: int, always: list[int]) -> torch.Tensor:
+    """The `size` most frequent token ids in the responses (then prompts), plus `always` (e.g. EOS)."""
+    counts: Counter[int] = Counter()
+    for e in examples:
+        counts.update(e.response_ids)
+    for e in examples:  # prompt tokens break ties, so the list fills up even with little data
+        counts.update({t: 1e-6 for t in e.prompt_ids})
+    chosen = [t for t in always if 0 <= t < vocab_size]
+    for t, _ in counts.most_common():
+        if len(chosen) >= size:
+            break
+        if t not in chosen:
+            chosen.append(t)
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+@torch.no_grad()
+def evaluate(draft, target, vocab_ids, seqs, pad: int, batch_size: int = 8) -> dict:
+    """Top-1 agreement and alpha = 1 - TV(p, q) (temperature 1) at held-out response positions."""
+    agree = total = 0
+    alpha_sum = 0.0
+    for i in range(0, len(seqs), batch_size):
+        ids, attn, mask = collate(seqs[i : i + batch_size], pad)
+        p_logits = target(input_ids=ids, attention_mask=attn).logits[mask].float()
+        q_small = draft(input_ids=ids, attention_mask=attn).logits[mask].float()
+        q = torch.zeros_like(p_logits)
+        q[:, vocab_ids] = q_small.softmax(-1)
+        p = p_logits.softmax(-1)
+        agree += int((vocab_ids[q_small.argmax(-1)] == p_logits.argmax(-1)).sum())
+        alpha_sum += float((1 - 0.5 * (p - q).abs().sum(-1)).sum())
+        total += int(mask.sum())
+    return {"top1_agreement": agree / max(1, total), "alpha": alpha_sum / max(1, total), "positions": total}
+
+
+def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, log=print) -> dict:
+    """Train and save a shared draft for `target` (a float32 model); returns the held-out metrics."""
+    from tqdm import tqdm
+
+    torch.manual_seed(cfg.seed)
+    out = Path(cfg.out)
+    examples = read_distill(cfg.data)
+    train_ex, held_ex = split_heldout(examples, cfg.heldout_fraction, cfg.seed)
+    if not train_ex or not held_ex:
+        raise ConfigError(f"train.data '{cfg.data}' has too few examples ({len(examples)}) for a held-out split")
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+    eos = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
+    vocab_ids = choose_vocab(train_ex, min(cfg.vocab_size, vocab_size), vocab_size, eos)
+    init = cfg.init_layers or list(range(cfg.layers))
+    draft = build_shared_draft(target, cfg.layers, vocab_ids, init_layers=init)
+    draft.train()
+    params = {k: p for k, p in draft.named_parameters() if k.startswith(("model.layers.", "model.norm."))}
+    for k, p in draft.named_parameters():
+        p.requires_grad_(k in params)
+    pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    train_seqs = to_sequences(train_ex, cfg.max_length)
+    held_seqs = to_sequences(held_ex, cfg.max_length)
+    in_vocab = torch.zeros(vocab_size, dtype=torch.bool)
+    in_vocab[vocab_ids] = True
+    coverage = sum(int(in_vocab[torch.tensor(e.response_ids)].sum()) for e in held_ex if e.response_ids) / max(
+        1, sum(len(e.response_ids) for e in held_ex)
+    )
+    log(
+        f"draft: {cfg.layers} layers from target layers {init}, vocabulary {len(vocab_ids)} "
+        f"(covers {coverage:.1%} of held-out response tokens); {len(train_seqs)} train / {len(held_seqs)} "
+        "held-out sequences"
+    )
+
+    optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
+    steps_per_epoch = math.ceil(len(train_seqs) / cfg.batch_size)
+    total_steps = steps_per_epoch * cfg.epochs
+    warmup = min(50, total_steps // 10 + 1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total_steps)))
+    )
+    start_epoch, history = 0, []
+    ckpt = out / "checkpoint"
+    if resume and (ckpt / "state.json").is_file():
+        state = load_checkpoint(ckpt, params, optimizer)
+        start_epoch, history = state["epoch"], state["history"]
+        for _ in range(start_epoch * steps_per_epoch):
+            schedule.step()
+        log(f"resumed from {ckpt} after epoch {start_epoch}")
+
+    teacher_head = target.get_output_embeddings().weight.detach()[vocab_ids]  # [K, hidden]
+    metrics = evaluate(draft.eval(), target, vocab_ids, held_seqs, pad) if start_epoch == 0 else history[-1]
+    if start_epoch == 0:
+        log(f"before training: held-out top-1 agreement {metrics['top1_agreement']:.3f}, alpha {metrics['alpha']:.3f}")
+        history.append({"epoch": 0, **metrics})
+    batches = make_batches(train_seqs, cfg.batch_size, cfg.seed)
+    teacher: dict[int, torch.Tensor] = {}  # batch index -> target log-probs over the draft's vocabulary (bf16)
+    for epoch in range(start_epoch, cfg.epochs):
+        draft.train()
+        order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
+        bar = tqdm(order, desc=f"epoch {epoch + 1}/{cfg.epochs}", file=sys.stderr, unit="batch")
+        t0, running = time.perf_counter(), None
+        for b in bar:
+            ids, attn, mask = collate(batches[b], pad)
+            if b not in teacher:  # the target is frozen: score each batch once, reuse it every epoch
+                with torch.no_grad():
+                    hidden = target.model(input_ids=ids, attention_mask=attn).last_hidden_state[mask]
+                    teacher[b] = (hidden @ teacher_head.T).float().log_softmax(-1).to(torch.bfloat16)
+            p_log = teacher[b].float()
+            h = draft.model(input_ids=ids, attention_mask=attn).last_hidden_state[mask]
+            q_log = draft.lm_head(h).float().log_softmax(-1)
+            loss = (p_log.exp() * (p_log - q_log)).sum(-1).mean()  # KL(p || q)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
+            optimizer.step()
+            schedule.step()
+            running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
+            bar.set_postfix(kl=f"{running:.3f}", lr=f"{schedule.get_last_lr()[0]:.1e}")
+        metrics = evaluate(draft.eval(), target, vocab_ids, held_seqs, pad)
+        history.append({"epoch": epoch + 1, "train_kl": running, "seconds": time.perf_counter() - t0, **metrics})
+        log(
+            f"epoch {epoch + 1}: train KL {running:.3f}; held-out top-1 agreement {metrics['top1_agreement']:.3f}, "
+            f"alpha {metrics['alpha']:.3f}"
+        )
+        save_checkpoint(ckpt, params, optimizer, {"epoch": epoch + 1, "history": history})
+    final = {
+        "heldout": history[-1],
+        "history": history,
+        "vocab_coverage": coverage,
+        "train_sequences": len(train_seqs),
+        "heldout_sequences": len(held_seqs),
+    }
+    save_shared_draft(
+        draft.eval(),
+        vocab_ids,
+        target,
+        out,
+        init,
+        final,
+        extra={"train_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}},
+    )
+    return final

@@ -1,0 +1,284 @@
+"""`specframe bench` on tiny random models: outputs and their structure, aggregation maths, identity, errors."""
+
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+
+from specframe import bench
+from specframe.cli import main
+from specframe.testing.tiny import tiny_llama
+
+QUESTIONS = [
+    {"question_id": 81, "category": "writing", "turns": ["a b c", "c d"]},
+    {"question_id": 82, "category": "roleplay", "turns": ["b c d e"]},
+    {"question_id": 161, "category": "translation", "turns": ["d e f a"]},
+    {"question_id": 162, "category": "translation", "turns": ["f a b"]},
+    {"question_id": 163, "category": "translation", "turns": ["a a b"]},  # past --limit 2
+]
+
+
+@pytest.fixture(scope="module")
+def questions(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "question.jsonl"
+    path.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
+    return path
+
+
+def run_cli(*argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+def bench_args(tiny_dirs, questions, out, *extra):
+    return ["bench", "--target", str(tiny_dirs["target"]), "--questions", str(questions), "--subtasks",
+            "mt_bench,translation", "--limit", "2", "--max-new-tokens", "6", "--out", str(out), "--no-progress", *extra]
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny_dirs, questions, tmp_path_factory):
+    """One greedy run with every kind of method, a missing proposer, and a results page."""
+    root = tmp_path_factory.mktemp("run")
+    code, out, err = run_cli(*bench_args(tiny_dirs, questions, root / "out", "--proposers", "none,draft,medusa",
+                                         "--baselines", "hf,hf-assisted,hf-pld", "--results-doc",
+                                         str(root / "docs" / "results.md"), f"draft.model={tiny_dirs['draft']}",
+                                         "draft.num_speculative_tokens=3"))
+    assert code == 0, err
+    return root, json.loads((root / "out" / "bench.json").read_text()), out, err
+
+
+def test_outputs_exist_with_their_structure(full_run):
+    root, doc, out, _ = full_run
+    methods = ["none", "draft", "hf", "hf-assisted", "hf-pld"]
+    assert list(doc["methods"]) == methods
+    assert {"command", "date", "machine", "loadavg_start", "loadavg_end", "settings", "summary", "records",
+            "skipped", "definitions"} <= set(doc)
+    assert {"nproc", "cpu", "torch", "transformers"} <= set(doc["machine"])
+    assert list(doc["summary"]) == ["mt_bench", "translation", "overall"]
+    assert doc["settings"]["questions_run"] == {"mt_bench": 2, "translation": 2}  # --limit 2 per subtask
+    for table in doc["summary"].values():
+        assert list(table) == methods
+        for s in table.values():
+            assert {"mean_accepted_length", "tokens_per_s", "speedup_vs_hf", "speedup_vs_none", "acceptance_rate",
+                    "acceptance_by_position", "identity", "prediction"} <= set(s)
+    assert len(doc["records"]) == 5 * len(methods)  # 4 questions, one with 2 turns
+    assert doc["summary"]["overall"]["hf"]["speedup_vs_hf"] == pytest.approx(1.0)
+    for name in ("bench.md", "speedup.png", "accepted_lengths.png"):
+        assert (root / "out" / name).is_file()
+    for png in ("speedup.png", "accepted_lengths.png"):
+        assert (root / "out" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (root / "out" / "bench.md").read_text()
+    assert "| subtask | method |" in md and "| overall | draft |" in md and "## Skipped" in md
+    assert "| subtask | method |" in out  # the table is also printed
+    page = (root / "docs" / "results.md").read_text()
+    assert "do not edit by hand" in page and doc["command"] in page and doc["machine"]["cpu"] in page
+    assert "--results-doc" in doc["command"] and "draft.num_speculative_tokens=3" in doc["command"]
+
+
+def test_missing_proposer_is_skipped_with_a_reason(full_run):
+    _, doc, _, err = full_run
+    assert "not installed" in doc["skipped"]["medusa"]
+    assert "skipping medusa: not installed" in err
+
+
+def test_no_draft_skips_draft_and_hf_assisted(tiny_dirs, questions, tmp_path):
+    code, _, err = run_cli(*bench_args(tiny_dirs, questions, tmp_path, "--proposers", "none,draft", "--baselines",
+                                       "hf-assisted", "--subtasks", "translation", "--limit", "1"))
+    assert code == 0, err
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert list(doc["methods"]) == ["none"]
+    assert "proposer.model is required" in doc["skipped"]["draft"]
+    assert doc["skipped"]["hf-assisted"].startswith("no draft model")
+
+
+def test_plain_decoding_scores_one_and_matches_hf(full_run):
+    _, doc, _, _ = full_run
+    overall = doc["summary"]["overall"]
+    for m in ("none", "hf"):
+        assert overall[m]["mean_accepted_length"] == 1.0
+    assert overall["none"]["identity"] == {"compared": 5, "identical": 5, "differ": 0, "differ_at_near_tie": 0,
+                                           "differ_not_tie": 0, "context_differs": 0}
+    for m in ("draft", "hf-assisted", "hf-pld"):  # exact methods: identical, or differing only at a near-tie
+        assert overall[m]["identity"]["differ_not_tie"] == 0
+    assert overall["hf"]["identity"] is None  # the reference itself
+
+
+def test_draft_stats_and_prediction(full_run):
+    _, doc, _, _ = full_run
+    s = doc["summary"]["overall"]["draft"]
+    assert len(s["proposed_by_position"]) == 3 and s["proposed_by_position"][0] > 0
+    assert sum(s["accepted_length_histogram"]) == s["target_forwards"] - s["turns"]  # steps = forwards - prefills
+    p = s["prediction"]
+    assert p["applies"] and p["gamma"] == 3 and 0.0 <= p["alpha"] <= 1.0 and p["predicted_speedup"] > 0
+
+
+def test_second_turn_holds_the_methods_own_first_answer(full_run, tiny_dirs):
+    from transformers import AutoTokenizer
+
+    _, doc, _, _ = full_run
+    tok = AutoTokenizer.from_pretrained(tiny_dirs["target"])
+    for m in doc["methods"]:
+        first, second = [r for r in doc["records"] if r["method"] == m and r["question_id"] == 81]
+        answer = tok.decode(first["token_ids"], skip_special_tokens=True).strip()
+        # No chat template: the conversation's turns are joined and encoded as plain text, as specframe does.
+        assert second["prompt_tokens"] == len(tok("\n".join(["a b c", answer, "c d"]))["input_ids"])
+
+
+def test_methods_are_interleaved_with_a_rotating_order(full_run):
+    _, doc, _, _ = full_run
+    firsts = []
+    for r in doc["records"]:
+        if not firsts or firsts[-1][0] != r["question_id"]:
+            firsts.append((r["question_id"], r["method"]))
+    assert [q for q, _ in firsts] == [81, 82, 161, 162]  # question by question, every method on each
+    assert [m for _, m in firsts] == ["none", "draft", "hf", "hf-assisted"]
+
+
+def test_sampling_reports_speed_not_identity(tiny_dirs, questions, tmp_path):
+    code, _, err = run_cli(*bench_args(tiny_dirs, questions, tmp_path, "--proposers", "none", "--baselines", "hf",
+                                       "--subtasks", "translation", "--limit", "1", "--temperature", "0.8",
+                                       "--top-k", "5", "--seed", "3"))
+    assert code == 0, err
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    s = doc["summary"]["overall"]
+    assert s["none"]["tokens_per_s"] > 0 and s["none"]["identity"] is None
+    assert "--temperature 0.8" in doc["command"] and "sampling (temperature 0.8" in (tmp_path / "bench.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--subtasks", "poetry"], "unknown subtask 'poetry'"),
+        (["--questions", "/nonexistent/question.jsonl"], "questions file '/nonexistent/question.jsonl' does not exist"),
+        (["--limit", "0"], "--limit must be an integer >= 1"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),
+        (["--baselines", "vllm"], "unknown baseline 'vllm'"),
+        (["--proposers", "none", "sampling.temperature=1"], "'sampling' is neither 'target' nor a proposer"),
+        (["--proposers", "none", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--proposers", "medusa", "--baselines", ""], "nothing to run: every method was skipped"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(tiny_dirs, questions, tmp_path, extra, message):
+    args = bench_args(tiny_dirs, questions, tmp_path, *extra)
+    if "--questions" in extra:  # the later flag wins in argparse; drop the default one
+        i = args.index("--questions")
+        del args[i : i + 2]
+    code, out, err = run_cli(*args)
+    assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_bad_question_file_names_the_line(tiny_dirs, tmp_path):
+    bad = tmp_path / "q.jsonl"
+    bad.write_text(json.dumps(QUESTIONS[0]) + "\n{not json\n")
+    code, _, err = run_cli(*bench_args(tiny_dirs, bad, tmp_path / "out"))
+    assert code == 2 and "line 2" in err
+
+
+# ------------------------------------------------------------------------------------------------ the maths
+
+
+def rec(qid, new, forwards, seconds, stats=None, method="m", subtask="qa"):
+    return {"method": method, "question_id": qid, "subtask": subtask, "new_tokens": new, "target_forwards": forwards,
+            "seconds": seconds, "stats": stats, "identical": None, "context_differs": None, "difference": None}
+
+
+def test_mean_accepted_length_pools_tokens_over_forwards():
+    rs = [rec(1, 10, 5, 1.0), rec(2, 30, 10, 1.0)]
+    assert bench.mean_accepted_length(rs) == 40 / 15  # not the mean of 2.0 and 3.0
+    assert bench.mean_accepted_length([]) is None
+
+
+def test_tokens_per_second_is_the_mean_of_per_question_speeds():
+    # question 1 has two turns: (10 + 20) tokens / (1 + 2) s = 10/s; question 2: 40 tokens / 1 s.
+    rs = [rec(1, 10, 10, 1.0), rec(1, 20, 20, 2.0), rec(2, 40, 40, 1.0)]
+    assert bench.tokens_per_second(rs) == pytest.approx((10 + 40) / 2)
+
+
+def test_pooled_stats_and_positions():
+    s1 = {"proposed_tokens": 6, "accepted_tokens": 3, "proposed_nodes": 6, "propose_time_s": 0.6,
+          "verify_time_s": 0.3, "proposed_by_position": [2, 2, 2], "accepted_by_position": [2, 1]}
+    s2 = {"proposed_tokens": 1, "accepted_tokens": 1, "proposed_nodes": 1, "propose_time_s": 0.1,
+          "verify_time_s": 0.1, "proposed_by_position": [1], "accepted_by_position": [1]}
+    pooled = bench.pooled_stats([rec(1, 6, 3, 1.0, s1), rec(2, 3, 2, 1.0, s2), rec(3, 5, 5, 1.0)])
+    assert pooled["proposed_by_position"] == [3, 2, 2] and pooled["accepted_by_position"] == [3, 1]
+    assert pooled["steps"] == (3 - 1) + (2 - 1) and pooled["decode_tokens"] == 5 + 2
+    assert pooled["proposed_tokens"] == 7 and pooled["accepted_tokens"] == 4
+    assert bench.acceptance_by_position([3, 2, 2], [3, 1]) == [1.0, 0.5, 0.0]
+    assert bench.acceptance_by_position([2, 0], [1]) == [0.5, None]
+    assert bench.pooled_stats([rec(1, 5, 5, 1.0)]) is None  # transformers: no stats
+
+
+def test_accepted_length_histogram():
+    # 10 steps; 6 accepted >= 1 draft, 3 accepted >= 2, 1 accepted all 3.
+    assert bench.accepted_length_histogram(10, [6, 3, 1]) == [4, 3, 2, 1]
+    assert bench.accepted_length_histogram(4, []) == [4]
+
+
+def test_predicted_speedup_on_known_numbers():
+    # Leviathan et al. eq. 1 with alpha 0.8, gamma 4: (1 - 0.8^5) / 0.2 = 3.3616 tokens per step.
+    assert bench.expected_tokens_per_step(0.8, 4) == pytest.approx(3.3616)
+    assert bench.expected_tokens_per_step(1.0, 4) == 5.0 and bench.expected_tokens_per_step(0.0, 4) == 1.0
+    # One step costs 4 x 0.1 (drafts) + 1.2 (verify) = 1.6 plain steps.
+    assert bench.predicted_speedup(0.8, 4, 0.1, 1.2, 1.0) == pytest.approx(3.3616 / 1.6)
+
+
+def test_alpha_estimate():
+    # gamma 3, 10 steps, 6 + 3 + 1 accepted, 1 step accepted all: 9 rejections -> alpha = 10 / 19.
+    assert bench.estimate_alpha(10, [10, 10, 10], [6, 3, 1]) == pytest.approx(10 / 19)
+    assert bench.estimate_alpha(30, [10, 10, 10], [10, 10, 10]) == 1.0
+    assert bench.estimate_alpha(0, [], []) is None
+
+
+def test_prediction_needs_a_chain_and_none():
+    chain = {"proposed_tokens": 8, "accepted_tokens": 4, "proposed_nodes": 8, "propose_time_s": 0.8,
+             "verify_time_s": 1.0, "steps": 4, "decode_tokens": 8, "proposed_by_position": [4, 4],
+             "accepted_by_position": [3, 1]}
+    plain = {"propose_time_s": 0.0, "verify_time_s": 2.0, "steps": 10, "decode_tokens": 10}
+    p = bench.prediction(chain, plain)
+    alpha = 4 / (4 + 3)  # 4 steps, 1 accepted both: 3 rejections
+    assert p["alpha"] == pytest.approx(alpha) and p["gamma"] == 2
+    assert p["predicted_speedup"] == pytest.approx(bench.expected_tokens_per_step(alpha, 2) * 0.2 / (2 * 0.1 + 0.25))
+    assert p["measured_tokens_per_step"] == 2.0
+    assert p["measured_loop_speedup"] == pytest.approx((8 / 1.8) / (10 / 2.0))
+    assert not bench.prediction({**chain, "proposed_nodes": 12}, plain)["applies"]  # a tree
+    assert not bench.prediction(chain, None)["applies"]
+
+
+def test_summarize_speedups_and_identity():
+    def both(method, speed):
+        return [rec(1, speed, speed, 1.0, method=method), rec(2, speed, speed, 1.0, method=method)]
+
+    records = both("hf", 10) + both("none", 20) + both("x", 40)
+    records[-1].update(identical=False, difference={"near_tie": True})
+    records[-2].update(identical=True)
+    table = bench.summarize(records, ["hf", "none", "x"], ["qa"])["overall"]
+    assert table["x"]["speedup_vs_hf"] == 4.0 and table["x"]["speedup_vs_none"] == 2.0
+    assert table["x"]["identity"]["differ_at_near_tie"] == 1 and table["x"]["identity"]["identical"] == 1
+
+
+# ------------------------------------------------------------------------------------------------ identity
+
+
+def test_first_difference():
+    assert bench.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert bench.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert bench.first_difference([1, 2, 3], [1, 2]) == 2
+
+
+def test_near_tie_from_the_targets_logits():
+    model = tiny_llama(vocab_size=8, seed=0)
+    context = [1, 2, 3]
+    (t1, l1), (t2, l2) = bench.top2_logits(model, context)
+    assert l1 >= l2 and t1 != t2
+    assert bench.is_near_tie(10.0, 9.995, 1e-3) and not bench.is_near_tie(10.0, 9.9, 1e-3)
+    gap = bench.explain_difference(model, context, [t1], [t2], 0, 1e-3)
+    assert gap["reference_token"] == t1 and gap["method_token"] == t2 and gap["gap"] == pytest.approx(l1 - l2)
+    # Give the runner-up the winner's output row: an exact tie, which the check must call a near-tie.
+    with torch.no_grad():
+        model.lm_head.weight[t2] = model.lm_head.weight[t1]
+    tie = bench.explain_difference(model, context, [t1], [t2], 0, 1e-3)
+    assert tie["gap"] == 0.0 and tie["near_tie"]

@@ -1,0 +1,55 @@
+"""The offline default target, end to end (slow: loads SmolLM2-135M-Instruct, pulling it on first use)."""
+
+import pytest
+import torch
+
+from specframe import SpeculativeDecoder, load_config
+from specframe.artifacts import shipped_draft
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["Why is the sky blue?", "Write a haiku about autumn.", "List three uses of a paperclip."]
+
+
+@pytest.fixture(scope="module")
+def decoders():
+    base = SpeculativeDecoder.from_config(load_config(overrides=["proposer.name=none"]))
+    out = {"none": base}
+    if shipped_draft("smollm2-135m-instruct"):
+        out["draft"] = SpeculativeDecoder.from_config(load_config(overrides=["proposer.name=draft"]))
+    return out
+
+
+def hf_greedy(dec, prompt, n):
+    ids = dec.encode(prompt)[None]
+    out = dec.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    return out[0, ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_every_proposer_equals_transformers_greedy(decoders, prompt):
+    ref = hf_greedy(decoders["none"], prompt, 48)
+    for name, dec in decoders.items():
+        res = dec.generate(prompt, max_new_tokens=48)
+        assert res.token_ids == ref, name
+
+
+def test_shipped_draft_is_present_and_accepts_tokens(decoders):
+    assert "draft" in decoders, "the default target must ship with a trained draft"
+    res = decoders["draft"].generate(PROMPTS[0], max_new_tokens=64)
+    assert res.stats["mean_accepted_length"] > 1.5
+
+
+def test_sampling_runs_and_is_reproducible(decoders):
+    dec = decoders.get("draft", decoders["none"])
+    a = dec.generate(PROMPTS[1], max_new_tokens=24, temperature=0.8, top_p=0.9, seed=3)
+    b = dec.generate(PROMPTS[1], max_new_tokens=24, temperature=0.8, top_p=0.9, seed=3)
+    assert a.token_ids == b.token_ids and a.text
+
+
+def test_multi_turn_messages(decoders):
+    dec = decoders["none"]
+    first = dec.generate("My name is Ada.", max_new_tokens=16)
+    msgs = [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": first.text},
+            {"role": "user", "content": "What is my name?"}]
+    assert "Ada" in dec.generate(msgs, max_new_tokens=24).text

@@ -1,0 +1,113 @@
+import json
+
+import pytest
+import torch
+
+from specframe import SpeculativeDecoder
+from specframe.decoder import target_info
+from specframe.errors import ConfigError, ModelLoadError
+from specframe.proposers.draft import DraftConfig, DraftProposer
+from specframe.shared_draft import as_full_vocab_model, load_shared_draft
+from specframe.testing.conformance import reference_greedy
+from specframe.testing.tiny import tiny_llama
+from specframe.training.draft import DraftTrainConfig, train_draft
+
+
+def write_data(path, target, n=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with path.open("w") as f:
+        for i in range(n):
+            prompt = torch.randint(0, 16, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist()
+            resp = reference_greedy(target, prompt, 6)
+            f.write(
+                json.dumps(
+                    {"id": f"p{i}", "source": "test", "prompt_ids": prompt, "response_ids": resp, "finished": False}
+                )
+                + "\n"
+            )
+
+
+@pytest.fixture
+def trained(tmp_path):
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=3)
+    write_data(tmp_path / "d.jsonl", target)
+    cfg = DraftTrainConfig(
+        data=str(tmp_path / "d.jsonl"),
+        out=str(tmp_path / "draft"),
+        layers=1,
+        vocab_size=10,
+        epochs=3,
+        lr=1e-2,
+        batch_size=8,
+        heldout_fraction=0.2,
+    )
+    metrics = train_draft(cfg, target, None, log=lambda m: None)
+    return target, cfg, metrics
+
+
+def test_training_improves_agreement_and_saves_only_new_weights(trained):
+    target, cfg, metrics = trained
+    hist = metrics["history"]
+    assert hist[-1]["train_kl"] < hist[1]["train_kl"] and 0 <= hist[-1]["alpha"] <= 1
+    from safetensors.torch import load_file
+
+    keys = set(load_file(f"{cfg.out}/model.safetensors"))
+    assert keys and all(k.startswith(("model.layers.0.", "model.norm.")) for k in keys)
+    assert all(v.dtype == torch.float16 for v in load_file(f"{cfg.out}/model.safetensors").values())
+
+
+def test_metrics_of_a_draft_equal_to_the_target_are_perfect():
+    from specframe.shared_draft import build_shared_draft
+    from specframe.training.common import Sequence
+    from specframe.training.draft import evaluate
+
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=3)
+    vocab = torch.arange(16)
+    clone = build_shared_draft(target, 3, vocab, init_layers=[0, 1, 2]).eval()
+    seqs = [Sequence([1, 2, 3, 4, 5, 6], 3), Sequence([7, 8, 9], 1)]
+    m = evaluate(clone, target, vocab, seqs, pad=0)
+    assert m["top1_agreement"] == 1.0 and m["alpha"] == pytest.approx(1.0, abs=1e-4) and m["positions"] == 5
+
+
+def test_trained_draft_is_exact_under_greedy_and_reduced_vocabulary(trained):
+    target, cfg, _ = trained
+    info = target_info(target)
+    proposer = DraftProposer.from_config(DraftConfig(model=cfg.out, num_speculative_tokens=3), info)
+    assert proposer.vocab_ids is not None and len(proposer.vocab_ids) == 10
+    dec = SpeculativeDecoder(target, proposer)
+    for prompt in ([1, 2, 3], [4, 5]):
+        res = dec.generate(prompt, max_new_tokens=12)
+        assert res.token_ids == reference_greedy(target, prompt, 12)
+    res = dec.generate([1, 2, 3], max_new_tokens=12, temperature=1.0, seed=0)
+    assert all(0 <= t < 16 for t in res.token_ids)
+
+
+def test_full_vocab_wrapper_matches_the_reduced_draft(trained):
+    target, cfg, _ = trained
+    draft, vocab_ids = load_shared_draft(cfg.out, target)
+    full = as_full_vocab_model(draft, vocab_ids, 16)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    small, big = draft(input_ids=ids).logits[0, -1], full(input_ids=ids).logits[0, -1]
+    assert torch.allclose(big[vocab_ids], small, atol=1e-5) and big.argmax() == vocab_ids[small.argmax()]
+
+
+def test_draft_for_another_target_is_refused(trained):
+    _, cfg, _ = trained
+    other = tiny_llama(vocab_size=16, seed=5, hidden_size=32, num_layers=3)
+    with pytest.raises(ModelLoadError, match="trained for another target"):
+        load_shared_draft(cfg.out, other)
+
+
+def test_resume_continues_after_the_last_epoch(trained, tmp_path):
+    target, cfg, _ = trained
+    cfg3 = DraftTrainConfig(**{**cfg.__dict__, "epochs": 4})
+    logs = []
+    metrics = train_draft(cfg3, target, None, resume=True, log=logs.append)
+    assert any("resumed" in m and "epoch 3" in m for m in logs)
+    assert [h["epoch"] for h in metrics["history"]] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("field, value", [("layers", 0), ("heldout_fraction", 1.0), ("epochs", 0)])
+def test_bad_training_options(field, value):
+    with pytest.raises(ConfigError, match=f"train.{field}"):
+        DraftTrainConfig(**{field: value})
