@@ -103,6 +103,9 @@ class BenchOptions:
     out: str = "runs/bench"
     results_doc: str | None = None  # also write this Markdown page (docs/results.md)
     progress: bool = True  # tqdm bar with ETA on stderr
+    # torch intra-op threads for the run; None = torch's default. On a machine other work shares, fewer threads
+    # than cores can be much faster (a thread waiting for a busy core stalls every matmul).
+    threads: int | None = None
 
     def validate(self) -> None:
         """Raise BadInputError (exit 2) on options that cannot run, before any model is loaded."""
@@ -120,7 +123,7 @@ class BenchOptions:
         if clash:
             raise BadInputError(f"'{sorted(clash)[0]}' is a baseline: list it under --baselines")
         for name, value in (("limit", self.limit), ("max-new-tokens", self.max_new_tokens),
-                            ("pld-tokens", self.pld_tokens)):
+                            ("pld-tokens", self.pld_tokens), ("threads", self.threads)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise BadInputError(f"--{name} must be an integer >= 1, got {value!r}")
         if not self.tie_threshold >= 0:
@@ -132,7 +135,11 @@ class BenchOptions:
             check_sampling(self.temperature, self.top_k, self.top_p, prefix="--")
         except ConfigError as e:  # name the flag as typed: --top-p, not --top_p
             raise BadInputError(str(e).replace("top_p", "top-p").replace("top_k", "top-k")) from None
-        split_overrides(self.overrides, self.proposers)
+        split_overrides(self.overrides, self.override_heads())
+
+    def override_heads(self) -> list[str]:
+        """Proposers that `<proposer>.<key>=...` may name: those run, and `draft` when hf-assisted borrows it."""
+        return [*self.proposers, *(["draft"] if "hf-assisted" in self.baselines else [])]
 
     @property
     def greedy(self) -> bool:
@@ -157,6 +164,8 @@ class BenchOptions:
             argv += ["--pld-tokens", str(self.pld_tokens)]
         if self.tie_threshold != 1e-3:
             argv += ["--tie-threshold", str(self.tie_threshold)]
+        if self.threads is not None:
+            argv += ["--threads", str(self.threads)]
         argv += ["--out", self.out]
         if self.results_doc:
             argv += ["--results-doc", self.results_doc]
@@ -258,7 +267,7 @@ class ForwardCounter:
 
 def specframe_method(name: str, decoder: Any, options: BenchOptions, description: str) -> Method:
     def run(ids: list[int], max_new: int, seed: int) -> Output:
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # around the whole call, as for transformers (stats' wall_time_s is inside it)
         res = decoder.generate(ids, max_new_tokens=max_new, temperature=options.temperature, top_p=options.top_p,
                                top_k=options.top_k, seed=seed)
         seconds = time.perf_counter() - t0
@@ -343,10 +352,18 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
     from specframe.models import load_model
     from specframe.plugins import get_registry
 
-    shared, own = split_overrides(options.overrides, options.proposers)
+    shared, own = split_overrides(options.overrides, options.override_heads())
     flags = {"target.model": options.target, "target.dtype": options.dtype, "target.device": options.device}
     shared = shared + [f"{k}={v}" for k, v in flags.items() if v is not None]
     cfg = load_config(overrides=["proposer.name=none", *shared])
+    registry = get_registry()
+
+    def proposer_config(name: str) -> Any:
+        # Not caught below: a bad override (unknown key, wrong type) is the user's to fix and ends the run.
+        return load_config(overrides=[f"proposer.name={name}", *shared, *own.get(name, [])]).proposer
+
+    # Before the target loads, so a typo fails in a second.
+    configs = {name: proposer_config(name) for name in options.override_heads() if name in registry.proposers}
     t = cfg.target
     loaded = load_model(t.model, dtype=t.dtype, device=t.device, adapter=t.adapter,
                         trust_remote_code=t.trust_remote_code, quiet=True)
@@ -354,14 +371,14 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
     if tokenizer is None:
         raise ModelLoadError(f"target '{t.model}' has no tokenizer: the benchmark's questions are text")
     info = target_info(model, tokenizer, name=t.model)
-    registry = get_registry()
     eos_ids = sorted(eos_token_ids(model, tokenizer))
 
     def proposer(name: str) -> Any:
-        """Build proposer `name` on the shared target; raises BadInputError when it cannot be built."""
-        entry = registry.get(name)  # unknown name: BadInputError
-        pcfg = load_config(overrides=[f"proposer.name={name}", *shared, *own.get(name, [])]).proposer
-        return entry.cls.from_config(pcfg, info)
+        """Build proposer `name` on the shared target; raises BadInputError when it cannot be built for it."""
+        return registry.get(name).cls.from_config(configs[name] if name in configs else proposer_config(name), info)
+
+    def one_line(e: Exception) -> str:
+        return " ".join(str(e).split())
 
     skipped: dict[str, str] = {}
     methods: list[Method] = []
@@ -373,15 +390,13 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
         try:
             built[name] = proposer(name)
         except BadInputError as e:  # no trained artifact for this target, or one that does not fit it
-            skipped[name] = " ".join(str(e).split())
+            skipped[name] = one_line(e)
             continue
-        decoder = SpeculativeDecoder(model, built[name], tokenizer=tokenizer, plugin=registry.get(name).plugin)
         entry = registry.get(name)
-        methods.append(specframe_method(name, decoder, options, f"specframe proposer '{name}' "
-                                                                 f"(plugin {entry.plugin}, {entry.distribution} "
-                                                                 f"{entry.version})"))
-    encoder = SpeculativeDecoder(model, built.get("none") or registry.get("none").cls.from_config(
-        load_config(overrides=["proposer.name=none", *shared]).proposer, info), tokenizer=tokenizer)
+        decoder = SpeculativeDecoder(model, built[name], tokenizer=tokenizer, plugin=entry.plugin)
+        about = f"specframe proposer '{name}' (plugin {entry.plugin}, {entry.distribution} {entry.version})"
+        methods.append(specframe_method(name, decoder, options, about))
+    encoder = SpeculativeDecoder(model, built.get("none") or proposer("none"), tokenizer=tokenizer)
 
     counter = ForwardCounter(model)
     for name in options.baselines:
@@ -401,7 +416,7 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
                 try:
                     draft = proposer("draft")
                 except BadInputError as e:
-                    skipped[name] = f"no draft model: {' '.join(str(e).split())}"
+                    skipped[name] = f"no draft model: {one_line(e)}"
                     continue
             assistant, gamma = hf_assistant(draft, info.vocab_size)
             methods.append(hf_method(name, model, counter, eos_ids, options,
@@ -468,19 +483,26 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
 
     log = log or (lambda msg: print(f"specframe bench: {msg}", file=sys.stderr, flush=True))
     options.validate()
-    questions_path = Path(options.questions) if options.questions else default_questions_path()
+    questions_path = (Path(options.questions) if options.questions else default_questions_path()).resolve()
     questions = read_questions(questions_path, options.subtasks, options.limit)
     started = datetime.datetime.now(datetime.timezone.utc)
     load_start = os.getloadavg()
-    with warnings.catch_warnings(), quiet_transformers():
-        warnings.simplefilter("ignore")  # transformers' per-call advice would bury the progress bar
-        setup = build(options, log)
-        try:
-            records, failed = timed_loop(setup, questions, options, log, tqdm)
-        finally:
-            setup.counter.remove()
-        if options.greedy and any(m.name == REFERENCE for m in setup.methods) and REFERENCE not in failed:
-            check_identity(records, setup, options)
+    threads = torch.get_num_threads()
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
+    try:
+        with warnings.catch_warnings(), quiet_transformers():
+            warnings.simplefilter("ignore")  # transformers' per-call advice would bury the progress bar
+            setup = build(options, log)
+            try:
+                records, failed = timed_loop(setup, questions, options, log, tqdm)
+            finally:
+                setup.counter.remove()
+            if options.greedy and any(m.name == REFERENCE for m in setup.methods) and REFERENCE not in failed:
+                check_identity(records, setup, options)
+        run_threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(threads)
     load_end = os.getloadavg()
     for r in records:  # prompts are long and re-made from the questions; the JSON keeps their length only
         del r["prompt_ids"]
@@ -496,13 +518,13 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
         "loadavg_start": list(load_start),
         "loadavg_end": list(load_end),
         "settings": {
-            **{k: v for k, v in asdict(options).items() if k not in ("progress",)},
+            **{k: v for k, v in asdict(options).items() if k not in ("progress", "threads")},
             "questions": str(questions_path),
             "target": setup.target,
             "dtype": setup.dtype,
             "device": setup.device,
             "greedy": options.greedy,
-            "torch_threads": torch.get_num_threads(),
+            "torch_threads": run_threads,
             "questions_run": {s: sum(q.subtask == s for q in questions) for s in options.subtasks},
         },
         "methods": {m.name: {"kind": m.kind, "description": m.description} for m in methods},
@@ -512,7 +534,25 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
         "summary": summarize(records, [m.name for m in methods], options.subtasks),
         "records": records,
     }
-    write_outputs(doc, options)
+    write_outputs(doc, Path(options.out), options.results_doc)
+    return doc
+
+
+def render(path: str | Path, out: str | Path | None = None, results_doc: str | None = None) -> dict[str, Any]:
+    """Re-make the summary, Markdown and plots of an earlier run from its bench.json (no generation).
+
+    The numbers are recomputed from the stored per-turn records, so a report change needs no new run; the page
+    still names the command that produced the records."""
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise BadInputError(f"cannot read bench results '{p}': {e}") from e
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise BadInputError(f"'{p}' is not a specframe bench.json")
+    doc["definitions"] = DEFINITIONS | {"near_tie": doc["definitions"]["near_tie"]}
+    doc["summary"] = summarize(doc["records"], list(doc["methods"]), doc["settings"]["subtasks"])
+    write_outputs(doc, Path(out) if out is not None else p.parent, results_doc)
     return doc
 
 
@@ -523,7 +563,8 @@ DEFINITIONS = {
     "speedup": "tokens/s of the method / tokens/s of the baseline (hf or none) on the same questions, same run",
     "acceptance_rate": "accepted draft tokens / proposed draft tokens (tree: / depth proposed), pooled",
     "acceptance_by_position": "[d] = verification steps that accepted a token at draft depth d+1 / steps that "
-                              "proposed one there",
+                              "proposed one there (not conditional on depth d being accepted, so it falls with "
+                              "depth even when every draft is accepted with the same probability)",
     "accepted_length_histogram": "[k] = verification steps (prefill excluded) that emitted k+1 tokens "
                                  "(k accepted drafts + the target's token)",
     "alpha": "per-token acceptance probability, estimated as accepted / (accepted + rejections); a step that "
@@ -881,6 +922,7 @@ def markdown(doc: dict[str, Any], plots: bool = True) -> str:
         f"- machine: {mach['nproc']} CPUs ({mach['cpu']}){', GPU ' + mach['gpu'] if 'gpu' in mach else ''}; "
         f"Python {mach['python']}, torch {mach['torch']}, transformers {mach['transformers']}",
         f"- load average (1/5/15 min) at start {fmt_load(doc['loadavg_start'])}, at end {fmt_load(doc['loadavg_end'])}",
+        *busy_note(doc),
         "",
         "## Speed, acceptance, identity",
         "",
@@ -941,6 +983,16 @@ def markdown(doc: dict[str, Any], plots: bool = True) -> str:
     return "\n".join(lines)
 
 
+def busy_note(doc: dict[str, Any]) -> list[str]:
+    """A warning line when other work was using the CPUs as the run started (load measured before it began)."""
+    load, cpus = doc["loadavg_start"][0], doc["machine"]["nproc"] or 1
+    if doc["settings"]["device"].startswith("cuda") or load < cpus / 2:
+        return []
+    return [f"- **the machine was busy**: 1-minute load {load:.2f} on {cpus} CPUs before the run started, so "
+            "absolute tokens/s are depressed and noisy; the ratios between methods, interleaved prompt by "
+            "prompt, are the numbers to read"]
+
+
 def fmt_load(load: list[float]) -> str:
     return "/".join(f"{x:.2f}" for x in load)
 
@@ -980,8 +1032,10 @@ def write_plots(doc: dict[str, Any], out: Path) -> list[Path]:
     width = 0.8 / max(1, len(hists))
     for i, (m, h) in enumerate(hists.items()):
         total = sum(h) or 1
-        ax.bar([k + 1 + i * width for k in range(len(h))], [c / total for c in h], width, label=m)
+        offset = (i - (len(hists) - 1) / 2) * width  # the group of bars centred on its integer tick
+        ax.bar([k + 1 + offset for k in range(len(h))], [c / total for c in h], width, label=m)
     if hists:
+        ax.set_xticks(range(1, max(len(h) for h in hists.values()) + 1))
         ax.legend(fontsize="small")
     else:
         ax.text(0.5, 0.5, "no proposer drafted tokens", ha="center", va="center", transform=ax.transAxes)
@@ -1004,20 +1058,20 @@ def results_page(doc: dict[str, Any]) -> str:
         "",
         "The latest benchmark numbers on this machine. Regenerate this page with the command below (it rewrites "
         "the file); plots and per-turn records are in the run's `--out` folder (`bench.json`, `speedup.png`, "
-        "`accepted_lengths.png`).",
+        "`accepted_lengths.png`), and `specframe bench --render <out>/bench.json --results-doc docs/results.md` "
+        "re-makes this page from them without generating anything.",
         "",
     ]
-    return "\n".join(head) + markdown(doc, plots=False)
+    return "\n".join(head + [markdown(doc, plots=False)])
 
 
-def write_outputs(doc: dict[str, Any], options: BenchOptions) -> None:
-    out = Path(options.out)
+def write_outputs(doc: dict[str, Any], out: Path, results_doc: str | None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(doc, indent=1))
     (out / "bench.md").write_text("# specframe bench\n\n" + markdown(doc))
     write_plots(doc, out)
-    if options.results_doc:
-        page = Path(options.results_doc)
+    if results_doc:
+        page = Path(results_doc)
         page.parent.mkdir(parents=True, exist_ok=True)
         page.write_text(results_page(doc))
 

@@ -94,9 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--pld-tokens", type=int, default=10, help="hf-pld's prompt_lookup_num_tokens")
     b.add_argument("--tie-threshold", type=float, default=1e-3,
                    help="a first difference is a near-tie if the top-2 logit gap <= this x max(1, |top-1 logit|)")
-    b.add_argument("--out", default="runs/bench", help="output folder: bench.json, bench.md, *.png")
+    b.add_argument("--out", default=None, help="output folder: bench.json, bench.md, *.png (default runs/bench)")
     b.add_argument("--results-doc", default=None, help="also write this Markdown results page (docs/results.md)")
+    b.add_argument("--threads", type=int, default=None, help="torch threads for the run (default: torch's)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("--render", metavar="BENCH_JSON", default=None,
+                   help="run nothing: re-make the report (Markdown, plots, --results-doc) from an earlier bench.json")
     b.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="target.<key>=... for the target, <proposer>.<key>=... for one proposer "
                         "(e.g. draft.num_speculative_tokens=5)")
@@ -238,17 +241,23 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from specframe.bench import BenchOptions, main_table, run_bench
+    from specframe.bench import BenchOptions, main_table, render, run_bench
 
     def names(text: str) -> list[str]:
         return [n.strip() for n in text.split(",") if n.strip()]
+
+    if args.render:
+        doc = render(args.render, args.out, args.results_doc)
+        print("\n".join(main_table(doc)))
+        return 0
 
     options = BenchOptions(
         proposers=names(args.proposers), baselines=names(args.baselines), subtasks=names(args.subtasks),
         limit=args.limit, questions=args.questions, max_new_tokens=args.max_new_tokens, target=args.target,
         dtype=args.dtype, device=args.device, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, overrides=list(args.overrides), pld_tokens=args.pld_tokens, tie_threshold=args.tie_threshold,
-        out=args.out, results_doc=args.results_doc, progress=not args.no_progress,
+        out=args.out or "runs/bench", results_doc=args.results_doc, progress=not args.no_progress,
+        threads=args.threads,
     )
     doc = run_bench(options)
     print("\n".join(main_table(doc)))

@@ -165,7 +165,10 @@ class SpeculativeDecoder:
         stop = self.stop if stop is None else list(stop)
         seed = self.seed if seed is None else seed
         generator = torch.Generator(device=self.device)
-        generator.manual_seed(seed) if seed is not None else generator.seed()
+        if seed is None:
+            generator.seed()  # a fresh random seed
+        else:
+            generator.manual_seed(seed)
 
         start = time.perf_counter()
         prompt_ids = self.encode(prompt, raw=raw)

@@ -79,6 +79,18 @@ def test_outputs_exist_with_their_structure(full_run):
     assert "--results-doc" in doc["command"] and "draft.num_speculative_tokens=3" in doc["command"]
 
 
+def test_render_remakes_the_report_from_the_json(full_run, tmp_path):
+    root, doc, _, _ = full_run
+    code, out, err = run_cli("bench", "--render", str(root / "out" / "bench.json"), "--out", str(tmp_path),
+                             "--results-doc", str(tmp_path / "results.md"))
+    assert code == 0, err
+    again = json.loads((tmp_path / "bench.json").read_text())
+    assert again["summary"] == doc["summary"] and again["command"] == doc["command"]
+    assert (tmp_path / "speedup.png").is_file() and doc["command"] in (tmp_path / "results.md").read_text()
+    code, _, err = run_cli("bench", "--render", str(tmp_path / "results.md"))
+    assert code == 2 and "cannot read bench results" in err
+
+
 def test_missing_proposer_is_skipped_with_a_reason(full_run):
     _, doc, _, err = full_run
     assert "not installed" in doc["skipped"]["medusa"]
@@ -93,6 +105,35 @@ def test_no_draft_skips_draft_and_hf_assisted(tiny_dirs, questions, tmp_path):
     assert list(doc["methods"]) == ["none"]
     assert "proposer.model is required" in doc["skipped"]["draft"]
     assert doc["skipped"]["hf-assisted"].startswith("no draft model")
+
+
+def test_shared_draft_serves_draft_and_hf_assisted(tiny_dirs, questions, tmp_path):
+    from specframe.models import load_model
+    from specframe.shared_draft import build_shared_draft, save_shared_draft
+
+    target = load_model(tiny_dirs["target"], quiet=True).model
+    vocab_ids = torch.arange(6)  # a reduced vocabulary: hf-assisted needs the full-vocabulary wrapper
+    draft = build_shared_draft(target, 1, vocab_ids, init_layers=[0])
+    save_shared_draft(draft, vocab_ids, target, tmp_path / "shared", init_layers=[0], metrics={})
+    code, _, err = run_cli(*bench_args(tiny_dirs, questions, tmp_path / "out", "--proposers", "draft", "--baselines",
+                                       "hf,hf-assisted", "--subtasks", "mt_bench", f"draft.model={tmp_path / 'shared'}",
+                                       "draft.num_speculative_tokens=2"))
+    assert code == 0, err
+    doc = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert list(doc["methods"]) == ["draft", "hf", "hf-assisted"]
+    assert "num_assistant_tokens=2" in doc["methods"]["hf-assisted"]["description"]
+    for m in ("draft", "hf-assisted"):
+        identity = doc["summary"]["overall"][m]["identity"]
+        assert identity["compared"] >= 2 and identity["differ_not_tie"] == 0
+    assert doc["summary"]["overall"]["draft"]["prediction"]["why"].startswith("needs `none`")
+
+
+def test_float32_copy_leaves_the_target_alone():
+    model = tiny_llama(vocab_size=8, seed=0).to(torch.bfloat16)
+    copy32 = bench.float32_copy(model)
+    assert next(copy32.parameters()).dtype == torch.float32 and next(model.parameters()).dtype == torch.bfloat16
+    fp32 = tiny_llama(vocab_size=8, seed=0)
+    assert bench.float32_copy(fp32) is fp32
 
 
 def test_plain_decoding_scores_one_and_matches_hf(full_run):
@@ -141,9 +182,10 @@ def test_methods_are_interleaved_with_a_rotating_order(full_run):
 def test_sampling_reports_speed_not_identity(tiny_dirs, questions, tmp_path):
     code, _, err = run_cli(*bench_args(tiny_dirs, questions, tmp_path, "--proposers", "none", "--baselines", "hf",
                                        "--subtasks", "translation", "--limit", "1", "--temperature", "0.8",
-                                       "--top-k", "5", "--seed", "3"))
+                                       "--top-k", "5", "--seed", "3", "--threads", "1"))
     assert code == 0, err
     doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["settings"]["torch_threads"] == 1 and "--threads 1" in doc["command"]
     s = doc["summary"]["overall"]
     assert s["none"]["tokens_per_s"] > 0 and s["none"]["identity"] is None
     assert "--temperature 0.8" in doc["command"] and "sampling (temperature 0.8" in (tmp_path / "bench.md").read_text()
@@ -160,6 +202,7 @@ def test_sampling_reports_speed_not_identity(tiny_dirs, questions, tmp_path):
         (["--proposers", "none", "sampling.temperature=1"], "'sampling' is neither 'target' nor a proposer"),
         (["--proposers", "none", "--top-p", "0"], "--top-p must be in (0, 1]"),
         (["--proposers", "medusa", "--baselines", ""], "nothing to run: every method was skipped"),
+        (["--proposers", "none,draft", "draft.num_speculatve_tokens=3"], "proposer.num_speculatve_tokens"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tiny_dirs, questions, tmp_path, extra, message):
