@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import traceback
+import warnings
 from collections.abc import Callable
 
 from specframe.errors import BadInputError
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--device", action="append", help="device(s) to check; default: cpu and cuda if present")
     c.add_argument("--quick", action="store_true", help="greedy and rollback checks only (no statistics)")
     c.add_argument("--json", action="store_true")
+    c.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="proposer options, e.g. proposer.max_ngram=2")
     c.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     c.set_defaults(run=cmd_check)
 
@@ -185,7 +187,19 @@ def cmd_check(args: argparse.Namespace) -> int:
     from specframe.testing.conformance import run_suite
 
     entry = get_registry().get(args.proposer)
-    report = run_suite(entry.cls, devices=args.device, quick=args.quick, log=None if args.json else print)
+    config = None
+    if args.overrides:
+        from omegaconf import OmegaConf
+
+        from specframe.config import structured
+
+        bad = [o for o in args.overrides if "=" not in o or not o.startswith("proposer.")]
+        if bad:
+            raise BadInputError(f"check options must be proposer.KEY=VALUE, got '{bad[0]}'")
+        values = OmegaConf.from_dotlist([o.removeprefix("proposer.") for o in args.overrides])
+        config = structured(entry.cls.config_class, values, "proposer")
+    report = run_suite(entry.cls, devices=args.device, config=config, quick=args.quick,
+                       log=None if args.json else print)
     if args.json:
         print(json.dumps(report.as_dict()))
     else:
@@ -285,7 +299,21 @@ def cmd_models_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def show_plugin_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Plugin problems as one clean line on stderr; other warnings as Python shows them."""
+    from specframe.plugins import PluginWarning
+
+    if issubclass(category, PluginWarning):
+        print(f"specframe: warning: {message}", file=sys.stderr)
+    else:
+        _show_warning(message, category, filename, lineno, file, line)
+
+
+_show_warning = warnings.showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.showwarning = show_plugin_warning
     args = build_parser().parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
     try:

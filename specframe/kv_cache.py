@@ -31,9 +31,11 @@ def keep_positions(cache: DynamicCache, start: int, keep: list[int], n_new: int)
             cache.crop(-(n_new - len(keep)))
         return
     index = torch.tensor(keep, device=cache.layers[0].keys.device) + start
-    for layer in cache.layers:
-        layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys.index_select(-2, index)], dim=-2)
-        layer.values = torch.cat([layer.values[..., :start, :], layer.values.index_select(-2, index)], dim=-2)
+    end = start + len(keep)
+    for layer in cache.layers:  # move the kept rows down in place (O(kept), not O(sequence)), then crop
+        layer.keys[..., start:end, :] = layer.keys.index_select(-2, index)
+        layer.values[..., start:end, :] = layer.values.index_select(-2, index)
+    cache.crop(-(n_new - len(keep)))
 
 
 def tree_attention_mask(parents: list[int], past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -19,6 +19,10 @@ from specframe import builtin, hookspecs
 from specframe.errors import BadInputError, PluginError
 from specframe.proposer import Proposer
 
+class PluginWarning(UserWarning):
+    """A plugin was skipped; the message names it and says why."""
+
+
 ENTRY_POINT_GROUP = "specframe"
 DISABLE_ENV = "SPECFRAME_DISABLE_PLUGIN_AUTOLOAD"
 
@@ -110,9 +114,9 @@ def build_registry(autoload: bool | None = None) -> Registry:
             module = ep.load()
             register_plugin(pm, registry, module, ep.name, dist, ver)
         except Exception as e:
-            msg = f"specframe: plugin '{ep.name}' ({dist} {ver}) was not loaded: {type(e).__name__}: {e}"
+            msg = f"plugin '{ep.name}' ({dist} {ver}) was not loaded: {type(e).__name__}: {e}"
             registry.failures.append(msg)
-            warnings.warn(msg, stacklevel=2)
+            warnings.warn(msg, PluginWarning, stacklevel=2)
     return registry
 
 

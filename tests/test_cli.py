@@ -158,3 +158,28 @@ def test_python_dash_m_entry_point():
         timeout=120,
     )
     assert r.returncode == 2 and "unknown proposer 'zzz'" in r.stderr
+
+
+def test_check_with_proposer_options_and_bad_option(capsys):
+    code, out, _ = run(capsys, "check", "--proposer", "draft", "--quick", "--device", "cpu",
+                       "proposer.num_speculative_tokens=1")
+    assert code == 0 and "2 passed, 0 failed" in out
+    code, _, err = run(capsys, "check", "--proposer", "draft", "--quick", "proposer.num_speculative_tokens=0")
+    assert code == 2 and "proposer.num_speculative_tokens" in err
+
+
+def test_a_broken_plugin_is_one_warning_line(capsys, monkeypatch):
+    from specframe import plugins
+
+    class BadEntryPoint:
+        name, dist = "acme-broken", None
+
+        def load(self):
+            raise ImportError("no module named acme")
+
+    monkeypatch.setattr(plugins.importlib.metadata, "entry_points", lambda group: [BadEntryPoint()])
+    monkeypatch.setattr(plugins, "_registry", None)
+    code, out, err = run(capsys, "plugins")
+    assert code == 0 and "none" in out
+    assert err.count("\n") == 1 and err.startswith("specframe: warning: plugin 'acme-broken'")
+    monkeypatch.setattr(plugins, "_registry", None)

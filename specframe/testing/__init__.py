@@ -1,1 +1,2 @@
-"""The exactness conformance suite (see conformance.py); `pytest_plugins = ["specframe.testing.pytest_plugin"]`."""
+"""The exactness conformance suite: `conformance.run_suite` (and `specframe check`), and for pytest the base
+class `specframe.testing.suite.ProposerConformance`."""

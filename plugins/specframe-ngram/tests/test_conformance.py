@@ -16,7 +16,7 @@ class TestNgramConformance(ProposerConformance):
     [
         NgramConfig(max_candidates=1),  # always a chain
         NgramConfig(max_ngram=2, min_ngram=1, num_speculative_tokens=3, max_candidates=4),  # wide, shallow trees
-        NgramConfig(max_ngram=1, num_speculative_tokens=1, max_candidates=8),  # many siblings at depth 1
+        NgramConfig(max_ngram=1, min_ngram=1, num_speculative_tokens=1, max_candidates=8),  # many siblings at depth 1
     ],
     ids=["chain", "wide", "flat"],
 )

@@ -65,7 +65,7 @@ def test_respects_max_depth_and_ngram_range():
 
 
 def test_index_follows_the_sequence_across_steps():
-    proposer = make_proposer(max_candidates=1, num_speculative_tokens=2)
+    proposer = make_proposer(min_ngram=1, max_candidates=1, num_speculative_tokens=2)
     proposer.begin(torch.tensor([1, 2, 3, 4]), {})
     assert proposer.propose(state([1, 2, 3, 4, 1])).tokens.tolist() == [2, 3]
     # two tokens emitted since; drafts are never indexed, so nothing to roll back
