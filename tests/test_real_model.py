@@ -47,9 +47,13 @@ def test_sampling_runs_and_is_reproducible(decoders):
     assert a.token_ids == b.token_ids and a.text
 
 
-def test_multi_turn_messages(decoders):
+def test_multi_turn_messages_use_the_chat_template(decoders):
     dec = decoders["none"]
     first = dec.generate("My name is Ada.", max_new_tokens=16)
     msgs = [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": first.text},
             {"role": "user", "content": "What is my name?"}]
-    assert "Ada" in dec.generate(msgs, max_new_tokens=24).text
+    ids = dec.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ids = ids if isinstance(ids, list) else ids["input_ids"]
+    assert dec.encode(msgs).tolist() == ids
+    assert "My name is Ada." in dec.tokenizer.decode(ids) and first.text in dec.tokenizer.decode(ids)
+    assert dec.generate(msgs, max_new_tokens=12).token_ids == dec.generate(ids, max_new_tokens=12).token_ids
