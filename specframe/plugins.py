@@ -19,6 +19,7 @@ from specframe import builtin, hookspecs
 from specframe.errors import BadInputError, PluginError
 from specframe.proposer import Proposer
 
+
 class PluginWarning(UserWarning):
     """A plugin was skipped; the message names it and says why."""
 

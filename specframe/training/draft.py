@@ -138,17 +138,19 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
     steps_per_epoch = math.ceil(len(train_seqs) / cfg.batch_size)
     total_steps = steps_per_epoch * cfg.epochs
     warmup = min(50, total_steps // 10 + 1)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total_steps)))
-    )
     start_epoch, history = 0, []
     ckpt = out / "checkpoint"
     if resume and (ckpt / "state.json").is_file():
         state = load_checkpoint(ckpt, params, optimizer)
         start_epoch, history = state["epoch"], state["history"]
-        for _ in range(start_epoch * steps_per_epoch):
-            schedule.step()
         log(f"resumed from {ckpt} after epoch {start_epoch}")
+    done = start_epoch * steps_per_epoch  # the schedule continues where the checkpoint stopped
+
+    def lr_factor(s: int) -> float:
+        s += done
+        return min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total_steps)))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
     teacher_head = target.get_output_embeddings().weight.detach()[vocab_ids]  # [K, hidden]
     metrics = evaluate(draft.eval(), target, vocab_ids, held_seqs, pad) if start_epoch == 0 else history[-1]
