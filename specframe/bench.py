@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from specframe.data import read_jsonl
 from specframe.errors import BadInputError
 
 # Spec-Bench's six subtasks and the `category` values of question.jsonl that make them up.
@@ -208,24 +209,18 @@ class Question:
 def read_questions(path: str | Path, subtasks: list[str], limit: int | None = None) -> list[Question]:
     """The questions of `subtasks` (first `limit` of each, in file order), grouped by subtask."""
     p = Path(path)
-    if not p.is_file():
-        raise BadInputError(f"questions file '{p}' does not exist (give --questions PATH of Spec-Bench's "
-                            "question.jsonl)")
     by_subtask: dict[str, list[Question]] = {s: [] for s in subtasks}
-    with p.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                q = Question(int(row["question_id"]), SUBTASK_OF.get(row["category"], ""), row["category"],
-                             [str(t) for t in row["turns"]])
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-                raise BadInputError(f"questions file '{p}' line {number}: not a Spec-Bench question ({e})") from e
-            if not q.turns:
-                raise BadInputError(f"questions file '{p}' line {number}: question {q.question_id} has no turns")
-            if q.subtask in by_subtask and (limit is None or len(by_subtask[q.subtask]) < limit):
-                by_subtask[q.subtask].append(q)
+    hint = " (give --questions PATH of Spec-Bench's question.jsonl)"
+    for number, row in read_jsonl(p, "questions file", hint):
+        try:
+            q = Question(int(row["question_id"]), SUBTASK_OF.get(row["category"], ""), row["category"],
+                         [str(t) for t in row["turns"]])
+        except (KeyError, TypeError, ValueError) as e:
+            raise BadInputError(f"questions file '{p}' line {number}: not a Spec-Bench question ({e})") from e
+        if not q.turns:
+            raise BadInputError(f"questions file '{p}' line {number}: question {q.question_id} has no turns")
+        if q.subtask in by_subtask and (limit is None or len(by_subtask[q.subtask]) < limit):
+            by_subtask[q.subtask].append(q)
     empty = [s for s, qs in by_subtask.items() if not qs]
     if empty:
         raise BadInputError(f"questions file '{p}' has no question of subtask '{empty[0]}'")

@@ -119,11 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def key_values(items: list[str], prefix: str = "") -> list[str]:
+    """`items` after checking each is KEY=VALUE (with KEY under `prefix` when given)."""
+    for item in items:
+        if "=" not in item or not item.startswith(prefix):
+            raise BadInputError(f"override '{item}' is not {prefix}KEY=VALUE")
+    return items
+
+
 def generate_overrides(args: argparse.Namespace) -> list[str]:
     """Dotlist overrides: KEY=VALUE arguments, then the explicit flags (which win)."""
-    for item in args.overrides:
-        if "=" not in item:
-            raise BadInputError(f"override '{item}' is not KEY=VALUE")
+    key_values(args.overrides)
     flags = {
         "proposer.name": args.proposer,
         "target.model": args.target,
@@ -193,10 +199,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
         from specframe.config import structured
 
-        bad = [o for o in args.overrides if "=" not in o or not o.startswith("proposer.")]
-        if bad:
-            raise BadInputError(f"check options must be proposer.KEY=VALUE, got '{bad[0]}'")
-        values = OmegaConf.from_dotlist([o.removeprefix("proposer.") for o in args.overrides])
+        values = OmegaConf.from_dotlist([o.removeprefix("proposer.") for o in key_values(args.overrides, "proposer.")])
         config = structured(entry.cls.config_class, values, "proposer")
     report = run_suite(entry.cls, devices=args.device, config=config, quick=args.quick,
                        log=None if args.json else print)
@@ -217,10 +220,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise BadInputError(f"proposer '{entry.name}' has nothing to train")
     from omegaconf import OmegaConf
 
-    for item in args.overrides:
-        if "=" not in item:
-            raise BadInputError(f"option '{item}' is not KEY=VALUE")
-    config = structured(entry.cls.train_config_class, OmegaConf.from_dotlist(args.overrides), "train")
+    config = structured(entry.cls.train_config_class, OmegaConf.from_dotlist(key_values(args.overrides)), "train")
     loaded = load_model(args.target, dtype="float32", device=args.device, quiet=True)
     metrics = entry.cls.train(config, loaded.model, loaded.tokenizer, resume=args.resume)
     print(json.dumps(metrics.get("heldout", metrics)))

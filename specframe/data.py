@@ -35,45 +35,51 @@ class DistillExample:
     finished: bool
 
 
-def read_prompts(path: str | Path) -> list[dict]:
+def read_jsonl(path: str | Path, what: str, hint: str = "") -> Iterator[tuple[int, dict]]:
+    """(line number, object) for each non-blank line; a missing file or bad JSON is a BadInputError naming
+    `what` (e.g. "prompts file"), the file and the line."""
     p = Path(path)
     if not p.is_file():
-        raise BadInputError(f"prompts file '{path}' does not exist")
-    rows = []
+        raise BadInputError(f"{what} '{path}' does not exist{hint}")
     with p.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+        for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise BadInputError(f"{path}:{n}: not JSON: {e}") from e
-            if "question_id" in row or "turns" in row:
-                raise BadInputError(f"{path} looks like Spec-Bench (question_id/turns): never train on it")
-            if not isinstance(row.get("prompt"), str) or "id" not in row:
-                raise BadInputError(f"{path}:{n}: each line needs 'id' and a string 'prompt'")
-            rows.append(row)
+                raise BadInputError(f"{what} '{path}' line {number}: not JSON ({e})") from e
+            if not isinstance(row, dict):
+                raise BadInputError(f"{what} '{path}' line {number}: not a JSON object")
+            yield number, row
+
+
+def read_prompts(path: str | Path) -> list[dict]:
+    rows = []
+    for number, row in read_jsonl(path, "prompts file"):
+        if "question_id" in row or "turns" in row:
+            raise BadInputError(f"{path} looks like Spec-Bench (question_id/turns): never train on it")
+        if not isinstance(row.get("prompt"), str) or "id" not in row:
+            raise BadInputError(f"prompts file '{path}' line {number}: each line needs 'id' and a string 'prompt'")
+        rows.append(row)
     return rows
 
 
 def read_distill(path: str | Path) -> list[DistillExample]:
-    p = Path(path)
-    if not p.is_file():
-        raise BadInputError(f"distillation data '{path}' does not exist (make it with `specframe data distill`)")
     out = []
-    with p.open(encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                out.append(
-                    DistillExample(
-                        str(row["id"]),
-                        row.get("source", ""),
-                        row["prompt_ids"],
-                        row["response_ids"],
-                        bool(row.get("finished", False)),
-                    )
+    for number, row in read_jsonl(path, "distillation data", " (make it with `specframe data distill`)"):
+        try:
+            out.append(
+                DistillExample(
+                    str(row["id"]),
+                    row.get("source", ""),
+                    row["prompt_ids"],
+                    row["response_ids"],
+                    bool(row.get("finished", False)),
                 )
+            )
+        except KeyError as e:
+            raise BadInputError(f"distillation data '{path}' line {number}: missing {e}") from e
     return out
 
 

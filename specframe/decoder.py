@@ -193,16 +193,15 @@ class SpeculativeDecoder:
             state = DecodeState(tokens, prompt_ids.numel(), params, generator, max_depth)
             t0 = time.perf_counter()
             proposal = self._call(proposer.propose, state)
-            validate_proposal(proposal, self.info.vocab_size, max_depth, self.who)
+            depths = validate_proposal(proposal, self.info.vocab_size, max_depth, self.who)
             t1 = time.perf_counter()
 
             n = len(proposal)
             inputs = torch.cat([tokens[-1:], proposal.tokens.to(self.device)])[None]
-            if proposal.is_chain():
+            if depths == list(range(1, n + 1)):  # a chain: the model's own causal mask is the tree mask
                 positions, mask = torch.arange(past, past + n + 1, device=self.device)[None], None
             else:
-                depths = torch.tensor([0, *proposal.depths()], device=self.device)
-                positions = (past + depths)[None]
+                positions = (past + torch.tensor([0, *depths], device=self.device))[None]
                 mask = tree_attention_mask(proposal.parents.tolist(), past, self.info.dtype, self.device)
             out = model(
                 input_ids=inputs,
@@ -218,7 +217,7 @@ class SpeculativeDecoder:
             keep_positions(cache, past, keep, n + 1)
             accepted_tokens = proposal.tokens[path].tolist() if path else []
             generated += accepted_tokens + [nxt]
-            stats.record(proposal, len(path), t1 - t0, time.perf_counter() - t1)
+            stats.record(n, max(depths, default=0), len(path), t1 - t0, time.perf_counter() - t1)
             done = self._finished(generated, limit, stop, len(path) + 1)
             if not done:
                 hidden = pick_hidden(out, layers, torch.tensor(keep, device=self.device))
@@ -297,10 +296,9 @@ class Counter:
         self.propose_time = 0.0
         self.verify_time = 0.0
 
-    def record(self, proposal: Proposal, accepted: int, propose_s: float, verify_s: float) -> None:
-        depth = max(proposal.depths(), default=0)
+    def record(self, nodes: int, depth: int, accepted: int, propose_s: float, verify_s: float) -> None:
         self.proposed_tokens += depth
-        self.proposed_nodes += len(proposal)
+        self.proposed_nodes += nodes
         self.accepted_tokens += accepted
         for counts, k in ((self.proposed_by_position, depth), (self.accepted_by_position, accepted)):
             counts.extend([0] * (k - len(counts)))

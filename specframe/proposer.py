@@ -141,8 +141,8 @@ class Proposer(ABC):
         """Learn what was kept, and roll back any state built on rejected nodes."""
 
 
-def validate_proposal(p: Proposal, vocab_size: int, max_depth: int, who: str) -> None:
-    """Raise ProposerError naming `who` unless `p` is a well-formed proposal."""
+def validate_proposal(p: Proposal, vocab_size: int, max_depth: int, who: str) -> list[int]:
+    """Raise ProposerError naming `who` unless `p` is a well-formed proposal; return its nodes' depths."""
 
     def bad(msg: str) -> ProposerError:
         return ProposerError(f"{who} returned a malformed proposal: {msg}")
@@ -161,14 +161,15 @@ def validate_proposal(p: Proposal, vocab_size: int, max_depth: int, who: str) ->
     if p.tokens.dtype != torch.long or p.parents.dtype != torch.long or p.deterministic.dtype != torch.bool:
         raise bad("tokens and parents must be int64 and deterministic bool")
     if n == 0:
-        return
+        return []
     if int(p.tokens.min()) < 0 or int(p.tokens.max()) >= vocab_size:
         raise bad(f"token id out of range [0, {vocab_size})")
     idx = torch.arange(n, device=p.parents.device)
     if bool(((p.parents < -1) | (p.parents >= idx)).any()):
         raise bad("each parent must be -1 (the root) or an earlier node's index")
-    if max(p.depths()) > max_depth:
-        raise bad(f"tree depth {max(p.depths())} exceeds the allowed {max_depth}")
+    depths = p.depths()
+    if max(depths) > max_depth:
+        raise bad(f"tree depth {max(depths)} exceeds the allowed {max_depth}")
     if not bool(p.deterministic.all()):
         q = p.draft_probs
         if not isinstance(q, torch.Tensor) or q.shape != (n, vocab_size):
@@ -179,3 +180,4 @@ def validate_proposal(p: Proposal, vocab_size: int, max_depth: int, who: str) ->
             raise bad("draft_probs has negative or non-finite entries")
         if not torch.allclose(rows.sum(-1), torch.ones_like(rows[:, 0]), atol=1e-3):
             raise bad("draft_probs rows do not sum to 1")
+    return depths
