@@ -361,7 +361,7 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
     configs = {name: proposer_config(name) for name in options.override_heads() if name in registry.proposers}
     t = cfg.target
     loaded = load_model(t.model, dtype=t.dtype, device=t.device, adapter=t.adapter,
-                        trust_remote_code=t.trust_remote_code, quiet=True)
+                        trust_remote_code=t.trust_remote_code, quiet=True, small_batch_gemm=t.small_batch_gemm)
     model, tokenizer = loaded.model, loaded.tokenizer
     if tokenizer is None:
         raise ModelLoadError(f"target '{t.model}' has no tokenizer: the benchmark's questions are text")

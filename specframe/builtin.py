@@ -2,6 +2,8 @@
 
 from specframe.hookspecs import hookimpl
 from specframe.proposers.draft import DraftProposer
+from specframe.proposers.eagle import EagleProposer
+from specframe.proposers.medusa import MedusaProposer
 from specframe.proposers.none import NoneProposer
 
 
@@ -9,3 +11,5 @@ from specframe.proposers.none import NoneProposer
 def register_proposers(register):
     register(NoneProposer)
     register(DraftProposer)
+    register(EagleProposer)
+    register(MedusaProposer)

@@ -211,6 +211,7 @@ def load_model(
     trust_remote_code: bool = False,
     quiet: bool = False,
     attn_implementation: str = "sdpa",
+    small_batch_gemm: bool = True,
 ) -> LoadedModel:
     """Load `name`: an alias (pulled on first use), a local HF directory, a `.gguf` file or a hub id `org/name`."""
     if name is None or not str(name).strip():
@@ -256,6 +257,10 @@ def load_model(
     model.to(dev)
     model.eval()
     model.requires_grad_(False)
+    if small_batch_gemm:
+        from specframe.cpu_gemm import use_small_batch_gemm
+
+        use_small_batch_gemm(model)  # CPU float32 only; see specframe/cpu_gemm.py
     return LoadedModel(model=model, tokenizer=tokenizer, source=source)
 
 

@@ -66,8 +66,16 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def logits(model: torch.nn.Module) -> torch.Tensor:
+    """Logits without specframe.cpu_gemm's few-row layout, so equal weights give bit-equal logits."""
+    from specframe.cpu_gemm import undo_small_batch_gemm, use_small_batch_gemm
+
+    rerouted = any("forward" in m.__dict__ for m in model.modules() if type(m) is torch.nn.Linear)
+    undo_small_batch_gemm(model)
     with torch.no_grad():
-        return model(IDS).logits
+        out = model(IDS).logits
+    if rerouted:
+        use_small_batch_gemm(model)
+    return out
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:

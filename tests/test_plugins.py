@@ -61,13 +61,13 @@ def entry_points(monkeypatch):
 
 def test_builtins_register_through_the_plugin_manager():
     reg = build_registry(autoload=False)
-    assert reg.names() == ["draft", "none"]
+    assert reg.names() == ["draft", "eagle", "medusa", "none"]
     assert {e.plugin for e in reg.proposers.values()} == {"builtin"}
     assert reg.get("none").distribution == "specframe"
 
 
 def test_unknown_proposer_lists_installed():
-    with pytest.raises(BadInputError, match="unknown proposer 'nope'; installed: draft, none"):
+    with pytest.raises(BadInputError, match="unknown proposer 'nope'; installed: draft, eagle, medusa, none"):
         build_registry(autoload=False).get("nope")
 
 
@@ -118,7 +118,7 @@ def test_broken_plugin_warns_naming_it_and_the_rest_keep_working(entry_points, l
     entry_points.append(FakeEntryPoint("broken-plugin", load))
     with pytest.warns(UserWarning, match=f"plugin 'broken-plugin' .*{message}"):
         reg = build_registry()
-    assert reg.names() == ["draft", "none"]
+    assert reg.names() == ["draft", "eagle", "medusa", "none"]
     assert len(reg.failures) == 1
 
 

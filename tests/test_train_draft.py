@@ -1,5 +1,3 @@
-import json
-
 import pytest
 import torch
 
@@ -9,28 +7,14 @@ from specframe.errors import ConfigError, ModelLoadError
 from specframe.proposers.draft import DraftConfig, DraftProposer
 from specframe.shared_draft import as_full_vocab_model, load_shared_draft
 from specframe.testing.conformance import reference_greedy
-from specframe.testing.tiny import tiny_llama
+from specframe.testing.tiny import tiny_llama, write_distill_data
 from specframe.training.draft import DraftTrainConfig, train_draft
-
-
-def write_data(path, target, n=40, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with path.open("w") as f:
-        for i in range(n):
-            prompt = torch.randint(0, 16, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist()
-            resp = reference_greedy(target, prompt, 6)
-            f.write(
-                json.dumps(
-                    {"id": f"p{i}", "source": "test", "prompt_ids": prompt, "response_ids": resp, "finished": False}
-                )
-                + "\n"
-            )
 
 
 @pytest.fixture
 def trained(tmp_path):
     target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=3)
-    write_data(tmp_path / "d.jsonl", target)
+    write_distill_data(tmp_path / "d.jsonl", target)
     cfg = DraftTrainConfig(
         data=str(tmp_path / "d.jsonl"),
         out=str(tmp_path / "draft"),

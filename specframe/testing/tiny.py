@@ -38,3 +38,20 @@ def tiny_llama(
 
 def available_devices() -> list[str]:
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def write_distill_data(path, target: torch.nn.Module, n: int = 40, seed: int = 0, response_length: int = 6) -> None:
+    """Self-distillation data for tests: random prompts and the tiny target's own greedy responses (JSONL)."""
+    import json
+
+    from specframe.testing.conformance import reference_greedy
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = target.get_output_embeddings().weight.shape[0]
+    with open(path, "w") as f:
+        for i in range(n):
+            length = int(torch.randint(3, 8, (1,), generator=g))
+            prompt = torch.randint(0, vocab, (length,), generator=g).tolist()
+            row = {"id": f"p{i}", "source": "test", "prompt_ids": prompt,
+                   "response_ids": reference_greedy(target, prompt, response_length), "finished": False}
+            f.write(json.dumps(row) + "\n")

@@ -1,0 +1,433 @@
+"""`eagle`: a one-layer drafter that extrapolates the target's own features (EAGLE-1 drafter, EAGLE-2 tree).
+
+A *feature* f_j is the target's last hidden state after its final norm at position j (what its LM head
+reads). The drafter reads, at position j, the pair (f_j, embedding of token j+1) and predicts f_{j+1}:
+
+    x_j = fc([f_j ; E(t_{j+1})])          Linear(2H -> H)
+    h_j = LlamaDecoderLayer(x_j)          one layer with its own KV cache, shaped like the target's layers
+    f̂_{j+1} = RMSNorm(h_j)                starts as a copy of the target's final norm
+    draft logits = f̂_{j+1} @ W[vocab_ids].T   the target's own LM-head rows, on a reduced vocabulary
+
+E and W are the target's embedding and LM head, shared at load time and never stored. At runtime the
+drafter's committed cache covers every position whose real feature and next token are known; drafted nodes
+are fed with the drafter's own predicted features and cropped away after every proposal.
+
+Proposals are EAGLE-2 dynamic trees: expand level by level, each frontier node proposing its `top_k` most
+likely children, scored by the product of draft probabilities along the path; the `top_k` best new nodes
+form the next frontier; at the end the best `total_tokens` nodes (a set closed under ancestors) are
+verified. Every node is a deterministic choice (q one-hot), so the engine's acceptance rule keeps the
+output distribution exactly the target's under greedy and sampled decoding alike.
+
+Saved drafter (a folder, see docs/eagle.md):
+    eagle_config.json   {"format": "specframe-eagle", "version": 1, "llama_config": {...}, "target": {...},
+                         "metrics": {...}, "train_config": {...}}
+    eagle_vocab.json    [token ids of the draft's output rows]
+    model.safetensors   fc.weight, fc.bias, layer.*, norm.weight (float16)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import DynamicCache, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from specframe.errors import ConfigError, ModelLoadError
+from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo
+from specframe.training.eagle import EagleTrainConfig
+
+FORMAT = "specframe-eagle"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Target config keys the drafter's decoder layer copies (so it has the target's layer shape and rotary).
+_LAYER_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_parameters",
+    "hidden_act",
+    "attention_bias",
+    "mlp_bias",
+)
+
+
+@dataclass
+class EagleConfig:
+    # Trained drafter folder (from `specframe train --proposer eagle`); None = the one shipped for the target.
+    model: str | None = None
+    # Deepest draft level (tokens a step can gain beyond the target's own one).
+    depth: int = 5
+    # Tree mode: children proposed per frontier node, and frontier nodes kept per level.
+    top_k: int = 6
+    # Tree mode: draft nodes sent to verification (the best by cumulative draft probability).
+    total_tokens: int = 24
+    # True: EAGLE-2 dynamic tree; False: one greedy chain of `depth` tokens.
+    tree: bool = True
+    # Drafter weights' dtype: auto (the target's), float32, bfloat16 or float16.
+    dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        for key in ("depth", "top_k", "total_tokens"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"proposer.{key} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.tree, bool):
+            raise ConfigError(f"proposer.tree must be true or false, got {self.tree!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ConfigError(f"proposer.dtype must be auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+
+
+# ---------------------------------------------------------------------------------------------- the drafter
+
+
+def drafter_config(target_config, vocab_size: int) -> LlamaConfig:
+    """The drafter's one-layer Llama config, shaped like the target's layers."""
+    d = target_config.to_dict()
+    keep = {k: d[k] for k in _LAYER_KEYS if d.get(k) is not None}
+    if "rope_parameters" not in keep and d.get("rope_theta") is not None:
+        keep["rope_parameters"] = {"rope_type": "default", "rope_theta": d["rope_theta"]}
+    cfg = LlamaConfig(**keep, num_hidden_layers=1, vocab_size=vocab_size, tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+class EagleDrafter(torch.nn.Module):
+    """fc + one decoder layer + norm. The target's embedding and head rows are attached, not owned."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fc = torch.nn.Linear(2 * h, h, bias=True)
+        self.layer = LlamaDecoderLayer(config, layer_idx=0)
+        self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.rotary = LlamaRotaryEmbedding(config)
+        self.embed = None  # the target's input embedding module (set by `attach`, never a submodule)
+        self.register_buffer("head", torch.zeros(0, h), persistent=False)  # [K, H]: target LM-head rows
+
+    def attach(self, target: torch.nn.Module, vocab_ids: torch.Tensor) -> EagleDrafter:
+        """Share the target's embedding (by reference) and copy its LM-head rows `vocab_ids`."""
+        object.__setattr__(self, "embed", target.get_input_embeddings())  # bypass submodule registration
+        w = target.get_output_embeddings().weight.detach()
+        self.head = w[vocab_ids.to(w.device)].clone().to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+        return self
+
+    def own_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights the drafter adds to the target (no embedding, no head, no rotary buffers)."""
+        return {k: v for k, v in self.state_dict().items() if k.startswith(("fc.", "layer.", "norm."))}
+
+    def forward(
+        self,
+        features: torch.Tensor,  # [B, T, H] f_j
+        tokens: torch.Tensor,  # [B, T] t_{j+1}
+        position_ids: torch.Tensor,  # [B, T]
+        attention_mask: torch.Tensor | None = None,  # additive [B or 1, 1, T, past + T]; None = causal
+        cache: DynamicCache | None = None,
+        embeds: torch.Tensor | None = None,  # precomputed E(tokens), else looked up here
+    ) -> torch.Tensor:
+        """Predicted features f̂_{j+1}: [B, T, H]."""
+        if embeds is None:
+            embeds = self.embed(tokens.to(self.embed.weight.device))
+        x = self.fc(torch.cat([features.to(self.fc.weight.dtype), embeds.to(self.fc.weight.dtype)], -1))
+        rope = self.rotary(x, position_ids)
+        h = self.layer(
+            x,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=cache is not None,
+            position_embeddings=rope,
+        )
+        return self.norm(h)
+
+    def logits(self, feats: torch.Tensor) -> torch.Tensor:
+        """Reduced-vocabulary logits (float32) of predicted features."""
+        return (feats @ self.head.T).float()
+
+
+def build_drafter(target: torch.nn.Module, vocab_ids: torch.Tensor, init_from_last_layer: bool = False) -> EagleDrafter:
+    """A fresh drafter for `target`, in float32 on the target's device; optionally initialised from the
+    target's last decoder layer and final norm (Llama-architecture targets)."""
+    drafter = EagleDrafter(drafter_config(target.config, len(vocab_ids)))
+    if init_from_last_layer:
+        inner = getattr(target, "model", None)
+        layers = getattr(inner, "layers", None)
+        try:
+            drafter.layer.load_state_dict(layers[-1].state_dict())
+            drafter.norm.load_state_dict(inner.norm.state_dict())
+        except Exception as e:  # another architecture: the layer shapes or names differ
+            raise ModelLoadError(
+                f"cannot initialise the EAGLE drafter from the last layer of a '{target.config.model_type}' "
+                f"target ({type(e).__name__}); train with init_from_last_layer=false"
+            ) from e
+        with torch.no_grad():  # start as "pass the embedding through": fc = [0 | I]
+            h = drafter.config.hidden_size
+            drafter.fc.weight.zero_()
+            drafter.fc.weight[:, :h] = torch.eye(h) * 0.5
+            drafter.fc.weight[:, h:] = torch.eye(h) * 0.5
+            drafter.fc.bias.zero_()
+    device = target.get_output_embeddings().weight.device
+    return drafter.to(device=device, dtype=torch.float32).attach(target, vocab_ids)
+
+
+def save_drafter(
+    drafter: EagleDrafter,
+    vocab_ids: torch.Tensor,
+    target: torch.nn.Module,
+    out: str | Path,
+    metrics: dict,
+    extra: dict | None = None,
+) -> None:
+    from specframe.shared_draft import target_fingerprint
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(torch.float16).contiguous().cpu() for k, v in drafter.own_state_dict().items()}
+    save_file(tensors, out / "model.safetensors")
+    (out / "eagle_vocab.json").write_text(json.dumps(vocab_ids.tolist()))
+    cfg = {k: v for k, v in drafter.config.to_dict().items() if k != "transformers_version"}
+    meta = {
+        "format": FORMAT,
+        "version": 1,
+        "llama_config": cfg,
+        "target": target_fingerprint(target),
+        "metrics": metrics,
+        **(extra or {}),
+    }
+    (out / "eagle_config.json").write_text(json.dumps(meta, indent=2))
+
+
+def load_drafter(path: str | Path, target: torch.nn.Module, dtype: torch.dtype | None = None):
+    """(drafter, vocab_ids, metadata) from a saved folder; refuses a drafter made for another target."""
+    from specframe.shared_draft import target_fingerprint
+
+    p = Path(path)
+    meta_file = p / "eagle_config.json"
+    if not meta_file.is_file():
+        what = "does not exist" if not p.exists() else "is not an EAGLE drafter folder (no eagle_config.json)"
+        raise ModelLoadError(f"proposer.model '{path}' {what}; train one with `specframe train --proposer eagle`")
+    try:
+        meta = json.loads(meta_file.read_text())
+        vocab_ids = torch.tensor(json.loads((p / "eagle_vocab.json").read_text()), dtype=torch.long)
+        state = load_file(p / "model.safetensors")
+    except (OSError, json.JSONDecodeError, ValueError) as e:
+        raise ModelLoadError(f"EAGLE drafter '{p}' is unreadable: {e}") from e
+    if meta.get("format") != FORMAT:
+        raise ModelLoadError(f"'{meta_file}' is not a {FORMAT} file (format {meta.get('format')!r})")
+    want, have = meta["target"], target_fingerprint(target)
+    if want != have:
+        raise ModelLoadError(
+            f"EAGLE drafter '{p}' was trained for another target (vocab {want['vocab_size']}, hidden "
+            f"{want['hidden_size']}, embedding fingerprint {want['embedding_sha256'][:12]}); this target has vocab "
+            f"{have['vocab_size']}, hidden {have['hidden_size']}, fingerprint {have['embedding_sha256'][:12]}"
+        )
+    cfg = LlamaConfig(**meta["llama_config"])
+    cfg._attn_implementation = "sdpa"
+    if cfg.hidden_size != have["hidden_size"] or cfg.vocab_size != len(vocab_ids):
+        raise ModelLoadError(f"EAGLE drafter '{p}' is inconsistent: hidden {cfg.hidden_size}, {len(vocab_ids)} ids")
+    if len(vocab_ids) and (int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= have["vocab_size"]):
+        raise ModelLoadError(f"EAGLE drafter '{p}' lists token ids outside the target's vocabulary")
+    drafter = EagleDrafter(cfg)
+    missing = set(drafter.own_state_dict()) - set(state)
+    if missing:
+        raise ModelLoadError(f"EAGLE drafter '{p}' is missing weights: {sorted(missing)[:3]}")
+    drafter.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    w = target.get_output_embeddings().weight
+    drafter = drafter.to(device=w.device, dtype=dtype or w.dtype).attach(target, vocab_ids)
+    return drafter.eval().requires_grad_(False), vocab_ids.to(w.device), meta
+
+
+# ---------------------------------------------------------------------------------------------- the proposer
+
+
+class EagleProposer(Proposer):
+    name = "eagle"
+    config_class = EagleConfig
+    train_config_class = EagleTrainConfig
+    hidden_state_layers = (-1,)
+
+    @classmethod
+    def train(cls, config: EagleTrainConfig, target: torch.nn.Module, tokenizer, resume: bool = False) -> dict:
+        from specframe.training.eagle import train_eagle
+
+        return train_eagle(config, target, tokenizer, resume=resume)
+
+    def __init__(self, config: EagleConfig, target: TargetInfo, drafter: EagleDrafter, vocab_ids: torch.Tensor):
+        super().__init__(config, target)
+        self.drafter = drafter.eval().requires_grad_(False)
+        self.vocab_ids = vocab_ids.to(target.device)  # target ids of the drafter's logit columns
+        self.dtype = drafter.fc.weight.dtype
+        self.cache: DynamicCache | None = None
+        self.committed = 0  # pairs (f_j, t_{j+1}) in the drafter's cache: positions 0 .. committed-1
+        self.pending_feats: torch.Tensor | None = None  # real features not yet fed to the drafter
+        self.pending_next: torch.Tensor | None = None  # their next tokens (one short until the root is known)
+        self.root_feat: torch.Tensor | None = None  # the drafter's prediction of the root's feature
+        self.last_scores: torch.Tensor | None = None  # cumulative log-probability of the last proposal's nodes
+
+    @classmethod
+    def from_config(cls, config: EagleConfig, target: TargetInfo) -> EagleProposer:
+        from specframe.artifacts import shipped
+
+        path = config.model or shipped("eagle", target.name)
+        if not path:
+            raise ConfigError(
+                f"proposer.model is required: no EAGLE drafter ships for target '{target.name}'; train one with "
+                "`specframe train --proposer eagle data=... out=...` and pass proposer.model=<that folder>"
+            )
+        if target.model is None:
+            raise ConfigError("the eagle proposer needs the target model (its embedding and LM head)")
+        dtype = None if config.dtype == "auto" else DTYPES[config.dtype]
+        drafter, vocab_ids, _ = load_drafter(path, target.model, dtype)
+        return cls(config, target, drafter, vocab_ids)
+
+    @classmethod
+    def random(cls, target: TargetInfo, config: EagleConfig | None = None, seed: int = 0) -> EagleProposer:
+        """Random weights for any target; the reduced vocabulary is a seeded random 3/4 of the target's."""
+        config = config or EagleConfig()
+        v = target.vocab_size
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            vocab_ids = torch.randperm(v)[: max(1, v - v // 4)].sort().values
+            drafter = EagleDrafter(drafter_config(target.model.config, len(vocab_ids)))
+            for p in drafter.parameters():  # wide init: peaky, varied draft scores
+                if p.dim() == 2:
+                    torch.nn.init.normal_(p, std=0.5)
+        dtype = target.dtype if config.dtype == "auto" else DTYPES[config.dtype]
+        drafter = drafter.to(device=target.device, dtype=dtype).attach(target.model, vocab_ids)
+        return cls(config, target, drafter, vocab_ids)
+
+    # ------------------------------------------------------------------ state
+
+    @torch.no_grad()
+    def begin(self, prompt: torch.Tensor, hidden_states: dict[int, torch.Tensor]) -> None:
+        feats = hidden_states.get(-1)
+        if feats is None or feats.shape[0] != prompt.numel():
+            raise ValueError("eagle needs the target's last hidden states over the whole prompt (layer -1)")
+        self.cache = DynamicCache(config=self.drafter.config)
+        self.committed = 0
+        self.root_feat = None
+        self.pending_feats = feats.to(self.dtype)
+        self.pending_next = prompt[1:].to(self.target.device).long()  # the root completes it at `propose`
+
+    @torch.no_grad()
+    def accepted(self, result: Acceptance) -> None:
+        feats = result.hidden_states[-1].to(self.dtype)  # rows: the root, then each accepted node
+        nxt = torch.tensor(result.accepted_tokens + [result.next_token], device=self.target.device)
+        if feats.shape[0] != nxt.numel():
+            raise ValueError(f"expected {nxt.numel()} feature rows, got {feats.shape[0]}")
+        self.pending_feats = torch.cat([self.pending_feats, feats])
+        self.pending_next = torch.cat([self.pending_next, nxt])
+
+    # ------------------------------------------------------------------ drafting
+
+    def _mask(self, allowed: torch.Tensor, past: int) -> torch.Tensor:
+        """Additive [1, 1, n, past + n] mask: every query sees the `past` keys, then the new ones by `allowed`."""
+        n = allowed.shape[0]
+        full = torch.ones(n, past + allowed.shape[1], dtype=torch.bool)
+        full[:, past:] = allowed
+        mask = torch.zeros(full.shape, dtype=self.dtype).masked_fill_(~full, torch.finfo(self.dtype).min)
+        return mask[None, None].to(self.target.device)
+
+    def _feed(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor):
+        """Append pairs to the drafter's cache; `allowed` [n, cached - committed + n] says which keys past the
+        committed ones (earlier tree pairs, then these) each new pair sees."""
+        assert allowed.shape == (feats.shape[0], self.cache.get_seq_length() - self.committed + feats.shape[0])
+        mask = self._mask(allowed, self.committed)
+        return self.drafter(feats[None], tokens[None], positions[None].to(self.target.device), mask, self.cache)[0]
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState) -> Proposal:
+        device = state.tokens.device
+        if self.pending_next.numel() == self.pending_feats.shape[0] - 1:  # begin's last pair needs the root
+            self.pending_next = torch.cat([self.pending_next, state.tokens[-1:].to(self.pending_next.device)])
+        depth = min(self.config.depth, state.max_depth)
+        if depth <= 0:
+            return Proposal.empty(device)
+        # 1. Commit the real pairs: the last output predicts the root's feature.
+        m = self.pending_feats.shape[0]
+        if m:
+            positions = torch.arange(self.committed, self.committed + m)
+            out = self._feed(self.pending_feats, self.pending_next, positions, torch.ones(m, m).tril().bool())
+            self.committed += m
+            self.root_feat = out[-1]
+            self.pending_feats = self.pending_feats[:0]
+            self.pending_next = self.pending_next[:0]
+        if self.root_feat is None:
+            raise RuntimeError("eagle: propose() before begin() or without the prompt's features")
+        try:
+            tokens, parents, scores = self._tree(self.root_feat, depth)
+        finally:  # drafted nodes never stay in the cache
+            extra = self.cache.get_seq_length() - self.committed
+            if extra > 0:
+                self.cache.crop(-extra)
+        self.last_scores = scores
+        return Proposal(
+            tokens.to(device), parents.to(device), torch.ones(tokens.numel(), dtype=torch.bool, device=device)
+        )
+
+    def _tree(self, root_feat: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        k = min(self.config.top_k if self.config.tree else 1, self.vocab_ids.numel())
+        base = self.committed  # position of the root; a node at depth d sits at base + d
+        logp = torch.log_softmax(self.drafter.logits(root_feat), -1)
+        vals, idx = logp.topk(k)
+        tok: list[int] = self.vocab_ids[idx].tolist()
+        parent: list[int] = [-1] * k
+        score: list[float] = vals.tolist()
+        level: list[int] = [1] * k
+        entry: dict[int, int] = {}  # node -> its entry index among the tree pairs fed to the drafter
+        frontier = list(range(k))
+        pred = {-1: root_feat}  # node -> predicted feature at its position
+        for d in range(2, depth + 1):
+            # Feed each frontier node x as the pair (f̂ at its parent, x) at position base + d - 2.
+            fed = len(entry)
+            allowed = torch.zeros(len(frontier), fed + len(frontier), dtype=torch.bool)
+            for i, x in enumerate(frontier):
+                a = parent[x]
+                while a >= 0:
+                    allowed[i, entry[a]] = True
+                    a = parent[a]
+                allowed[i, fed + i] = True
+            feats = torch.stack([pred[parent[x]] for x in frontier])
+            toks = torch.tensor([tok[x] for x in frontier], device=self.target.device)
+            positions = torch.full((len(frontier),), base + d - 2)
+            out = self._feed(feats, toks, positions, allowed)
+            for i, x in enumerate(frontier):
+                entry[x] = fed + i
+                pred[x] = out[i]
+            logp = torch.log_softmax(self.drafter.logits(out), -1)  # [F, K]
+            cand = logp + torch.tensor([score[x] for x in frontier], device=logp.device)[:, None]
+            vals, idx = cand.topk(k, dim=-1)  # each frontier node's k best children
+            new = []
+            for i, x in enumerate(frontier):
+                for v, j in zip(vals[i].tolist(), self.vocab_ids[idx[i]].tolist(), strict=True):
+                    new.append(len(tok))
+                    tok.append(j)
+                    parent.append(x)
+                    score.append(v)
+                    level.append(d)
+            frontier = sorted(new, key=lambda n: -score[n])[:k]
+        n = len(tok)
+        if self.config.tree and n > self.config.total_tokens:
+            keep: set[int] = set()
+            for node in sorted(range(n), key=lambda i: (-score[i], level[i], i)):
+                if len(keep) >= self.config.total_tokens:
+                    break
+                if parent[node] < 0 or parent[node] in keep:
+                    keep.add(node)
+        else:
+            keep = set(range(n))
+        order = sorted(keep, key=lambda i: (level[i], -score[i], i))  # topological: parents are shallower
+        new_index = {old: i for i, old in enumerate(order)}
+        return (
+            torch.tensor([tok[i] for i in order], dtype=torch.long),
+            torch.tensor([new_index[parent[i]] if parent[i] >= 0 else -1 for i in order], dtype=torch.long),
+            torch.tensor([score[i] for i in order]),
+        )

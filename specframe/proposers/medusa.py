@@ -1,0 +1,299 @@
+"""`medusa`: K heads on the target's last hidden state propose a token tree (Medusa-1, Cai et al. 2024).
+
+Head k (1-based) reads the feature h_t that produced the root token (the target's hidden state after its final
+norm, what its LM head reads) and predicts the token k positions after the root. Each head is a stack of
+residual blocks `x + SiLU(W x + b)` (separate modules, never one module repeated) followed by the target's own
+LM head, restricted to a reduced vocabulary `vocab_ids` (the most frequent tokens of the training data): the
+LM head is shared, so a head stores only its residual blocks.
+
+The tree is a list of *choices*, as in Medusa's `medusa_choices`: the path (r1, ..., rd) is the node at depth d
+whose token is head d's rank-r_d candidate, under the node (r1, ..., r_{d-1}). Every node is a deterministic
+draft (a top-k choice; q one-hot), verified by the core's exact tree acceptance, greedy or sampled. Medusa's
+lossy "typical acceptance" is not offered.
+
+Saved heads (a folder): `medusa_config.json` (format, sizes, the target's fingerprint, the tree chosen on
+held-out training data, its path statistics and the training metrics), `medusa_vocab.json` (the reduced
+vocabulary) and `model.safetensors` (float16 residual blocks only). Heads trained with Medusa-2 also name the
+PEFT adapter they were trained with; load that adapter as `target.adapter` (see docs/medusa.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from specframe.errors import ConfigError, ModelLoadError
+from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo
+from specframe.training.medusa import MedusaTrainConfig
+
+FORMAT = "specframe-medusa-heads"
+# Used when neither the config nor the heads' folder gives a tree: a balanced 26-node tree over 4 heads.
+DEFAULT_TREE: list[tuple[int, ...]] = (
+    [(i,) for i in range(5)]
+    + [(0, i) for i in range(4)]
+    + [(1, i) for i in range(3)]
+    + [(2, i) for i in range(2)]
+    + [(0, 0, i) for i in range(3)]
+    + [(0, 1, i) for i in range(2)]
+    + [(1, 0, 0)]
+    + [(0, 0, 0, i) for i in range(2)]
+    + [(0, 0, 1, 0), (0, 1, 0, 0)]
+    + [(0, 0, 0, 0, 0)]
+)
+
+
+@dataclass
+class MedusaConfig:
+    # Folder of trained heads (see `specframe train --proposer medusa`); None = the heads shipped for the target.
+    model: str | None = None
+    # The tree as Medusa-style choices, e.g. [[0], [1], [0, 0]]; None = the tree saved with the heads.
+    tree: list[list[int]] | None = None
+    # Rebuild the tree with this many nodes from the path statistics saved with the heads; None = as saved.
+    tree_nodes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.tree is not None:
+            check_tree(self.tree, num_heads=None)
+        if self.tree_nodes is not None and (isinstance(self.tree_nodes, bool) or self.tree_nodes < 1):
+            raise ConfigError(f"proposer.tree_nodes must be >= 1, got {self.tree_nodes}")
+        if self.tree is not None and self.tree_nodes is not None:
+            raise ConfigError("proposer.tree and proposer.tree_nodes are exclusive: give one")
+
+
+def check_tree(tree: list, num_heads: int | None) -> list[tuple[int, ...]]:
+    """Validate Medusa-style choices; return them as tuples sorted by depth, then ranks (parents first)."""
+    paths = []
+    for c in tree:
+        if not isinstance(c, list | tuple) or not c or not all(isinstance(r, int) and r >= 0 for r in c):
+            raise ConfigError(f"proposer.tree: each choice must be a non-empty list of ranks >= 0, got {c!r}")
+        paths.append(tuple(c))
+    if not paths:
+        raise ConfigError("proposer.tree is empty")
+    if len(set(paths)) != len(paths):
+        raise ConfigError("proposer.tree has a repeated choice")
+    present = set(paths)
+    for p in paths:
+        if len(p) > 1 and p[:-1] not in present:
+            raise ConfigError(f"proposer.tree: choice {list(p)} has no parent {list(p[:-1])} in the tree")
+        if num_heads is not None and len(p) > num_heads:
+            raise ConfigError(f"proposer.tree: choice {list(p)} is deeper than the {num_heads} heads")
+    return sorted(paths, key=lambda p: (len(p), p))
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b); W starts at zero, so an untrained head is the target's own next-token head."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K heads of `layers` residual blocks each; logits through the shared LM-head rows `lm_rows` ([Vr, H])."""
+
+    def __init__(self, hidden: int, num_heads: int, layers: int) -> None:
+        super().__init__()
+        # Built one by one: `[ResBlock(h)] * n` would repeat one module (shared weights), Medusa's own bug.
+        self.heads = nn.ModuleList(nn.Sequential(*(ResBlock(hidden) for _ in range(layers))) for _ in range(num_heads))
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.heads)
+
+    def features(self, h: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [K, ..., H]: each head's transformed feature."""
+        return torch.stack([head(h) for head in self.heads])
+
+    def logits(self, h: torch.Tensor, lm_rows: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [K, ..., Vr] logits over the reduced vocabulary."""
+        return self.features(h) @ lm_rows.T
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """A hash of samples of the target's weights that the heads depend on (embeddings, first and last layers).
+
+    A Medusa-2 adapter merged into the target changes it, so heads trained with an adapter refuse a target
+    loaded without it (and the other way round)."""
+    h = hashlib.sha256()
+    named = dict(model.named_parameters())
+    keys = sorted(k for k in named if ".layers.0." in k or k.endswith(("embed_tokens.weight", "norm.weight")))
+    last = model.config.num_hidden_layers - 1
+    keys += sorted(k for k in named if f".layers.{last}." in k)
+    for k in keys:
+        w = named[k].detach()
+        h.update(k.encode())
+        h.update(w.reshape(-1)[:4096].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def save_heads(
+    heads: MedusaHeads, vocab_ids: torch.Tensor, target: torch.nn.Module, out: str | Path, tree, extra: dict
+) -> None:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch.float16).contiguous().cpu() for k, v in heads.state_dict().items()}
+    save_file(state, out / "model.safetensors")
+    (out / "medusa_vocab.json").write_text(json.dumps([int(t) for t in vocab_ids.tolist()]))
+    meta = {
+        "format": FORMAT,
+        "version": 1,
+        "hidden_size": heads.heads[0][0].linear.in_features,
+        "num_heads": heads.num_heads,
+        "layers": len(heads.heads[0]),
+        "target_vocab_size": target.get_output_embeddings().weight.shape[0],
+        "target_weights": weights_fingerprint(target),
+        "tree": [list(p) for p in tree],
+        **extra,
+    }
+    (out / "medusa_config.json").write_text(json.dumps(meta, indent=1))
+
+
+def load_heads(path: str | Path, target: torch.nn.Module) -> tuple[MedusaHeads, torch.Tensor, dict]:
+    """(heads, vocab_ids, metadata) from a saved folder; refuses heads trained for another target."""
+    path = Path(path)
+    cfg_file = path / "medusa_config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(
+            f"medusa heads '{path}': no medusa_config.json (train with specframe train --proposer medusa)"
+        )
+    try:
+        meta = json.loads(cfg_file.read_text())
+        vocab_ids = torch.tensor(json.loads((path / "medusa_vocab.json").read_text()), dtype=torch.long)
+        state = load_file(path / "model.safetensors")
+    except (OSError, json.JSONDecodeError, ValueError) as e:
+        raise ModelLoadError(f"medusa heads '{path}' are incomplete or corrupt: {e}") from e
+    if meta.get("format") != FORMAT:
+        raise ModelLoadError(f"medusa heads '{path}': format {meta.get('format')!r}, expected {FORMAT!r}")
+    hidden, vocab = target.config.hidden_size, target.get_output_embeddings().weight.shape[0]
+    if meta["hidden_size"] != hidden or meta["target_vocab_size"] != vocab:
+        raise ModelLoadError(
+            f"medusa heads '{path}' were trained for a target with hidden size {meta['hidden_size']} and "
+            f"{meta['target_vocab_size']} logits; this target has {hidden} and {vocab}"
+        )
+    if meta["target_weights"] != weights_fingerprint(target):
+        adapter = meta.get("adapter")
+        hint = (
+            f" They were trained with the Medusa-2 adapter '{adapter}': load it with target.adapter=..."
+            if adapter
+            else " (if the target has an adapter loaded, these heads were trained without it)"
+        )
+        raise ModelLoadError(f"medusa heads '{path}' were trained for different target weights.{hint}")
+    if int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= vocab:
+        raise ModelLoadError(f"medusa heads '{path}': vocabulary ids out of range [0, {vocab})")
+    heads = MedusaHeads(hidden, meta["num_heads"], meta["layers"])
+    try:
+        heads.load_state_dict({k: v.float() for k, v in state.items()})
+    except RuntimeError as e:
+        raise ModelLoadError(f"medusa heads '{path}': weights do not match medusa_config.json: {e}") from e
+    return heads, vocab_ids, meta
+
+
+class MedusaProposer(Proposer):
+    name = "medusa"
+    config_class = MedusaConfig
+    train_config_class = MedusaTrainConfig
+    hidden_state_layers = (-1,)
+
+    def __init__(
+        self,
+        config: MedusaConfig,
+        target: TargetInfo,
+        heads: MedusaHeads,
+        vocab_ids: torch.Tensor,
+        tree: list[tuple[int, ...]],
+    ) -> None:
+        super().__init__(config, target)
+        self.heads = heads.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+        self.vocab_ids = vocab_ids.to(target.device)
+        lm = target.model.get_output_embeddings().weight
+        self.lm_rows = lm.detach()[self.vocab_ids]  # [Vr, H] the target's own LM-head rows
+        tree = check_tree(tree, heads.num_heads)
+        if max(max(p) for p in tree) >= len(vocab_ids):
+            raise ConfigError(
+                f"proposer.tree uses rank {max(max(p) for p in tree)}; the heads have {len(vocab_ids)} tokens"
+            )
+        self.tree = tree
+        index = {p: i for i, p in enumerate(tree)}
+        dev = target.device
+        self.parents = torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in tree], device=dev)
+        self.node_head = torch.tensor([len(p) - 1 for p in tree], device=dev)  # head index (depth - 1)
+        self.node_rank = torch.tensor([p[-1] for p in tree], device=dev)
+        self.depth_ends = [sum(1 for p in tree if len(p) <= d) for d in range(len(tree[-1]) + 1)]
+        self.top = max(p[-1] for p in tree) + 1  # candidates needed per head
+        self.used_heads = len(tree[-1])
+        self.feature: torch.Tensor | None = None  # h at the position that produced the current root
+
+    @classmethod
+    def train(cls, config: MedusaTrainConfig, target: torch.nn.Module, tokenizer, resume: bool = False) -> dict:
+        from specframe.training.medusa import train_medusa
+
+        return train_medusa(config, target, tokenizer, resume=resume)
+
+    @classmethod
+    def from_config(cls, config: MedusaConfig, target: TargetInfo) -> MedusaProposer:
+        from specframe.artifacts import shipped
+        from specframe.training.medusa import best_tree
+
+        path = config.model or shipped("medusa", target.name)
+        if not path:
+            raise ConfigError(
+                f"proposer.model is required: no Medusa heads ship for target '{target.name}'; train them with "
+                "`specframe train --proposer medusa` and pass proposer.model=<folder>"
+            )
+        if not Path(path).is_dir():
+            raise ModelLoadError(f"medusa heads '{path}' do not exist")
+        heads, vocab_ids, meta = load_heads(path, target.model)
+        if config.tree is not None:
+            tree = [tuple(c) for c in config.tree]
+        elif config.tree_nodes is not None:
+            if not meta.get("path_counts"):
+                raise ConfigError(f"proposer.tree_nodes: heads '{path}' carry no path statistics; give proposer.tree")
+            tree = best_tree(meta["path_counts"], config.tree_nodes)
+        else:
+            tree = [tuple(c) for c in meta.get("tree") or DEFAULT_TREE if len(c) <= heads.num_heads]
+        return cls(config, target, heads, vocab_ids, tree)
+
+    @classmethod
+    def random(cls, target: TargetInfo, config: MedusaConfig | None = None, seed: int = 0) -> MedusaProposer:
+        config = config or MedusaConfig()
+        tree = [tuple(c) for c in config.tree] if config.tree is not None else DEFAULT_TREE
+        depth = max(len(p) for p in tree)
+        heads = MedusaHeads(target.hidden_size, depth, 1)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for p in heads.parameters():
+                nn.init.normal_(p, std=1.0)  # untrained heads would all copy the LM head; vary them
+        vocab_ids = torch.arange(target.vocab_size)
+        tree = [p for p in tree if max(p) < target.vocab_size] or [(0,)]
+        return cls(config, target, heads, vocab_ids, tree)
+
+    def begin(self, prompt: torch.Tensor, hidden_states: dict[int, torch.Tensor]) -> None:
+        self.feature = hidden_states[-1][-1]
+
+    def accepted(self, result: Acceptance) -> None:
+        self.feature = result.hidden_states[-1][-1]
+
+    def propose(self, state: DecodeState) -> Proposal:
+        depth = min(self.used_heads, state.max_depth)
+        if depth == 0 or self.feature is None:
+            return Proposal.empty(state.tokens.device)
+        n = self.depth_ends[depth]  # nodes are sorted by depth: the first n are those within reach
+        h = self.feature.to(self.lm_rows.dtype)
+        feats = torch.stack([self.heads.heads[k](h) for k in range(depth)])  # [depth, H]
+        logits = torch.mm(self.lm_rows, feats.T).T  # [depth, Vr]; W @ X.T: the fast layout for few rows on CPU
+        top = logits.topk(self.top, dim=-1).indices  # [depth, top] positions in the reduced vocabulary
+        cand = self.vocab_ids[top]
+        tokens = cand[self.node_head[:n], self.node_rank[:n]]
+        det = torch.ones(n, dtype=torch.bool, device=tokens.device)
+        return Proposal(tokens, self.parents[:n].clone(), det)

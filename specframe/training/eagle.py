@@ -1,0 +1,291 @@
+"""`specframe train --proposer eagle`: train the EAGLE drafter on the target's own features.
+
+Data: self-distillation sequences (`specframe data distill`) and the target's post-norm last hidden states
+over them (`specframe.training.features`, computed once and cached). At each position j the drafter reads
+(f_j + noise, token j+1) and predicts f_{j+1}; the loss is EAGLE-1's:
+
+    feature_weight * SmoothL1(f̂_{j+1}, f_{j+1})  +  token_weight * CE(p_{j+1}, q_{j+1})
+
+with p = softmax of the target's LM-head rows (the reduced vocabulary) on the real feature and q the same on
+the predicted one. Optionally (`step2_weight` > 0) a second, self-fed pass trains the drafter on its own
+predicted features, as it is used at depth >= 2 of a draft tree (costs about one more forward/backward).
+
+Reported per epoch on held-out prompts, against the target's next token over its full vocabulary:
+`top1` (step 1, teacher-forced), `top1_step2` (the drafter fed its own predicted feature for one step, which
+is what deeper tree levels rely on) and `feature_l1` (mean absolute feature error at step 1).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specframe.errors import ConfigError
+
+
+@dataclass
+class EagleTrainConfig:
+    # Self-distillation data from `specframe data distill` (JSONL of prompt/response token ids).
+    data: str = "runs/distill/smollm2-135m-instruct.jsonl"
+    # Output folder for the trained drafter (eagle_config.json, eagle_vocab.json, model.safetensors).
+    out: str = "runs/eagle"
+    # Folder caching the target's features over the data ("" = recompute every run).
+    features_cache: str = "runs/features"
+    # Passes over the training split.
+    epochs: int = 4
+    # Peak AdamW learning rate (linear warm-up, cosine decay).
+    lr: float = 5e-4
+    # Sequences per optimisation step.
+    batch_size: int = 8
+    # Longest prompt + response used (tokens).
+    max_length: int = 512
+    # Output vocabulary: the most frequent tokens of the data (rows of the target's LM head). Tokens outside
+    # it are never drafted (exactness is unaffected); smaller is cheaper per drafted level.
+    vocab_size: int = 8192
+    # Amplitude a of the uniform noise U(-a, a) added to input features in training (EAGLE's augmentation:
+    # the drafter must cope with its own imperfect features at depth >= 2).
+    noise: float = 0.1
+    # Weight of the feature regression loss (SmoothL1 between predicted and real next feature).
+    feature_weight: float = 1.0
+    # Weight of the token loss (cross-entropy of the draft distribution against the target's, both through
+    # the target's LM-head rows).
+    token_weight: float = 0.1
+    # Weight of the same losses on a second, self-fed step (0 = off; > 0 roughly doubles the cost per epoch).
+    step2_weight: float = 0.0
+    # Start the decoder layer and norm as copies of the target's last layer and final norm (default: a fresh
+    # layer, as EAGLE; the target's last layer expects its residual stream, not features + embeddings).
+    init_from_last_layer: bool = False
+    # Fraction of prompts held out for the reported metrics (split by id: stable across runs and resumes).
+    heldout_fraction: float = 0.05
+    # Seed for the split, batching order, noise and initial weights.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "epochs", "batch_size", "max_length"):
+            if isinstance(getattr(self, key), bool) or getattr(self, key) < 1:
+                raise ConfigError(f"train.{key} must be >= 1, got {getattr(self, key)}")
+        if self.max_length < 3:
+            raise ConfigError(f"train.max_length must be >= 3, got {self.max_length}")
+        if not 0 < self.heldout_fraction < 1:
+            raise ConfigError(f"train.heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+        if not self.lr > 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        for key in ("noise", "feature_weight", "token_weight", "step2_weight"):
+            if not getattr(self, key) >= 0:
+                raise ConfigError(f"train.{key} must be >= 0, got {getattr(self, key)}")
+        if self.feature_weight == 0 and self.token_weight == 0:
+            raise ConfigError("train.feature_weight and train.token_weight cannot both be 0")
+
+
+def collate_features(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(features [B, T, H] float32, ids [B, T], loss [B, T-1]): loss[b, j] = the output at input position j
+    (predicting f_{j+1}) counts, i.e. f_{j+1} predicts a response token and lies inside the sequence."""
+    width = max(s.ids.numel() for s in batch)
+    hidden = batch[0].features.shape[1]
+    feats = torch.zeros(len(batch), width, hidden)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    loss = torch.zeros(len(batch), width - 1, dtype=torch.bool)
+    for i, s in enumerate(batch):
+        n = s.ids.numel()
+        feats[i, :n] = s.features.float()
+        ids[i, :n] = s.ids
+        loss[i, max(0, s.first_target - 2) : n - 1] = True
+    return feats, ids, loss
+
+
+def step2_mask(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive [1, 1, n-1, 2n-1] mask of the self-fed pass: query i (position i+1) sees the real pairs at
+    positions 0..i (the first pass's n keys) and its own self-fed pair."""
+    allowed = torch.zeros(n - 1, 2 * n - 1, dtype=torch.bool)
+    allowed[:, :n] = torch.ones(n - 1, n, dtype=torch.bool).tril()
+    allowed[torch.arange(n - 1), n + torch.arange(n - 1)] = True
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def drafter_passes(drafter, feats, ids, noise: float = 0.0, step2: bool = False, generator=None):
+    """Predicted features of the teacher-forced pass ([B, T-1, H]) and, with `step2`, of the self-fed pass
+    ([B, T-2, H]: input i is the pair (f̂_{i+1}, t_{i+2}) at position i+1)."""
+    from transformers import DynamicCache
+
+    b, t, _ = feats.shape
+    device = drafter.fc.weight.device
+    inp = feats[:, :-1].to(device)
+    if noise > 0:
+        inp = inp + (torch.rand(inp.shape, generator=generator) * 2 - 1).to(device) * noise
+    with torch.no_grad():
+        emb = drafter.embed(ids.to(drafter.embed.weight.device)).to(device=device, dtype=torch.float32)
+    pos = torch.arange(t - 1, device=device)[None].expand(b, -1)
+    cache = DynamicCache(config=drafter.config) if step2 and t > 2 else None
+    out1 = drafter(inp, None, pos, None, cache, embeds=emb[:, 1:])
+    if cache is None:
+        return out1, None
+    mask = step2_mask(t - 1, out1.dtype).to(device)
+    out2 = drafter(out1[:, :-1].detach(), None, pos[:, 1:], mask, cache, embeds=emb[:, 2:])
+    return out1, out2
+
+
+@torch.no_grad()
+def evaluate(
+    drafter, full_head: torch.Tensor, vocab_ids: torch.Tensor, seqs, batch_size: int = 8, memo: dict | None = None
+) -> dict:
+    """Held-out step-1 / step-2 top-1 agreement with the target's next token (argmax over its full
+    vocabulary) and the step-1 feature error. `memo` keeps the target's argmaxes between calls."""
+    drafter.eval()
+    memo = {} if memo is None else memo
+    hits1 = hits2 = n1 = n2 = 0
+    l1 = 0.0
+    vocab_ids = vocab_ids.to(full_head.device)
+    for i in range(0, len(seqs), batch_size):
+        feats, ids, loss = collate_features(seqs[i : i + batch_size])
+        out1, out2 = drafter_passes(drafter, feats, ids, step2=True)
+        feats, loss = feats.to(out1.device), loss.to(out1.device)
+        m2 = loss[:, 1:]
+        if i not in memo:  # the target's next token at each counted position, steps 1 and 2
+            memo[i] = ((feats[:, 1:][loss] @ full_head.T).argmax(-1), (feats[:, 2:][m2] @ full_head.T).argmax(-1))
+        want1, want2 = memo[i]
+        real1, pred1 = feats[:, 1:][loss], out1[loss]
+        hits1 += int((vocab_ids[drafter.logits(pred1).argmax(-1)] == want1).sum())
+        l1 += float((pred1 - real1).abs().mean(-1).sum())
+        n1 += int(loss.sum())
+        if out2 is not None:
+            hits2 += int((vocab_ids[drafter.logits(out2[m2]).argmax(-1)] == want2).sum())
+            n2 += int(m2.sum())
+    return {
+        "top1": hits1 / max(1, n1),
+        "top1_step2": hits2 / max(1, n2),
+        "feature_l1": l1 / max(1, n1),
+        "positions": n1,
+    }
+
+
+def losses(drafter, out: torch.Tensor, real: torch.Tensor, mask: torch.Tensor, cfg: EagleTrainConfig):
+    """(feature SmoothL1, token cross-entropy) at the masked positions."""
+    pred, real = out[mask], real.to(out.device)[mask]
+    feat = torch.nn.functional.smooth_l1_loss(pred, real)
+    with torch.no_grad():
+        p = drafter.logits(real).softmax(-1)
+    tok = -(p * drafter.logits(pred).log_softmax(-1)).sum(-1).mean()
+    return feat, tok
+
+
+def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, log=print) -> dict:
+    """Train and save an EAGLE drafter for `target` (a float32 model); returns the held-out metrics."""
+    from tqdm import tqdm
+
+    from specframe.data import read_distill
+    from specframe.proposers.eagle import build_drafter, save_drafter
+    from specframe.training.common import load_checkpoint, save_checkpoint, split_heldout, to_sequences
+    from specframe.training.draft import choose_vocab
+    from specframe.training.features import extract_features
+
+    torch.manual_seed(cfg.seed)
+    out = Path(cfg.out)
+    examples = read_distill(cfg.data)
+    train_ex, held_ex = split_heldout(examples, cfg.heldout_fraction, cfg.seed)
+    if not train_ex or not held_ex:
+        raise ConfigError(f"train.data '{cfg.data}' has too few examples ({len(examples)}) for a held-out split")
+    full_head = target.get_output_embeddings().weight.detach().float()
+    vocab_size = full_head.shape[0]
+    eos = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
+    vocab_ids = choose_vocab(train_ex, min(cfg.vocab_size, vocab_size), vocab_size, eos)
+    # One extraction over train + held-out (in that order): the same cache file the Medusa trainer uses.
+    feats = extract_features(target, train_ex + held_ex, cfg.max_length, cache_dir=cfg.features_cache or None)
+    n_train = len(to_sequences(train_ex, cfg.max_length))  # extract_features keeps exactly these, in order
+    train_seqs = [s for s in feats[:n_train] if len(s.ids) > 2]
+    held_seqs = [s for s in feats[n_train:] if len(s.ids) > 2]
+    if not train_seqs or not held_seqs:
+        raise ConfigError(f"train.data '{cfg.data}' has no sequence longer than 2 tokens in a split")
+    drafter = build_drafter(target, vocab_ids, cfg.init_from_last_layer)
+    params = dict(drafter.named_parameters())
+    in_vocab = torch.zeros(vocab_size, dtype=torch.bool)
+    in_vocab[vocab_ids] = True
+    held_resp = torch.cat([s.ids[s.first_target :] for s in held_seqs])
+    coverage = float(in_vocab[held_resp].float().mean()) if held_resp.numel() else 0.0
+    tokens = sum(s.ids.numel() for s in train_seqs)
+    log(
+        f"eagle: drafter {sum(p.numel() for p in params.values()):,} parameters"
+        f"{' from the target last layer' if cfg.init_from_last_layer else ''}, vocabulary {len(vocab_ids)} "
+        f"(covers {coverage:.1%} of held-out response tokens); {len(train_seqs)} train ({tokens} tokens) / "
+        f"{len(held_seqs)} held-out sequences"
+    )
+
+    optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
+    order_by_len = sorted(range(len(train_seqs)), key=lambda i: train_seqs[i].ids.numel())
+    batches = [order_by_len[i : i + cfg.batch_size] for i in range(0, len(order_by_len), cfg.batch_size)]
+    total_steps = len(batches) * cfg.epochs
+    warmup = min(50, total_steps // 10 + 1)
+    start_epoch, history = 0, []
+    ckpt = out / "checkpoint"
+    if resume and (ckpt / "state.json").is_file():
+        state = load_checkpoint(ckpt, params, optimizer)
+        start_epoch, history = state["epoch"], state["history"]
+        log(f"resumed from {ckpt} after epoch {start_epoch}")
+    done = start_epoch * len(batches)
+
+    def lr_factor(s: int) -> float:
+        s += done
+        return min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total_steps)))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    memo: dict = {}
+    if start_epoch == 0:
+        metrics = evaluate(drafter, full_head, vocab_ids, held_seqs, memo=memo)
+        log(
+            f"before training: held-out top-1 {metrics['top1']:.3f}, step-2 top-1 {metrics['top1_step2']:.3f}, "
+            f"feature L1 {metrics['feature_l1']:.3f}"
+        )
+        history.append({"epoch": 0, **metrics})
+    step2 = cfg.step2_weight > 0
+    for epoch in range(start_epoch, cfg.epochs):
+        drafter.train()
+        gen = torch.Generator().manual_seed(cfg.seed + epoch)
+        order = torch.randperm(len(batches), generator=gen).tolist()
+        bar = tqdm(order, desc=f"epoch {epoch + 1}/{cfg.epochs}", file=sys.stderr, unit="batch")
+        t0, running = time.perf_counter(), None
+        for b in bar:
+            feats, ids, mask = collate_features([train_seqs[i] for i in batches[b]])
+            if not bool(mask.any()):
+                continue
+            out1, out2 = drafter_passes(drafter, feats, ids, cfg.noise, step2, gen)
+            mask = mask.to(out1.device)
+            f1, t1 = losses(drafter, out1, feats[:, 1:], mask, cfg)
+            loss = cfg.feature_weight * f1 + cfg.token_weight * t1
+            if out2 is not None and bool(mask[:, 1:].any()):
+                f2, t2 = losses(drafter, out2, feats[:, 2:], mask[:, 1:], cfg)
+                loss = loss + cfg.step2_weight * (cfg.feature_weight * f2 + cfg.token_weight * t2)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
+            optimizer.step()
+            schedule.step()
+            running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
+            bar.set_postfix(loss=f"{running:.3f}", lr=f"{schedule.get_last_lr()[0]:.1e}")
+        metrics = evaluate(drafter, full_head, vocab_ids, held_seqs, memo=memo)
+        history.append({"epoch": epoch + 1, "train_loss": running, "seconds": time.perf_counter() - t0, **metrics})
+        log(
+            f"epoch {epoch + 1}: train loss {running:.3f}; held-out top-1 {metrics['top1']:.3f}, step-2 top-1 "
+            f"{metrics['top1_step2']:.3f}, feature L1 {metrics['feature_l1']:.3f}"
+        )
+        save_checkpoint(ckpt, params, optimizer, {"epoch": epoch + 1, "history": history})
+    final = {
+        "heldout": history[-1],
+        "history": history,
+        "vocab_coverage": coverage,
+        "train_sequences": len(train_seqs),
+        "train_tokens": tokens,
+        "heldout_sequences": len(held_seqs),
+    }
+    save_drafter(
+        drafter.eval(),
+        vocab_ids,
+        target,
+        out,
+        final,
+        extra={"train_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}},
+    )
+    return final

@@ -1,0 +1,422 @@
+"""`specframe train --proposer medusa`: Medusa heads on self-distillation data.
+
+Stage 1 (Medusa-1): the target is frozen. Its features over the data are computed once (cached, see
+`specframe.training.features`), and the heads learn with cross-entropy: at the position whose feature produced
+response token t+1 (the root at decode time), head k predicts token t+1+k. Heads are weighted `head_decay**k`.
+
+Stage 2 (Medusa-2): heads plus a LoRA adapter on the target (PEFT), trained together. The adapted target must
+keep its own outputs, so the loss adds KL(p_original || p_adapted) over the full vocabulary at every response
+position. The verified model is then the *adapted* one: generation must load the adapter
+(`target.adapter=<out>/adapter`), and exactness holds with respect to that model, not the original.
+
+Reported on held-out prompts (a fixed split by id): each head's top-1 and top-5 accuracy, and *path
+statistics*: for every tree path (r1, ..., rd), how many positions had the true tokens at exactly those ranks
+of heads 1..d. Greedy verification accepts a node exactly when its path matches, so the expected accepted
+length of a tree is 1 + sum over its nodes of count / positions; `best_tree` picks the nodes with the highest
+counts (an ancestor-closed set). The tree saved with the heads is chosen this way, on held-out training
+prompts, never on a benchmark.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specframe.data import read_distill
+from specframe.errors import ConfigError
+from specframe.training.common import load_checkpoint, save_checkpoint, split_heldout
+
+PATH_RANKS = 10  # ranks per head considered in the path statistics
+
+
+@dataclass
+class MedusaTrainConfig:
+    # Self-distillation data from `specframe data distill` (JSONL of prompt/response token ids).
+    data: str = "runs/distill/smollm2-135m-instruct.jsonl"
+    # Output folder for the heads (medusa_config.json, medusa_vocab.json, model.safetensors; adapter/ in stage 2).
+    out: str = "runs/medusa"
+    # 1 = Medusa-1 (frozen target, heads only); 2 = Medusa-2 (heads + LoRA on the target through PEFT).
+    stage: int = 1
+    # Number of heads K: head k predicts the token k positions after the root.
+    num_heads: int = 4
+    # Residual blocks per head.
+    layers: int = 1
+    # Heads' output vocabulary: the most frequent response tokens (rows of the target's LM head).
+    vocab_size: int = 8192
+    # Loss weight of head k is head_decay ** (k - 1).
+    head_decay: float = 0.8
+    # Passes over the training split.
+    epochs: int = 2
+    # Peak AdamW learning rate (linear warm-up, cosine decay).
+    lr: float = 1e-3
+    # Stage 1: positions per optimisation step. Stage 2: sequences per step.
+    batch_size: int = 512
+    # Longest prompt + response used (tokens).
+    max_length: int = 512
+    # Nodes in the saved tree (chosen from held-out path statistics).
+    tree_nodes: int = 16
+    # Fraction of prompts held out for the reported metrics and the tree choice.
+    heldout_fraction: float = 0.05
+    # Seed for initialisation and batching order.
+    seed: int = 0
+    # Where the target's features are cached between runs (stage 1).
+    features_cache: str = "runs/features"
+    # Stage 2: LoRA rank, and the target modules it adapts.
+    lora_rank: int = 8
+    lora_modules: tuple[str, ...] = ("q_proj", "v_proj")
+    # Stage 2: weight of KL(p_original || p_adapted), which keeps the adapted target's outputs.
+    keep_weight: float = 1.0
+    # Stage 2: start from these trained stage-1 heads (a folder); None = fresh heads.
+    init_heads: str | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("num_heads", "layers", "vocab_size", "epochs", "batch_size", "max_length", "tree_nodes"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or value < 1:
+                raise ConfigError(f"train.{key} must be >= 1, got {value}")
+        if self.stage not in (1, 2):
+            raise ConfigError(f"train.stage must be 1 (Medusa-1) or 2 (Medusa-2), got {self.stage}")
+        if not 0 < self.heldout_fraction < 1:
+            raise ConfigError(f"train.heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+        if not 0 < self.head_decay <= 1:
+            raise ConfigError(f"train.head_decay must be in (0, 1], got {self.head_decay}")
+
+
+# ---------------------------------------------------------------------------------------------- trees
+
+
+def best_tree(path_counts: dict, nodes: int) -> list[tuple[int, ...]]:
+    """The `nodes` paths with the highest held-out counts (ties: shallower, then lower ranks): ancestor-closed,
+    because a path never counts more than its parent."""
+    counts = path_counts["counts"]
+    paths = sorted((tuple(int(r) for r in k.split(",")) for k in counts), key=lambda p: (-counts[key(p)], len(p), p))
+    chosen = paths[:nodes]
+    if not chosen:
+        raise ConfigError("the path statistics are empty: no held-out position to choose a tree from")
+    return sorted(chosen, key=lambda p: (len(p), p))
+
+
+def key(path: tuple[int, ...]) -> str:
+    return ",".join(str(r) for r in path)
+
+
+def expected_accepted_length(path_counts: dict, tree: list[tuple[int, ...]]) -> float:
+    """1 + sum over the tree's nodes of P(the node's path matches), on the data the counts came from."""
+    n = max(1, path_counts["positions"])
+    return 1 + sum(path_counts["counts"].get(key(p), 0) for p in tree) / n
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+def vocab_index(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Target id -> column in the reduced vocabulary, or -100 (ignored by the loss) when outside it."""
+    index = torch.full((vocab_size,), -100, dtype=torch.long)
+    index[vocab_ids] = torch.arange(len(vocab_ids))
+    return index
+
+
+def head_labels(ids: torch.Tensor, first_target: int, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions [N], labels [N, K]): position t produced response token t+1; head k's label is token t+1+k."""
+    n = ids.numel()
+    pos = torch.arange(max(0, first_target - 1), n - 1)
+    labels = torch.full((pos.numel(), num_heads), -1, dtype=torch.long)
+    for k in range(1, num_heads + 1):
+        at = pos + 1 + k
+        ok = at < n
+        labels[ok, k - 1] = ids[at[ok]]
+    return pos, labels
+
+
+def stack_features(seqs, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """All (feature, labels) pairs of a list of FeatureSequence: [N, H] bfloat16 and [N, K] target ids (-1 = none)."""
+    xs, ys = [], []
+    for s in seqs:
+        pos, labels = head_labels(s.ids, s.first_target, num_heads)
+        xs.append(s.features[pos])
+        ys.append(labels)
+    return torch.cat(xs), torch.cat(ys)
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+
+@torch.no_grad()
+def evaluate(heads, lm_rows: torch.Tensor, vocab_ids: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """Per-head top-1/top-5 accuracy (over every labelled position) and the path statistics."""
+    k_heads = heads.num_heads
+    top1, top5, total = [0] * k_heads, [0] * k_heads, [0] * k_heads
+    counts: Counter[str] = Counter()
+    positions = 0
+    for i in range(0, x.shape[0], 1024):
+        xb = x[i : i + 1024].to(lm_rows.dtype)
+        yb = y[i : i + 1024]
+        ranks = heads.logits(xb, lm_rows).topk(min(PATH_RANKS, len(vocab_ids)), dim=-1).indices  # [K, B, R]
+        cand = vocab_ids[ranks]  # target ids
+        hit = cand == yb.T[:, :, None]  # [K, B, R]
+        for k in range(k_heads):
+            valid = yb[:, k] >= 0
+            total[k] += int(valid.sum())
+            top1[k] += int(hit[k, :, 0][valid].sum())
+            top5[k] += int(hit[k, :, :5].any(-1)[valid].sum())
+        rank = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(hit[..., 0], -1, dtype=torch.long))
+        for row in rank.T.tolist():  # per position: the rank of the true token under each head, -1 = missed
+            positions += 1
+            path: list[int] = []
+            for r in row:
+                if r < 0:
+                    break
+                path.append(r)
+                counts[key(tuple(path))] += 1
+    return {
+        "top1": [a / max(1, t) for a, t in zip(top1, total, strict=True)],
+        "top5": [a / max(1, t) for a, t in zip(top5, total, strict=True)],
+        "positions": positions,
+        "path_counts": {"positions": positions, "counts": dict(counts.most_common(2000))},
+    }
+
+
+def summary(metrics: dict, tree) -> str:
+    accs = ", ".join(
+        f"head {k + 1} {a:.3f}/{b:.3f}" for k, (a, b) in enumerate(zip(metrics["top1"], metrics["top5"], strict=True))
+    )
+    return (
+        f"held-out top-1/top-5: {accs}; tree of {len(tree)} nodes: expected accepted length "
+        f"{expected_accepted_length(metrics['path_counts'], tree):.2f}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+def train_medusa(cfg: MedusaTrainConfig, target, tokenizer, resume: bool = False, log=print) -> dict:
+    """Train and save Medusa heads for `target` (a float32 model); returns the held-out metrics."""
+    from specframe.proposers.medusa import MedusaHeads, load_heads, save_heads
+    from specframe.training.draft import choose_vocab
+
+    torch.manual_seed(cfg.seed)
+    examples = read_distill(cfg.data)
+    train_ex, held_ex = split_heldout(examples, cfg.heldout_fraction, cfg.seed)
+    if not train_ex or not held_ex:
+        raise ConfigError(f"train.data '{cfg.data}' has too few examples ({len(examples)}) for a held-out split")
+    vocab = target.get_output_embeddings().weight.shape[0]
+    eos = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
+    vocab_ids = choose_vocab(train_ex, min(cfg.vocab_size, vocab), vocab, eos)
+    index = vocab_index(vocab_ids, vocab)
+    hidden = target.config.hidden_size
+    if cfg.init_heads:
+        heads, vocab_ids, _ = load_heads(cfg.init_heads, target)
+        index = vocab_index(vocab_ids, vocab)
+        if heads.num_heads != cfg.num_heads or len(heads.heads[0]) != cfg.layers:
+            raise ConfigError(
+                f"train.init_heads '{cfg.init_heads}' has {heads.num_heads} heads of "
+                f"{len(heads.heads[0])} blocks; the config asks for {cfg.num_heads} of {cfg.layers}"
+            )
+    else:
+        heads = MedusaHeads(hidden, cfg.num_heads, cfg.layers)
+    log(
+        f"medusa stage {cfg.stage}: {cfg.num_heads} heads x {cfg.layers} blocks, vocabulary {len(vocab_ids)}; "
+        f"{len(train_ex)} train / {len(held_ex)} held-out prompts"
+    )
+    run = _train_stage1 if cfg.stage == 1 else _train_stage2
+    final, tree, model_for_fingerprint, extra = run(
+        cfg, target, heads, vocab_ids, index, train_ex, held_ex, resume, log
+    )
+    extra = {"train_config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()}, **extra}
+    save_heads(
+        heads,
+        vocab_ids,
+        model_for_fingerprint,
+        cfg.out,
+        tree,
+        {"path_counts": final["heldout"]["path_counts"], "metrics": _without_counts(final), **extra},
+    )
+    log(f"saved to {cfg.out}")
+    return final
+
+
+def _without_counts(final: dict) -> dict:
+    strip = lambda m: {k: v for k, v in m.items() if k != "path_counts"}  # noqa: E731
+    return {**final, "heldout": strip(final["heldout"]), "history": [strip(h) for h in final["history"]]}
+
+
+def _schedule(optimizer, total_steps: int, done: int):
+    warmup = min(100, total_steps // 10 + 1)
+
+    def factor(s: int) -> float:
+        s += done
+        return min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, total_steps))))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _heads_loss(logits: torch.Tensor, labels: torch.Tensor, index: torch.Tensor, decay: float) -> torch.Tensor:
+    """Weighted cross-entropy over heads; logits [K, N, Vr], labels [N, K] target ids (-1 = none)."""
+    cols = torch.where(labels >= 0, index[labels.clamp(min=0)], torch.full_like(labels, -100))
+    loss = logits.new_zeros(())
+    for k in range(logits.shape[0]):
+        if bool((cols[:, k] >= 0).any()):
+            ce = torch.nn.functional.cross_entropy(logits[k].float(), cols[:, k], ignore_index=-100)
+            loss = loss + decay**k * ce
+    return loss
+
+
+def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resume, log):
+    from tqdm import tqdm
+
+    from specframe.training.features import extract_features
+
+    held_ids = {e.id for e in held_ex}
+    feats = extract_features(target, train_ex + held_ex, cfg.max_length, cache_dir=cfg.features_cache)
+    x_train, y_train = stack_features([f for f in feats if f.id not in held_ids], cfg.num_heads)
+    x_held, y_held = stack_features([f for f in feats if f.id in held_ids], cfg.num_heads)
+    log(f"{x_train.shape[0]} training positions, {x_held.shape[0]} held-out")
+    lm_rows = target.get_output_embeddings().weight.detach()[vocab_ids].float()
+    params = dict(heads.named_parameters())
+    optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
+    steps = math.ceil(x_train.shape[0] / cfg.batch_size)
+    out = Path(cfg.out)
+    ckpt = out / "checkpoint"
+    start, history = 0, []
+    if resume and (ckpt / "state.json").is_file():
+        state = load_checkpoint(ckpt, params, optimizer)
+        start, history = state["epoch"], state["history"]
+        log(f"resumed from {ckpt} after epoch {start}")
+    schedule = _schedule(optimizer, steps * cfg.epochs, start * steps)
+    if start == 0:
+        m = evaluate(heads.eval(), lm_rows, vocab_ids, x_held, y_held)
+        history.append({"epoch": 0, **m})
+        tree = best_tree(m["path_counts"], cfg.tree_nodes) if m["path_counts"]["counts"] else []
+        log(f"before training: {summary(m, tree)}")
+    for epoch in range(start, cfg.epochs):
+        heads.train()
+        order = torch.randperm(x_train.shape[0], generator=torch.Generator().manual_seed(cfg.seed + epoch))
+        bar = tqdm(range(steps), desc=f"epoch {epoch + 1}/{cfg.epochs}", file=sys.stderr, unit="step")
+        t0, running = time.perf_counter(), None
+        for s in bar:
+            idx = order[s * cfg.batch_size : (s + 1) * cfg.batch_size]
+            logits = heads.logits(x_train[idx].float(), lm_rows)
+            loss = _heads_loss(logits, y_train[idx], index, cfg.head_decay)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
+            optimizer.step()
+            schedule.step()
+            running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
+            if s % 20 == 0:
+                bar.set_postfix(loss=f"{running:.3f}", lr=f"{schedule.get_last_lr()[0]:.1e}")
+        m = evaluate(heads.eval(), lm_rows, vocab_ids, x_held, y_held)
+        history.append({"epoch": epoch + 1, "train_loss": running, "seconds": time.perf_counter() - t0, **m})
+        log(f"epoch {epoch + 1}: train loss {running:.3f}; {summary(m, best_tree(m['path_counts'], cfg.tree_nodes))}")
+        save_checkpoint(ckpt, params, optimizer, {"epoch": epoch + 1, "history": history})
+    final = _final(history, cfg, x_train.shape[0], x_held.shape[0])
+    return final, best_tree(final["heldout"]["path_counts"], cfg.tree_nodes), target, {"adapter": None}
+
+
+def _final(history: list, cfg, n_train: int, n_held: int) -> dict:
+    last = history[-1]
+    tree = best_tree(last["path_counts"], cfg.tree_nodes)
+    return {
+        "heldout": {
+            **last,
+            "tree_nodes": len(tree),
+            "expected_accepted_length": expected_accepted_length(last["path_counts"], tree),
+        },
+        "history": history,
+        "train_positions": n_train,
+        "heldout_positions": n_held,
+    }
+
+
+def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resume, log):
+    """Medusa-2: heads + LoRA trained together; KL to the original target keeps its outputs."""
+    from peft import LoraConfig, get_peft_model
+    from tqdm import tqdm
+
+    from specframe.training.common import collate, make_batches, to_sequences
+    from specframe.training.features import extract_features
+
+    lora = LoraConfig(
+        r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank, lora_dropout=0.0, target_modules=list(cfg.lora_modules)
+    )
+    target.requires_grad_(False)
+    model = get_peft_model(target, lora)
+    base = model.get_base_model()
+    lm_rows = target.get_output_embeddings().weight.detach()[vocab_ids].float()
+    params = {f"heads.{k}": p for k, p in heads.named_parameters()}
+    params.update({f"lora.{k}": p for k, p in model.named_parameters() if p.requires_grad})
+    optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
+    seqs = to_sequences(train_ex, cfg.max_length)
+    batches = make_batches(seqs, cfg.batch_size, cfg.seed)
+    out = Path(cfg.out)
+    ckpt = out / "checkpoint"
+    start, history = 0, []
+    if resume and (ckpt / "state.json").is_file():
+        state = load_checkpoint(ckpt, params, optimizer)
+        start, history = state["epoch"], state["history"]
+        log(f"resumed from {ckpt} after epoch {start}")
+    schedule = _schedule(optimizer, len(batches) * cfg.epochs, start * len(batches))
+
+    def heldout() -> tuple[dict, int]:
+        feats = extract_features(base, held_ex, cfg.max_length, dtype=base.dtype, quiet=True)
+        x, y = stack_features(feats, cfg.num_heads)
+        return evaluate(heads.eval(), lm_rows, vocab_ids, x, y), x.shape[0]
+
+    n_held = 0
+    for epoch in range(start, cfg.epochs):
+        heads.train()
+        model.train()
+        order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
+        bar = tqdm(order, desc=f"epoch {epoch + 1}/{cfg.epochs}", file=sys.stderr, unit="batch")
+        t0, running = time.perf_counter(), None
+        for b in bar:
+            ids, attn, mask = collate(batches[b], pad=0)
+            with torch.no_grad(), model.disable_adapter():
+                p_log = target(input_ids=ids, attention_mask=attn).logits[mask].float().log_softmax(-1)
+            feat = base.model(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, T, H] adapted
+            q_log = base.lm_head(feat[mask]).float().log_softmax(-1)
+            keep = (p_log.exp() * (p_log - q_log)).sum(-1).mean()
+            labels = torch.cat(
+                [
+                    head_labels(ids[i, : int(attn[i].sum())], s.first_target, cfg.num_heads)[1]
+                    for i, s in enumerate(batches[b])
+                ]
+            )
+            logits = heads.logits(feat[mask], lm_rows)
+            loss = _heads_loss(logits, labels, index, cfg.head_decay) + cfg.keep_weight * keep
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
+            optimizer.step()
+            schedule.step()
+            running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
+            bar.set_postfix(loss=f"{running:.3f}", keep_kl=f"{keep.item():.4f}")
+        model.eval()
+        m, n_held = heldout()
+        history.append(
+            {
+                "epoch": epoch + 1,
+                "train_loss": running,
+                "keep_kl": keep.item(),
+                "seconds": time.perf_counter() - t0,
+                **m,
+            }
+        )
+        log(
+            f"epoch {epoch + 1}: train loss {running:.3f}, KL to the original {keep.item():.4f}; "
+            f"{summary(m, best_tree(m['path_counts'], cfg.tree_nodes))}"
+        )
+        save_checkpoint(ckpt, params, optimizer, {"epoch": epoch + 1, "history": history})
+    if not history:
+        raise ConfigError(f"nothing to train: the checkpoint in {ckpt} already has {start} epochs")
+    final = _final(history, cfg, sum(len(s.ids) for s in seqs), n_held)
+    adapter_dir = out / "adapter"
+    model.save_pretrained(str(adapter_dir))  # PEFT's own format (adapter_config.json + safetensors)
+    merged = model.merge_and_unload()  # the model generation will verify with: fingerprint it
+    return final, best_tree(final["heldout"]["path_counts"], cfg.tree_nodes), merged, {"adapter": str(adapter_dir)}

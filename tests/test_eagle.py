@@ -1,0 +1,307 @@
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specframe import SpeculativeDecoder
+from specframe.decoder import target_info
+from specframe.errors import ConfigError, ModelLoadError
+from specframe.proposer import DecodeState, Proposer
+from specframe.proposers.eagle import EagleConfig, EagleProposer, load_drafter
+from specframe.sampling import SamplingParams
+from specframe.testing.conformance import reference_greedy
+from specframe.testing.suite import ProposerConformance
+from specframe.testing.tiny import tiny_llama, write_distill_data
+from specframe.training.eagle import EagleTrainConfig, train_eagle
+
+TREE = EagleConfig(depth=3, top_k=3, total_tokens=8)
+CHAIN = EagleConfig(depth=3, tree=False)
+
+
+class TestEagleTreeConformance(ProposerConformance):
+    proposer_class = EagleProposer
+    proposer_config = TREE
+
+
+class TestEagleChainConformance(ProposerConformance):
+    proposer_class = EagleProposer
+    proposer_config = CHAIN
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def target16():
+    return tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=3)
+
+
+@torch.no_grad()
+def fresh_proposal(target, config, seed, tokens, max_depth=100):
+    """A new proposer begun on tokens[:-1] (target features from scratch), proposing after `tokens`."""
+    p = EagleProposer.random(target_info(target), config, seed=seed)
+    prefix = tokens[:-1]
+    out = target(input_ids=prefix[None], output_hidden_states=True)
+    p.begin(prefix, {-1: out.hidden_states[-1][0]})
+    state = DecodeState(tokens, prefix.numel(), SamplingParams(), torch.Generator(), max_depth=max_depth)
+    return p, p.propose(state)
+
+
+class Recorder(Proposer):
+    """Passes everything through to an EAGLE proposer and records each state and proposal."""
+
+    name = "recorder"
+    config_class = dict
+    hidden_state_layers = (-1,)
+
+    def __init__(self, inner):
+        super().__init__(inner.config, inner.target)
+        self.inner, self.steps = inner, []
+
+    def begin(self, prompt, hidden_states):
+        self.inner.begin(prompt, hidden_states)
+
+    def accepted(self, result):
+        self.inner.accepted(result)
+
+    def propose(self, state):
+        proposal = self.inner.propose(state)
+        cache = self.inner.cache.get_seq_length()
+        self.steps.append((state.tokens.clone(), state.max_depth, proposal, self.inner.committed, cache))
+        return proposal
+
+
+# ---------------------------------------------------------------------------------------------- runtime
+
+
+@pytest.mark.parametrize("config", [TREE, CHAIN], ids=["tree", "chain"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_cache_after_steps_equals_a_fresh_proposer(config, temperature):
+    target = target16()
+    rec = Recorder(EagleProposer.random(target_info(target), config, seed=3))
+    dec = SpeculativeDecoder(target, rec)
+    dec.generate([1, 2, 3, 4, 5], max_new_tokens=24, temperature=temperature, seed=0)
+    assert len(rec.steps) >= 4
+    for tokens, max_depth, proposal, committed, cached in rec.steps:
+        if max_depth == 0:  # nothing to draft: the pending pairs wait for the next proposal
+            assert len(proposal) == 0
+            continue
+        assert committed == tokens.numel() - 1 and cached == committed  # drafted nodes were cropped away
+        _, again = fresh_proposal(target, config, 3, tokens, max_depth)
+        assert again.tokens.tolist() == proposal.tokens.tolist()
+        assert again.parents.tolist() == proposal.parents.tolist()
+
+
+def path_of(proposal, i):
+    path = []
+    while i >= 0:
+        path.append(i)
+        i = int(proposal.parents[i])
+    return path[::-1]
+
+
+@torch.no_grad()
+def test_tree_scores_equal_sequential_recomputation():
+    """Each node's cumulative log-probability, computed with the 4-D tree mask, equals feeding its path
+    to the drafter as a plain sequence from scratch: the mask and the positions are right."""
+    target = target16()
+    tokens = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    config = EagleConfig(depth=4, top_k=3, total_tokens=12)
+    p, proposal = fresh_proposal(target, config, 5, tokens)
+    assert len(proposal) == 12 and max(proposal.depths()) >= 3
+    d = p.drafter
+    feats = target(input_ids=tokens[None, :-1], output_hidden_states=True).hidden_states[-1][0]
+    vocab = {t: i for i, t in enumerate(p.vocab_ids.tolist())}
+    for node in range(len(proposal)):
+        f, nxt = feats, tokens[1:]
+        pred = d(f[None], nxt[None], torch.arange(nxt.numel())[None])[0]  # causal, no cache
+        score = 0.0
+        for j in path_of(proposal, node):
+            x = int(proposal.tokens[j])
+            score += float(torch.log_softmax(d.logits(pred[-1]), -1)[vocab[x]])
+            f, nxt = torch.cat([f, pred[-1:]]), torch.cat([nxt, torch.tensor([x])])
+            pred = d(f[None], nxt[None], torch.arange(nxt.numel())[None])[0]
+        assert abs(score - float(p.last_scores[node])) < 1e-4, (node, score, float(p.last_scores[node]))
+
+
+def test_dynamic_tree_properties():
+    target = target16()
+    for config in (EagleConfig(depth=4, top_k=3, total_tokens=10), EagleConfig(depth=5, top_k=4, total_tokens=60)):
+        p, proposal = fresh_proposal(target, config, 7, torch.tensor([2, 7, 1, 8, 2, 8]))
+        depths = proposal.depths()
+        n = len(proposal)
+        all_nodes = config.top_k + (config.depth - 1) * config.top_k**2
+        assert n == min(config.total_tokens, all_nodes) and max(depths) <= config.depth
+        assert bool(proposal.deterministic.all()) and proposal.tokens.dtype == torch.long
+        scores = p.last_scores.tolist()
+        for i, parent in enumerate(proposal.parents.tolist()):
+            assert -1 <= parent < i  # topological, closed under ancestors
+            if parent >= 0:
+                assert scores[i] <= scores[parent] + 1e-6
+        siblings = {}
+        for i, parent in enumerate(proposal.parents.tolist()):
+            siblings.setdefault(parent, []).append(int(proposal.tokens[i]))
+        assert all(len(s) == len(set(s)) for s in siblings.values())  # no duplicate children
+        assert all(0 <= t < 16 for t in proposal.tokens.tolist())
+        assert set(proposal.tokens.tolist()) <= set(p.vocab_ids.tolist())
+    # the engine's budget: max_depth caps the tree, 0 gives nothing
+    wide = EagleConfig(depth=5, top_k=3, total_tokens=20)
+    for max_depth in (0, 1, 2):
+        p, prop = fresh_proposal(target, wide, 7, torch.tensor([2, 7, 1]), max_depth=max_depth)
+        assert max(prop.depths(), default=0) == max_depth and p.cache.get_seq_length() == p.committed
+    # chain mode: one greedy chain of `depth` tokens
+    _, chain = fresh_proposal(target, EagleConfig(depth=4, tree=False), 7, torch.tensor([2, 7, 1, 8]))
+    assert chain.is_chain() and len(chain) == 4
+
+
+def test_max_depth_zero_keeps_the_state_consistent():
+    """Steps that propose nothing (max_depth 0) still learn the root, so later features stay aligned."""
+    target = target16()
+    p = EagleProposer.random(target_info(target), TREE, seed=1)
+    dec = SpeculativeDecoder(target, p)
+    for n in (1, 2, 3, 9):
+        assert dec.generate([4, 5, 6], max_new_tokens=n).token_ids == reference_greedy(target, [4, 5, 6], n)
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("eagle")
+    torch.set_num_threads(1)
+    # One layer: its greedy continuations are predictable enough for a tiny drafter to learn in seconds
+    # (a 3-layer random target is barely predictable even by a bigram table).
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=1)
+    write_distill_data(tmp / "d.jsonl", target, n=120, response_length=10)
+    cfg = EagleTrainConfig(
+        data=str(tmp / "d.jsonl"),
+        out=str(tmp / "eagle"),
+        features_cache=str(tmp / "features"),
+        vocab_size=12,
+        epochs=6,
+        lr=1e-2,
+        batch_size=4,
+        heldout_fraction=0.25,
+        token_weight=1.0,
+    )
+    logs = []
+    metrics = train_eagle(cfg, target, None, log=logs.append)
+    return target, cfg, metrics, logs
+
+
+def test_training_improves_heldout_top1_and_saves_only_the_drafter(trained):
+    target, cfg, metrics, logs = trained
+    hist = metrics["history"]
+    assert [h["epoch"] for h in hist] == list(range(cfg.epochs + 1))
+    assert hist[-1]["top1"] > hist[0]["top1"] + 0.1, hist
+    assert hist[-1]["feature_l1"] < hist[0]["feature_l1"] and hist[-1]["train_loss"] < hist[1]["train_loss"]
+    assert 0 <= hist[-1]["top1_step2"] <= 1 and metrics["heldout"] == hist[-1]
+    from safetensors.torch import load_file
+
+    weights = load_file(f"{cfg.out}/model.safetensors")
+    assert weights and all(k.startswith(("fc.", "layer.", "norm.")) for k in weights)
+    assert all(v.dtype == torch.float16 for v in weights.values())
+    meta = json.loads(open(f"{cfg.out}/eagle_config.json").read())
+    assert meta["format"] == "specframe-eagle" and meta["llama_config"]["num_hidden_layers"] == 1
+    assert len(json.load(open(f"{cfg.out}/eagle_vocab.json"))) == 12
+    assert len(list(Path(cfg.features_cache).glob("features-*.safetensors"))) == 1  # one shared extraction
+    assert any(m.startswith("epoch 6:") for m in logs)
+
+
+def test_saved_drafter_round_trips_and_decodes_exactly(trained):
+    target, cfg, _, _ = trained
+    info = target_info(target)
+    proposer = EagleProposer.from_config(EagleConfig(model=cfg.out, depth=4, top_k=3, total_tokens=10), info)
+    from safetensors.torch import load_file
+
+    saved = load_file(f"{cfg.out}/model.safetensors")
+    own = proposer.drafter.own_state_dict()
+    assert set(own) == set(saved) and all(torch.equal(own[k], saved[k].float()) for k in saved)
+    assert proposer.vocab_ids.tolist() == json.load(open(f"{cfg.out}/eagle_vocab.json"))
+    dec = SpeculativeDecoder(target, proposer)
+    accepted = 0
+    for prompt in ([1, 2, 3], [4, 5, 9, 11]):
+        res = dec.generate(prompt, max_new_tokens=16)
+        assert res.token_ids == reference_greedy(target, prompt, 16)
+        accepted += res.stats["accepted_tokens"]
+    assert accepted > 8  # a trained drafter is accepted often on its own target
+    res = dec.generate([1, 2, 3], max_new_tokens=12, temperature=1.0, seed=0)
+    assert all(0 <= t < 16 for t in res.token_ids)
+
+
+def test_resume_continues_after_the_last_epoch(trained):
+    target, cfg, _, _ = trained
+    more = EagleTrainConfig(**{**cfg.__dict__, "epochs": cfg.epochs + 1})
+    logs = []
+    metrics = train_eagle(more, target, None, resume=True, log=logs.append)
+    assert any("resumed" in m and f"epoch {cfg.epochs}" in m for m in logs)
+    assert [h["epoch"] for h in metrics["history"]] == list(range(cfg.epochs + 2))
+    assert not any(m.startswith("before training") for m in logs)
+
+
+def test_self_fed_step_training_and_last_layer_init(tmp_path):
+    target = tiny_llama(vocab_size=16, seed=1, hidden_size=32, num_layers=1)
+    write_distill_data(tmp_path / "d.jsonl", target, n=120, response_length=10)
+    cfg = EagleTrainConfig(
+        data=str(tmp_path / "d.jsonl"),
+        out=str(tmp_path / "e"),
+        features_cache="",
+        vocab_size=16,
+        epochs=4,
+        lr=1e-2,
+        batch_size=4,
+        heldout_fraction=0.25,
+        step2_weight=1.0,
+        token_weight=1.0,
+        init_from_last_layer=True,
+    )
+    metrics = train_eagle(cfg, target, None, log=lambda m: None)
+    hist = metrics["history"]
+    assert hist[-1]["top1_step2"] > hist[0]["top1_step2"] + 0.05, hist
+    assert not (tmp_path / "features").exists()  # features_cache="" caches nothing
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+def test_missing_or_wrong_model_folders_are_refused(tmp_path, trained):
+    info = target_info(target16())
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        EagleProposer.from_config(EagleConfig(model=str(tmp_path / "nope")), info)
+    with pytest.raises(ModelLoadError, match="not an EAGLE drafter"):
+        EagleProposer.from_config(EagleConfig(model=str(tmp_path)), info)
+    with pytest.raises(ConfigError, match="proposer.model is required"):
+        EagleProposer.from_config(EagleConfig(), info)
+    _, cfg, _, _ = trained
+    other = tiny_llama(vocab_size=16, seed=5, hidden_size=32, num_layers=1)
+    with pytest.raises(ModelLoadError, match="trained for another target"):
+        load_drafter(cfg.out, other)
+    wide = tiny_llama(vocab_size=24, seed=0, hidden_size=32, num_layers=1)
+    with pytest.raises(ModelLoadError, match="trained for another target.*vocab 24"):
+        EagleProposer.from_config(EagleConfig(model=cfg.out), target_info(wide))
+
+
+@pytest.mark.parametrize(
+    "field, value", [("depth", 0), ("top_k", 0), ("total_tokens", -1), ("tree", "yes"), ("dtype", "int8")]
+)
+def test_bad_proposer_options(field, value):
+    with pytest.raises(ConfigError, match=f"proposer.{field}"):
+        EagleConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field, value", [("epochs", 0), ("heldout_fraction", 1.0), ("noise", -0.1), ("lr", 0)])
+def test_bad_training_options(field, value):
+    with pytest.raises(ConfigError, match=f"train.{field}"):
+        EagleTrainConfig(**{field: value})
+
+
+def test_registered_and_configured():
+    from specframe.config import load_config
+    from specframe.plugins import get_registry
+
+    assert get_registry().get("eagle").cls is EagleProposer
+    cfg = load_config("configs/eagle.yaml", ["proposer.depth=3"])
+    assert cfg.proposer_name == "eagle" and cfg.proposer.depth == 3 and cfg.proposer.tree is True
+    with pytest.raises(ConfigError, match="proposer.top_k"):
+        load_config("configs/eagle.yaml", ["proposer.top_k=0"])

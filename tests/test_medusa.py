@@ -1,0 +1,226 @@
+import json
+
+import pytest
+import torch
+
+from specframe import SpeculativeDecoder
+from specframe.cli import main
+from specframe.decoder import target_info
+from specframe.errors import ConfigError, ModelLoadError
+from specframe.proposers.medusa import MedusaConfig, MedusaHeads, MedusaProposer, check_tree, load_heads
+from specframe.testing.conformance import reference_greedy
+from specframe.testing.suite import ProposerConformance
+from specframe.testing.tiny import tiny_llama, write_distill_data
+from specframe.training.medusa import MedusaTrainConfig, best_tree, expected_accepted_length, train_medusa
+
+
+class TestMedusaDefaultTree(ProposerConformance):
+    proposer_class = MedusaProposer
+
+
+class TestMedusaDeepNarrowTree(ProposerConformance):
+    proposer_class = MedusaProposer
+    proposer_config = MedusaConfig(tree=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]])
+
+
+def test_heads_do_not_share_weights():
+    heads = MedusaHeads(8, num_heads=3, layers=2)
+    assert len({id(p) for p in heads.parameters()}) == 3 * 2 * 2
+    with torch.no_grad():
+        heads.heads[0][0].linear.weight.fill_(1.0)
+    assert float(heads.heads[1][0].linear.weight.detach().abs().sum()) == 0.0
+    assert float(heads.heads[0][1].linear.weight.detach().abs().sum()) == 0.0
+
+
+def test_untrained_heads_are_the_target_lm_head():
+    heads = MedusaHeads(8, num_heads=2, layers=1)
+    h, rows = torch.randn(3, 8), torch.randn(5, 8)
+    expected = h + torch.nn.functional.silu(torch.zeros(3, 8))
+    assert torch.allclose(heads.logits(h, rows), (expected @ rows.T).expand(2, 3, 5))
+
+
+@pytest.mark.parametrize(
+    "tree, message",
+    [
+        ([[0], [0, 1], [1, 1]], "no parent"),
+        ([[0], [0]], "repeated"),
+        ([[0], [-1]], "ranks >= 0"),
+        ([], "empty"),
+        ([[0], [0, 0], [0, 0, 0]], "deeper than the 2 heads"),
+    ],
+)
+def test_bad_trees_are_refused(tree, message):
+    with pytest.raises(ConfigError, match=message):
+        check_tree(tree, num_heads=2)
+
+
+def test_tree_nodes_are_ordered_parents_first_and_cut_at_max_depth():
+    target = tiny_llama(vocab_size=16, hidden_size=32)
+    p = MedusaProposer.random(target_info(target), MedusaConfig(tree=[[0, 0, 0], [0, 0], [1], [0], [0, 1]]))
+    assert p.tree == [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]
+    p.begin(torch.tensor([1, 2]), {-1: torch.randn(2, 32)})
+    from specframe.proposer import DecodeState
+    from specframe.sampling import SamplingParams
+
+    state = DecodeState(torch.tensor([1, 2, 3]), 2, SamplingParams(), torch.Generator(), max_depth=2)
+    prop = p.propose(state)
+    assert prop.parents.tolist() == [-1, -1, 0, 0] and prop.depths() == [1, 1, 2, 2]
+    assert bool(prop.deterministic.all())
+    state.max_depth = 0
+    assert len(p.propose(state)) == 0
+
+
+def test_best_tree_is_ancestor_closed_and_scores_its_nodes():
+    counts = {"positions": 100, "counts": {"0": 60, "1": 20, "0,0": 40, "0,1": 10, "0,0,0": 30, "1,0": 15, "2": 5}}
+    tree = best_tree(counts, 4)
+    assert tree == [(0,), (1,), (0, 0), (0, 0, 0)]
+    assert expected_accepted_length(counts, tree) == pytest.approx(1 + (60 + 20 + 40 + 30) / 100)
+    assert all(p[:-1] in tree for p in tree if len(p) > 1)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    torch.set_num_threads(1)
+    tmp = tmp_path_factory.mktemp("medusa")
+    # A smooth (small-init) target: its greedy text is learnable from 80 prompts.
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2, initializer_range=0.1)
+    write_distill_data(tmp / "d.jsonl", target, n=80, response_length=12)
+    cfg = MedusaTrainConfig(
+        data=str(tmp / "d.jsonl"),
+        out=str(tmp / "heads"),
+        num_heads=3,
+        vocab_size=12,
+        epochs=3,
+        lr=3e-2,
+        batch_size=32,
+        heldout_fraction=0.2,
+        tree_nodes=6,
+        features_cache=str(tmp / "features"),
+    )
+    metrics = train_medusa(cfg, target, None, log=lambda m: None)
+    return target, cfg, metrics
+
+
+def test_training_improves_heads_and_saves_a_tree(trained):
+    target, cfg, metrics = trained
+    hist = metrics["history"]
+    assert hist[-1]["top1"][0] > hist[0]["top1"][0] + 0.1
+    assert hist[-1]["train_loss"] < hist[1]["train_loss"]
+    meta = json.loads(open(f"{cfg.out}/medusa_config.json").read())
+    assert meta["format"] == "specframe-medusa-heads" and len(meta["tree"]) == 6
+    assert meta["metrics"]["heldout"]["expected_accepted_length"] > 1.0
+    from safetensors.torch import load_file
+
+    weights = load_file(f"{cfg.out}/model.safetensors")
+    assert set(weights) == {f"heads.{k}.0.linear.{w}" for k in range(3) for w in ("weight", "bias")}
+    assert all(v.dtype == torch.float16 for v in weights.values())
+
+
+def test_saved_heads_round_trip_and_decode_exactly(trained):
+    target, cfg, _ = trained
+    info = target_info(target)
+    heads, vocab_ids, meta = load_heads(cfg.out, target)
+    saved = MedusaHeads(32, 3, 1)
+    from safetensors.torch import load_file
+
+    saved.load_state_dict({k: v.float() for k, v in load_file(f"{cfg.out}/model.safetensors").items()})
+    h = torch.randn(4, 32)
+    assert torch.equal(heads.logits(h, torch.eye(32)), saved.logits(h, torch.eye(32)))
+    proposer = MedusaProposer.from_config(MedusaConfig(model=cfg.out), info)
+    assert proposer.tree == [tuple(p) for p in meta["tree"]]
+    dec = SpeculativeDecoder(target, proposer, max_new_tokens=24)
+    for prompt in ([1, 2, 3], [5, 9, 2, 2, 7]):
+        res = dec.generate(prompt)
+        assert res.token_ids == reference_greedy(target, prompt, 24)
+    # Trained on the target's own greedy text, the heads must be accepted often.
+    assert res.stats["mean_accepted_length"] > 1.5
+    bigger = MedusaProposer.from_config(MedusaConfig(model=cfg.out, tree_nodes=10), info)
+    assert len(bigger.tree) == min(10, len(meta["path_counts"]["counts"]))
+
+
+def test_heads_for_another_target_are_refused(trained, tmp_path):
+    _, cfg, _ = trained
+    other = tiny_llama(vocab_size=16, seed=5, hidden_size=32, num_layers=2)
+    with pytest.raises(ModelLoadError, match="different target weights"):
+        MedusaProposer.from_config(MedusaConfig(model=cfg.out), target_info(other))
+    with pytest.raises(ModelLoadError, match="does not exist|do not exist"):
+        MedusaProposer.from_config(MedusaConfig(model=str(tmp_path / "nope")), target_info(other))
+    with pytest.raises(ConfigError, match="proposer.model is required"):
+        MedusaProposer.from_config(MedusaConfig(), target_info(other))
+    (tmp_path / "medusa_config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="incomplete or corrupt"):
+        load_heads(tmp_path, other)
+
+
+def test_resume_continues_after_the_last_epoch(trained, tmp_path):
+    target, cfg, metrics = trained
+    from dataclasses import replace
+
+    more = replace(cfg, epochs=4)
+    resumed = train_medusa(more, target, None, resume=True, log=lambda m: None)
+    assert [h["epoch"] for h in resumed["history"]] == [0, 1, 2, 3, 4]
+    assert resumed["history"][3]["top1"] == metrics["history"][3]["top1"]
+
+
+@pytest.mark.parametrize("field, value", [("stage", 3), ("num_heads", 0), ("head_decay", 0.0), ("tree_nodes", 0)])
+def test_bad_training_options(field, value):
+    with pytest.raises(ConfigError, match=f"train.{field}"):
+        MedusaTrainConfig(**{field: value})
+
+
+def test_medusa2_trains_lora_with_peft_and_heads_require_the_adapter(tmp_path, tiny_dirs):
+    from specframe.models import load_model
+
+    base = load_model(str(tiny_dirs["target"]), dtype="float32", device="cpu", quiet=True).model
+    write_distill_data(tmp_path / "d.jsonl", base, n=30, response_length=8)
+    cfg = MedusaTrainConfig(
+        data=str(tmp_path / "d.jsonl"),
+        out=str(tmp_path / "m2"),
+        stage=2,
+        num_heads=2,
+        epochs=1,
+        lr=5e-3,
+        batch_size=8,
+        heldout_fraction=0.2,
+        tree_nodes=4,
+        lora_rank=2,
+    )
+    metrics = train_medusa(cfg, base, None, log=lambda m: None)
+    assert metrics["history"][-1]["keep_kl"] >= 0
+    assert (tmp_path / "m2" / "adapter" / "adapter_config.json").is_file()
+    assert (tmp_path / "m2" / "adapter" / "adapter_model.safetensors").is_file()
+    plain = load_model(str(tiny_dirs["target"]), dtype="float32", device="cpu", quiet=True).model
+    with pytest.raises(ModelLoadError, match="target.adapter"):
+        MedusaProposer.from_config(MedusaConfig(model=cfg.out), target_info(plain))
+    adapted = load_model(
+        str(tiny_dirs["target"]), dtype="float32", device="cpu", quiet=True, adapter=str(tmp_path / "m2" / "adapter")
+    ).model
+    proposer = MedusaProposer.from_config(MedusaConfig(model=cfg.out), target_info(adapted))
+    res = SpeculativeDecoder(adapted, proposer, max_new_tokens=16).generate([1, 2, 3])
+    assert res.token_ids == reference_greedy(adapted, [1, 2, 3], 16)
+
+
+def test_cli_trains_medusa(tmp_path, tiny_dirs, capsys):
+    from specframe.models import load_model
+
+    base = load_model(str(tiny_dirs["target"]), dtype="float32", device="cpu", quiet=True).model
+    write_distill_data(tmp_path / "d.jsonl", base, n=20)
+    code = main(
+        [
+            "train",
+            "--proposer",
+            "medusa",
+            "--target",
+            str(tiny_dirs["target"]),
+            f"data={tmp_path}/d.jsonl",
+            f"out={tmp_path}/heads",
+            "epochs=1",
+            "num_heads=2",
+            "vocab_size=6",
+            "heldout_fraction=0.25",
+            f"features_cache={tmp_path}/f",
+        ]
+    )
+    assert code == 0
+    assert "top1" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(["train", "--proposer", "medusa", "--target", str(tiny_dirs["target"]), "stage=5"]) == 2
