@@ -11,6 +11,43 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specframe.data import DistillExample
+from specframe.errors import ConfigError
+
+
+@dataclass
+class TrainRunConfig:
+    """The options every `specframe train --proposer NAME` shares; each trainer extends it (and may change a
+    default by declaring the field again)."""
+
+    # Self-distillation data from `specframe data distill` (JSONL of prompt/response token ids).
+    data: str = "runs/distill/smollm2-135m-instruct.jsonl"
+    # Output folder (the trained artifact, its checkpoint/ and, for some trainers, more; see the docs).
+    out: str = "runs/out"
+    # Passes over the training split.
+    epochs: int = 3
+    # Peak AdamW learning rate (linear warm-up, cosine decay).
+    lr: float = 5e-4
+    # Sequences per optimisation step.
+    batch_size: int = 8
+    # Longest prompt + response used (tokens).
+    max_length: int = 512
+    # Output vocabulary: the most frequent response tokens (rows of the target's LM head). Smaller is cheaper;
+    # tokens outside it are never drafted (q = 0; exactness is unaffected).
+    vocab_size: int = 8192
+    # Fraction of prompts held out for the reported metrics (split by id: stable across runs and resumes).
+    heldout_fraction: float = 0.05
+    # Seed for the split, initialisation and batching order.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("epochs", "batch_size", "max_length", "vocab_size"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or value < 1:
+                raise ConfigError(f"train.{key} must be >= 1, got {value}")
+        if not self.lr > 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if not 0 < self.heldout_fraction < 1:
+            raise ConfigError(f"train.heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
 
 
 @dataclass
@@ -102,3 +139,26 @@ def load_checkpoint(
     sd["state"] = state
     optimizer.load_state_dict(sd)
     return json.loads((folder / "state.json").read_text())
+
+
+def resume_from(ckpt: Path, params: dict, optimizer: torch.optim.Optimizer, resume: bool, log) -> tuple[int, list]:
+    """(epochs done, metrics history) from `ckpt` when resuming and it exists; else (0, [])."""
+    if resume and (ckpt / "state.json").is_file():
+        state = load_checkpoint(ckpt, params, optimizer)
+        log(f"resumed from {ckpt} after epoch {state['epoch']}")
+        return state["epoch"], state["history"]
+    return 0, []
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, done_steps: int = 0):
+    """Linear warm-up (at most 50 steps), then cosine decay to 0 at `total_steps`; a resumed run passes the
+    steps already done, so the schedule continues where the checkpoint stopped."""
+    import math
+
+    warmup = min(50, total_steps // 10 + 1)
+
+    def factor(s: int) -> float:
+        s += done_steps
+        return min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, total_steps))))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -23,46 +23,30 @@ from specframe.data import read_distill
 from specframe.errors import ConfigError
 from specframe.shared_draft import build_shared_draft, save_shared_draft
 from specframe.training.common import (
+    TrainRunConfig,
     collate,
-    load_checkpoint,
     make_batches,
+    resume_from,
     save_checkpoint,
     split_heldout,
     to_sequences,
+    warmup_cosine,
 )
 
 
 @dataclass
-class DraftTrainConfig:
-    # Self-distillation data from `specframe data distill` (JSONL of prompt/response token ids).
-    data: str = "runs/distill/smollm2-135m-instruct.jsonl"
+class DraftTrainConfig(TrainRunConfig):
     # Output folder for the trained draft (draft_config.json, draft_vocab.json, model.safetensors, card).
     out: str = "runs/draft"
     # Decoder layers in the draft: more agree better with the target but cost more per drafted token.
     layers: int = 4
     # Target layers the draft's layers start from (default: the first `layers`).
     init_layers: list[int] = field(default_factory=list)
-    # Output vocabulary: the most frequent tokens of the data. Smaller is cheaper; tokens outside get q = 0.
-    vocab_size: int = 8192
-    # Passes over the training split.
-    epochs: int = 3
-    # Peak AdamW learning rate (linear warm-up, cosine decay).
-    lr: float = 5e-4
-    # Sequences per optimisation step.
-    batch_size: int = 8
-    # Longest prompt + response used (tokens).
-    max_length: int = 512
-    # Fraction of prompts held out for the reported metrics.
-    heldout_fraction: float = 0.05
-    # Seed for batching order.
-    seed: int = 0
 
     def __post_init__(self) -> None:
-        for key in ("layers", "vocab_size", "epochs", "batch_size", "max_length"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"train.{key} must be >= 1, got {getattr(self, key)}")
-        if not 0 < self.heldout_fraction < 1:
-            raise ConfigError(f"train.heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+        super().__post_init__()
+        if self.layers < 1:
+            raise ConfigError(f"train.layers must be >= 1, got {self.layers}")
         if self.init_layers and len(self.init_layers) != self.layers:
             raise ConfigError(f"train.init_layers must list {self.layers} layers, got {self.init_layers}")
 
@@ -137,20 +121,9 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
     optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
     steps_per_epoch = math.ceil(len(train_seqs) / cfg.batch_size)
     total_steps = steps_per_epoch * cfg.epochs
-    warmup = min(50, total_steps // 10 + 1)
-    start_epoch, history = 0, []
     ckpt = out / "checkpoint"
-    if resume and (ckpt / "state.json").is_file():
-        state = load_checkpoint(ckpt, params, optimizer)
-        start_epoch, history = state["epoch"], state["history"]
-        log(f"resumed from {ckpt} after epoch {start_epoch}")
-    done = start_epoch * steps_per_epoch  # the schedule continues where the checkpoint stopped
-
-    def lr_factor(s: int) -> float:
-        s += done
-        return min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total_steps)))
-
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    start_epoch, history = resume_from(ckpt, params, optimizer, resume, log)
+    schedule = warmup_cosine(optimizer, total_steps, start_epoch * steps_per_epoch)
 
     teacher_head = target.get_output_embeddings().weight.detach()[vocab_ids]  # [K, hidden]
     metrics = evaluate(draft.eval(), target, vocab_ids, held_seqs, pad) if start_epoch == 0 else history[-1]

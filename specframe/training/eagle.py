@@ -17,7 +17,6 @@ is what deeper tree levels rely on) and `feature_l1` (mean absolute feature erro
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -26,27 +25,17 @@ from pathlib import Path
 import torch
 
 from specframe.errors import ConfigError
+from specframe.training.common import TrainRunConfig
 
 
 @dataclass
-class EagleTrainConfig:
-    # Self-distillation data from `specframe data distill` (JSONL of prompt/response token ids).
-    data: str = "runs/distill/smollm2-135m-instruct.jsonl"
+class EagleTrainConfig(TrainRunConfig):
     # Output folder for the trained drafter (eagle_config.json, eagle_vocab.json, model.safetensors).
     out: str = "runs/eagle"
-    # Folder caching the target's features over the data ("" = recompute every run).
-    features_cache: str = "runs/features"
     # Passes over the training split.
     epochs: int = 4
-    # Peak AdamW learning rate (linear warm-up, cosine decay).
-    lr: float = 5e-4
-    # Sequences per optimisation step.
-    batch_size: int = 8
-    # Longest prompt + response used (tokens).
-    max_length: int = 512
-    # Output vocabulary: the most frequent tokens of the data (rows of the target's LM head). Tokens outside
-    # it are never drafted (exactness is unaffected); smaller is cheaper per drafted level.
-    vocab_size: int = 8192
+    # Folder caching the target's features over the data ("" = recompute every run).
+    features_cache: str = "runs/features"
     # Amplitude a of the uniform noise U(-a, a) added to input features in training (EAGLE's augmentation:
     # the drafter must cope with its own imperfect features at depth >= 2).
     noise: float = 0.1
@@ -60,21 +49,11 @@ class EagleTrainConfig:
     # Start the decoder layer and norm as copies of the target's last layer and final norm (default: a fresh
     # layer, as EAGLE; the target's last layer expects its residual stream, not features + embeddings).
     init_from_last_layer: bool = False
-    # Fraction of prompts held out for the reported metrics (split by id: stable across runs and resumes).
-    heldout_fraction: float = 0.05
-    # Seed for the split, batching order, noise and initial weights.
-    seed: int = 0
 
     def __post_init__(self) -> None:
-        for key in ("vocab_size", "epochs", "batch_size", "max_length"):
-            if isinstance(getattr(self, key), bool) or getattr(self, key) < 1:
-                raise ConfigError(f"train.{key} must be >= 1, got {getattr(self, key)}")
+        super().__post_init__()
         if self.max_length < 3:
             raise ConfigError(f"train.max_length must be >= 3, got {self.max_length}")
-        if not 0 < self.heldout_fraction < 1:
-            raise ConfigError(f"train.heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
-        if not self.lr > 0:
-            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
         for key in ("noise", "feature_weight", "token_weight", "step2_weight"):
             if not getattr(self, key) >= 0:
                 raise ConfigError(f"train.{key} must be >= 0, got {getattr(self, key)}")
@@ -179,7 +158,7 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
 
     from specframe.data import read_distill
     from specframe.proposers.eagle import build_drafter, save_drafter
-    from specframe.training.common import load_checkpoint, save_checkpoint, split_heldout, to_sequences
+    from specframe.training.common import resume_from, save_checkpoint, split_heldout, warmup_cosine
     from specframe.training.draft import choose_vocab
     from specframe.training.features import extract_features
 
@@ -193,11 +172,11 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
     vocab_size = full_head.shape[0]
     eos = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
     vocab_ids = choose_vocab(train_ex, min(cfg.vocab_size, vocab_size), vocab_size, eos)
-    # One extraction over train + held-out (in that order): the same cache file the Medusa trainer uses.
+    # One extraction over all examples: the same cache file the Medusa trainer uses. Split by id.
     feats = extract_features(target, train_ex + held_ex, cfg.max_length, cache_dir=cfg.features_cache or None)
-    n_train = len(to_sequences(train_ex, cfg.max_length))  # extract_features keeps exactly these, in order
-    train_seqs = [s for s in feats[:n_train] if len(s.ids) > 2]
-    held_seqs = [s for s in feats[n_train:] if len(s.ids) > 2]
+    held_ids = {e.id for e in held_ex}
+    train_seqs = [s for s in feats if s.id not in held_ids and len(s.ids) > 2]
+    held_seqs = [s for s in feats if s.id in held_ids and len(s.ids) > 2]
     if not train_seqs or not held_seqs:
         raise ConfigError(f"train.data '{cfg.data}' has no sequence longer than 2 tokens in a split")
     drafter = build_drafter(target, vocab_ids, cfg.init_from_last_layer)
@@ -218,20 +197,9 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
     order_by_len = sorted(range(len(train_seqs)), key=lambda i: train_seqs[i].ids.numel())
     batches = [order_by_len[i : i + cfg.batch_size] for i in range(0, len(order_by_len), cfg.batch_size)]
     total_steps = len(batches) * cfg.epochs
-    warmup = min(50, total_steps // 10 + 1)
-    start_epoch, history = 0, []
     ckpt = out / "checkpoint"
-    if resume and (ckpt / "state.json").is_file():
-        state = load_checkpoint(ckpt, params, optimizer)
-        start_epoch, history = state["epoch"], state["history"]
-        log(f"resumed from {ckpt} after epoch {start_epoch}")
-    done = start_epoch * len(batches)
-
-    def lr_factor(s: int) -> float:
-        s += done
-        return min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total_steps)))
-
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    start_epoch, history = resume_from(ckpt, params, optimizer, resume, log)
+    schedule = warmup_cosine(optimizer, total_steps, start_epoch * len(batches))
     memo: dict = {}
     if start_epoch == 0:
         metrics = evaluate(drafter, full_head, vocab_ids, held_seqs, memo=memo)

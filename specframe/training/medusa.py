@@ -30,41 +30,31 @@ import torch
 
 from specframe.data import read_distill
 from specframe.errors import ConfigError
-from specframe.training.common import load_checkpoint, save_checkpoint, split_heldout
+from specframe.training.common import TrainRunConfig, resume_from, save_checkpoint, split_heldout, warmup_cosine
 
 PATH_RANKS = 10  # ranks per head considered in the path statistics
 
 
 @dataclass
-class MedusaTrainConfig:
-    # Self-distillation data from `specframe data distill` (JSONL of prompt/response token ids).
-    data: str = "runs/distill/smollm2-135m-instruct.jsonl"
+class MedusaTrainConfig(TrainRunConfig):
     # Output folder for the heads (medusa_config.json, medusa_vocab.json, model.safetensors; adapter/ in stage 2).
     out: str = "runs/medusa"
-    # 1 = Medusa-1 (frozen target, heads only); 2 = Medusa-2 (heads + LoRA on the target through PEFT).
-    stage: int = 1
-    # Number of heads K: head k predicts the token k positions after the root.
-    num_heads: int = 4
-    # Residual blocks per head.
-    layers: int = 1
-    # Heads' output vocabulary: the most frequent response tokens (rows of the target's LM head).
-    vocab_size: int = 8192
-    # Loss weight of head k is head_decay ** (k - 1).
-    head_decay: float = 0.8
     # Passes over the training split.
     epochs: int = 2
     # Peak AdamW learning rate (linear warm-up, cosine decay).
     lr: float = 1e-3
     # Stage 1: positions per optimisation step. Stage 2: sequences per step.
     batch_size: int = 512
-    # Longest prompt + response used (tokens).
-    max_length: int = 512
+    # 1 = Medusa-1 (frozen target, heads only); 2 = Medusa-2 (heads + LoRA on the target through PEFT).
+    stage: int = 1
+    # Number of heads K: head k predicts the token k positions after the root.
+    num_heads: int = 4
+    # Residual blocks per head.
+    layers: int = 1
+    # Loss weight of head k is head_decay ** (k - 1).
+    head_decay: float = 0.8
     # Nodes in the saved tree (chosen from held-out path statistics).
     tree_nodes: int = 16
-    # Fraction of prompts held out for the reported metrics and the tree choice.
-    heldout_fraction: float = 0.05
-    # Seed for initialisation and batching order.
-    seed: int = 0
     # Where the target's features are cached between runs (stage 1).
     features_cache: str = "runs/features"
     # Stage 2: LoRA rank, and the target modules it adapts.
@@ -76,14 +66,13 @@ class MedusaTrainConfig:
     init_heads: str | None = None
 
     def __post_init__(self) -> None:
-        for key in ("num_heads", "layers", "vocab_size", "epochs", "batch_size", "max_length", "tree_nodes"):
+        super().__post_init__()
+        for key in ("num_heads", "layers", "tree_nodes", "lora_rank"):
             value = getattr(self, key)
             if isinstance(value, bool) or value < 1:
                 raise ConfigError(f"train.{key} must be >= 1, got {value}")
         if self.stage not in (1, 2):
             raise ConfigError(f"train.stage must be 1 (Medusa-1) or 2 (Medusa-2), got {self.stage}")
-        if not 0 < self.heldout_fraction < 1:
-            raise ConfigError(f"train.heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
         if not 0 < self.head_decay <= 1:
             raise ConfigError(f"train.head_decay must be in (0, 1], got {self.head_decay}")
 
@@ -246,16 +235,6 @@ def _without_counts(final: dict) -> dict:
     return {**final, "heldout": strip(final["heldout"]), "history": [strip(h) for h in final["history"]]}
 
 
-def _schedule(optimizer, total_steps: int, done: int):
-    warmup = min(100, total_steps // 10 + 1)
-
-    def factor(s: int) -> float:
-        s += done
-        return min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, total_steps))))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
 def _heads_loss(logits: torch.Tensor, labels: torch.Tensor, index: torch.Tensor, decay: float) -> torch.Tensor:
     """Weighted cross-entropy over heads; logits [K, N, Vr], labels [N, K] target ids (-1 = none)."""
     cols = torch.where(labels >= 0, index[labels.clamp(min=0)], torch.full_like(labels, -100))
@@ -283,12 +262,8 @@ def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     steps = math.ceil(x_train.shape[0] / cfg.batch_size)
     out = Path(cfg.out)
     ckpt = out / "checkpoint"
-    start, history = 0, []
-    if resume and (ckpt / "state.json").is_file():
-        state = load_checkpoint(ckpt, params, optimizer)
-        start, history = state["epoch"], state["history"]
-        log(f"resumed from {ckpt} after epoch {start}")
-    schedule = _schedule(optimizer, steps * cfg.epochs, start * steps)
+    start, history = resume_from(ckpt, params, optimizer, resume, log)
+    schedule = warmup_cosine(optimizer, steps * cfg.epochs, start * steps)
     if start == 0:
         m = evaluate(heads.eval(), lm_rows, vocab_ids, x_held, y_held)
         history.append({"epoch": 0, **m})
@@ -356,12 +331,8 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     batches = make_batches(seqs, cfg.batch_size, cfg.seed)
     out = Path(cfg.out)
     ckpt = out / "checkpoint"
-    start, history = 0, []
-    if resume and (ckpt / "state.json").is_file():
-        state = load_checkpoint(ckpt, params, optimizer)
-        start, history = state["epoch"], state["history"]
-        log(f"resumed from {ckpt} after epoch {start}")
-    schedule = _schedule(optimizer, len(batches) * cfg.epochs, start * len(batches))
+    start, history = resume_from(ckpt, params, optimizer, resume, log)
+    schedule = warmup_cosine(optimizer, len(batches) * cfg.epochs, start * len(batches))
 
     def heldout() -> tuple[dict, int]:
         feats = extract_features(base, held_ex, cfg.max_length, dtype=base.dtype, quiet=True)

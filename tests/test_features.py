@@ -1,0 +1,27 @@
+import torch
+
+from specframe.data import read_distill
+from specframe.testing.tiny import tiny_llama, write_distill_data
+from specframe.training.features import extract_features
+
+
+def test_features_are_the_targets_last_hidden_state_cached_and_order_independent(tmp_path):
+    target = tiny_llama(vocab_size=16, hidden_size=32)
+    write_distill_data(tmp_path / "d.jsonl", target, n=12)
+    examples = read_distill(tmp_path / "d.jsonl")
+    first = extract_features(target, examples, dtype=torch.float32, cache_dir=tmp_path / "f", quiet=True)
+    assert [s.id for s in first] == sorted(e.id for e in examples)
+    by_id = {e.id: e for e in examples}
+    for s in first[:3]:
+        e = by_id[s.id]
+        assert s.ids.tolist() == e.prompt_ids + e.response_ids and s.first_target == len(e.prompt_ids)
+        with torch.no_grad():
+            expected = target(input_ids=s.ids[None], output_hidden_states=True).hidden_states[-1][0]
+        torch.testing.assert_close(s.features.float(), expected.to(torch.bfloat16).float())
+    assert len(list((tmp_path / "f").iterdir())) == 1
+    again = extract_features(target, list(reversed(examples)), dtype=torch.float32, cache_dir=tmp_path / "f")
+    assert len(list((tmp_path / "f").iterdir())) == 1  # same examples in another order: the same cache file
+    assert all(torch.equal(a.features, b.features) and a.id == b.id for a, b in zip(first, again, strict=True))
+    other = tiny_llama(vocab_size=16, hidden_size=32, seed=3)
+    extract_features(other, examples, dtype=torch.float32, cache_dir=tmp_path / "f", quiet=True)
+    assert len(list((tmp_path / "f").iterdir())) == 2  # another target never reuses the file
