@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,3 +163,33 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, done_steps
         return min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, total_steps))))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def choose_vocab(examples, size: int, vocab_size: int, always: list[int]) -> torch.Tensor:
+    """The `size` most frequent token ids in the responses (then prompts), plus `always` (e.g. EOS)."""
+    counts: Counter[int] = Counter()
+    for e in examples:
+        counts.update(e.response_ids)
+    for e in examples:  # prompt tokens break ties, so the list fills up even with little data
+        counts.update({t: 1e-6 for t in e.prompt_ids})
+    chosen = [t for t in always if 0 <= t < vocab_size]
+    for t, _ in counts.most_common():
+        if len(chosen) >= size:
+            break
+        if t not in chosen:
+            chosen.append(t)
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def start_run(cfg: TrainRunConfig, target: torch.nn.Module, tokenizer) -> tuple[list, list, torch.Tensor]:
+    """Seed, read the data, split it (by id) and choose the reduced vocabulary: (train, held-out, vocab_ids)."""
+    from specframe.data import read_distill
+
+    torch.manual_seed(cfg.seed)
+    examples = read_distill(cfg.data)
+    train_ex, held_ex = split_heldout(examples, cfg.heldout_fraction, cfg.seed)
+    if not train_ex or not held_ex:
+        raise ConfigError(f"train.data '{cfg.data}' has too few examples ({len(examples)}) for a held-out split")
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+    eos = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
+    return train_ex, held_ex, choose_vocab(train_ex, min(cfg.vocab_size, vocab_size), vocab_size, eos)

@@ -13,13 +13,11 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from specframe.data import read_distill
 from specframe.errors import ConfigError
 from specframe.shared_draft import build_shared_draft, save_shared_draft
 from specframe.training.common import (
@@ -28,7 +26,7 @@ from specframe.training.common import (
     make_batches,
     resume_from,
     save_checkpoint,
-    split_heldout,
+    start_run,
     to_sequences,
     warmup_cosine,
 )
@@ -49,22 +47,6 @@ class DraftTrainConfig(TrainRunConfig):
             raise ConfigError(f"train.layers must be >= 1, got {self.layers}")
         if self.init_layers and len(self.init_layers) != self.layers:
             raise ConfigError(f"train.init_layers must list {self.layers} layers, got {self.init_layers}")
-
-
-def choose_vocab(examples, size: int, vocab_size: int, always: list[int]) -> torch.Tensor:
-    """The `size` most frequent token ids in the responses (then prompts), plus `always` (e.g. EOS)."""
-    counts: Counter[int] = Counter()
-    for e in examples:
-        counts.update(e.response_ids)
-    for e in examples:  # prompt tokens break ties, so the list fills up even with little data
-        counts.update({t: 1e-6 for t in e.prompt_ids})
-    chosen = [t for t in always if 0 <= t < vocab_size]
-    for t, _ in counts.most_common():
-        if len(chosen) >= size:
-            break
-        if t not in chosen:
-            chosen.append(t)
-    return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
 @torch.no_grad()
@@ -89,15 +71,9 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
     """Train and save a shared draft for `target` (a float32 model); returns the held-out metrics."""
     from tqdm import tqdm
 
-    torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
-    examples = read_distill(cfg.data)
-    train_ex, held_ex = split_heldout(examples, cfg.heldout_fraction, cfg.seed)
-    if not train_ex or not held_ex:
-        raise ConfigError(f"train.data '{cfg.data}' has too few examples ({len(examples)}) for a held-out split")
+    train_ex, held_ex, vocab_ids = start_run(cfg, target, tokenizer)
     vocab_size = target.get_output_embeddings().weight.shape[0]
-    eos = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
-    vocab_ids = choose_vocab(train_ex, min(cfg.vocab_size, vocab_size), vocab_size, eos)
     init = cfg.init_layers or list(range(cfg.layers))
     draft = build_shared_draft(target, cfg.layers, vocab_ids, init_layers=init)
     draft.train()

@@ -156,22 +156,14 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
     """Train and save an EAGLE drafter for `target` (a float32 model); returns the held-out metrics."""
     from tqdm import tqdm
 
-    from specframe.data import read_distill
     from specframe.proposers.eagle import build_drafter, save_drafter
-    from specframe.training.common import resume_from, save_checkpoint, split_heldout, warmup_cosine
-    from specframe.training.draft import choose_vocab
+    from specframe.training.common import resume_from, save_checkpoint, start_run, warmup_cosine
     from specframe.training.features import extract_features
 
-    torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
-    examples = read_distill(cfg.data)
-    train_ex, held_ex = split_heldout(examples, cfg.heldout_fraction, cfg.seed)
-    if not train_ex or not held_ex:
-        raise ConfigError(f"train.data '{cfg.data}' has too few examples ({len(examples)}) for a held-out split")
+    train_ex, held_ex, vocab_ids = start_run(cfg, target, tokenizer)
     full_head = target.get_output_embeddings().weight.detach().float()
     vocab_size = full_head.shape[0]
-    eos = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
-    vocab_ids = choose_vocab(train_ex, min(cfg.vocab_size, vocab_size), vocab_size, eos)
     # One extraction over all examples: the same cache file the Medusa trainer uses. Split by id.
     feats = extract_features(target, train_ex + held_ex, cfg.max_length, cache_dir=cfg.features_cache or None)
     held_ids = {e.id for e in held_ex}

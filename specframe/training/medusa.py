@@ -28,9 +28,8 @@ from pathlib import Path
 
 import torch
 
-from specframe.data import read_distill
 from specframe.errors import ConfigError
-from specframe.training.common import TrainRunConfig, resume_from, save_checkpoint, split_heldout, warmup_cosine
+from specframe.training.common import TrainRunConfig, resume_from, save_checkpoint, start_run, warmup_cosine
 
 PATH_RANKS = 10  # ranks per head considered in the path statistics
 
@@ -187,16 +186,9 @@ def summary(metrics: dict, tree) -> str:
 def train_medusa(cfg: MedusaTrainConfig, target, tokenizer, resume: bool = False, log=print) -> dict:
     """Train and save Medusa heads for `target` (a float32 model); returns the held-out metrics."""
     from specframe.proposers.medusa import MedusaHeads, load_heads, save_heads
-    from specframe.training.draft import choose_vocab
 
-    torch.manual_seed(cfg.seed)
-    examples = read_distill(cfg.data)
-    train_ex, held_ex = split_heldout(examples, cfg.heldout_fraction, cfg.seed)
-    if not train_ex or not held_ex:
-        raise ConfigError(f"train.data '{cfg.data}' has too few examples ({len(examples)}) for a held-out split")
+    train_ex, held_ex, vocab_ids = start_run(cfg, target, tokenizer)
     vocab = target.get_output_embeddings().weight.shape[0]
-    eos = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
-    vocab_ids = choose_vocab(train_ex, min(cfg.vocab_size, vocab), vocab, eos)
     index = vocab_index(vocab_ids, vocab)
     hidden = target.config.hidden_size
     if cfg.init_heads:
