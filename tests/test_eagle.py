@@ -130,8 +130,8 @@ def test_dynamic_tree_properties():
         p, proposal = fresh_proposal(target, config, 7, torch.tensor([2, 7, 1, 8, 2, 8]))
         depths = proposal.depths()
         n = len(proposal)
-        all_nodes = config.top_k + (config.depth - 1) * config.top_k**2
-        assert n == min(config.total_tokens, all_nodes) and max(depths) <= config.depth
+        all_nodes = p.top_k + (p.depth - 1) * p.top_k**2
+        assert n == min(p.total_tokens, all_nodes) and max(depths) <= p.depth
         assert bool(proposal.deterministic.all()) and proposal.tokens.dtype == torch.long
         scores = p.last_scores.tolist()
         for i, parent in enumerate(proposal.parents.tolist()):
@@ -228,6 +228,26 @@ def test_saved_drafter_round_trips_and_decodes_exactly(trained):
     assert accepted > 8  # a trained drafter is accepted often on its own target
     res = dec.generate([1, 2, 3], max_new_tokens=12, temperature=1.0, seed=0)
     assert all(0 <= t < 16 for t in res.token_ids)
+
+
+def test_tree_shape_saved_with_the_drafter_is_the_default(trained, tmp_path):
+    import shutil
+
+    target, cfg, _, _ = trained
+    info = target_info(target)
+    plain = EagleProposer.from_config(EagleConfig(model=cfg.out), info)
+    assert (plain.depth, plain.top_k, plain.total_tokens) == (5, 6, 24)
+    tuned = tmp_path / "tuned"
+    shutil.copytree(cfg.out, tuned, ignore=shutil.ignore_patterns("checkpoint"))
+    meta = json.loads((tuned / "eagle_config.json").read_text())
+    meta["tree_shape"] = {"depth": 2, "top_k": 3, "total_tokens": 3}
+    (tuned / "eagle_config.json").write_text(json.dumps(meta))
+    p = EagleProposer.from_config(EagleConfig(model=str(tuned)), info)
+    assert (p.depth, p.top_k, p.total_tokens) == (2, 3, 3)
+    p = EagleProposer.from_config(EagleConfig(model=str(tuned), total_tokens=5), info)  # the config wins
+    assert (p.depth, p.top_k, p.total_tokens) == (2, 3, 5)
+    _, proposal = fresh_proposal(target, EagleConfig(depth=2, top_k=3, total_tokens=3), 1, torch.tensor([1, 2]))
+    assert len(proposal) == 3 and max(proposal.depths()) <= 2
 
 
 def test_resume_continues_after_the_last_epoch(trained):

@@ -41,6 +41,8 @@ from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, Targ
 from specframe.training.eagle import EagleTrainConfig
 
 FORMAT = "specframe-eagle"
+# Tree shape when neither the config nor the drafter's folder (`tree_shape` in eagle_config.json) gives one.
+DEFAULT_TREE_SHAPE = {"depth": 5, "top_k": 6, "total_tokens": 24}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Target config keys the drafter's decoder layer copies (so it has the target's layer shape and rotary).
@@ -63,12 +65,13 @@ _LAYER_KEYS = (
 class EagleConfig:
     # Trained drafter folder (from `specframe train --proposer eagle`); None = the one shipped for the target.
     model: str | None = None
-    # Deepest draft level (tokens a step can gain beyond the target's own one).
-    depth: int = 5
+    # Deepest draft level (tokens a step can gain beyond the target's own one). None (this and the next two):
+    # the shape saved with the drafter (tuned on held-out training prompts), else 5 / 6 / 24.
+    depth: int | None = None
     # Tree mode: children proposed per frontier node, and frontier nodes kept per level.
-    top_k: int = 6
+    top_k: int | None = None
     # Tree mode: draft nodes sent to verification (the best by cumulative draft probability).
-    total_tokens: int = 24
+    total_tokens: int | None = None
     # True: EAGLE-2 dynamic tree; False: one greedy chain of `depth` tokens.
     tree: bool = True
     # Drafter weights' dtype: auto (the target's), float32, bfloat16 or float16.
@@ -77,6 +80,8 @@ class EagleConfig:
     def __post_init__(self) -> None:
         for key in ("depth", "top_k", "total_tokens"):
             value = getattr(self, key)
+            if value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"proposer.{key} must be an integer >= 1, got {value!r}")
         if not isinstance(self.tree, bool):
@@ -260,8 +265,19 @@ class EagleProposer(Proposer):
 
         return train_eagle(config, target, tokenizer, resume=resume)
 
-    def __init__(self, config: EagleConfig, target: TargetInfo, drafter: EagleDrafter, vocab_ids: torch.Tensor):
+    def __init__(
+        self,
+        config: EagleConfig,
+        target: TargetInfo,
+        drafter: EagleDrafter,
+        vocab_ids: torch.Tensor,
+        tree_shape: dict | None = None,
+    ):
         super().__init__(config, target)
+        shape = {**DEFAULT_TREE_SHAPE, **(tree_shape or {})}  # the drafter's saved shape, then the defaults
+        self.depth = config.depth if config.depth is not None else shape["depth"]
+        self.top_k = config.top_k if config.top_k is not None else shape["top_k"]
+        self.total_tokens = config.total_tokens if config.total_tokens is not None else shape["total_tokens"]
         self.drafter = drafter.eval().requires_grad_(False)
         self.vocab_ids = vocab_ids.to(target.device)  # target ids of the drafter's logit columns
         self.dtype = drafter.fc.weight.dtype
@@ -285,8 +301,8 @@ class EagleProposer(Proposer):
         if target.model is None:
             raise ConfigError("the eagle proposer needs the target model (its embedding and LM head)")
         dtype = None if config.dtype == "auto" else DTYPES[config.dtype]
-        drafter, vocab_ids, _ = load_drafter(path, target.model, dtype)
-        return cls(config, target, drafter, vocab_ids)
+        drafter, vocab_ids, meta = load_drafter(path, target.model, dtype)
+        return cls(config, target, drafter, vocab_ids, meta.get("tree_shape"))
 
     @classmethod
     def random(cls, target: TargetInfo, config: EagleConfig | None = None, seed: int = 0) -> EagleProposer:
@@ -348,7 +364,7 @@ class EagleProposer(Proposer):
         device = state.tokens.device
         if self.pending_next.numel() == self.pending_feats.shape[0] - 1:  # begin's last pair needs the root
             self.pending_next = torch.cat([self.pending_next, state.tokens[-1:].to(self.pending_next.device)])
-        depth = min(self.config.depth, state.max_depth)
+        depth = min(self.depth, state.max_depth)
         if depth <= 0:
             return Proposal.empty(device)
         # 1. Commit the real pairs: the last output predicts the root's feature.
@@ -374,7 +390,7 @@ class EagleProposer(Proposer):
         )
 
     def _tree(self, root_feat: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        k = min(self.config.top_k if self.config.tree else 1, self.vocab_ids.numel())
+        k = min(self.top_k if self.config.tree else 1, self.vocab_ids.numel())
         base = self.committed  # position of the root; a node at depth d sits at base + d
         logp = torch.log_softmax(self.drafter.logits(root_feat), -1)
         vals, idx = logp.topk(k)
@@ -415,10 +431,10 @@ class EagleProposer(Proposer):
                     level.append(d)
             frontier = sorted(new, key=lambda n: -score[n])[:k]
         n = len(tok)
-        if self.config.tree and n > self.config.total_tokens:
+        if self.config.tree and n > self.total_tokens:
             keep: set[int] = set()
             for node in sorted(range(n), key=lambda i: (-score[i], level[i], i)):
-                if len(keep) >= self.config.total_tokens:
+                if len(keep) >= self.total_tokens:
                     break
                 if parent[node] < 0 or parent[node] in keep:
                     keep.add(node)

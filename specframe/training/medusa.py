@@ -219,7 +219,7 @@ def train_medusa(cfg: MedusaTrainConfig, target, tokenizer, resume: bool = False
         {"path_counts": final["heldout"]["path_counts"], "metrics": _without_counts(final), **extra},
     )
     log(f"saved to {cfg.out}")
-    return final
+    return _without_counts(final)  # the path statistics live in the saved medusa_config.json
 
 
 def _without_counts(final: dict) -> dict:
