@@ -193,3 +193,17 @@ def start_run(cfg: TrainRunConfig, target: torch.nn.Module, tokenizer) -> tuple[
     vocab_size = target.get_output_embeddings().weight.shape[0]
     eos = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
     return train_ex, held_ex, choose_vocab(train_ex, min(cfg.vocab_size, vocab_size), vocab_size, eos)
+
+
+def optimizer_step(
+    loss: torch.Tensor, params: dict, optimizer, schedule, running: float | None, decay: float = 0.95
+) -> float:
+    """Backward, clip the gradient norm to 1, step the optimizer and the schedule; return the running
+    (exponentially smoothed) loss for the progress bar."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
+    optimizer.step()
+    schedule.step()
+    value = loss.item()
+    return value if running is None else decay * running + (1 - decay) * value

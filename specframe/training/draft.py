@@ -24,6 +24,7 @@ from specframe.training.common import (
     TrainRunConfig,
     collate,
     make_batches,
+    optimizer_step,
     resume_from,
     save_checkpoint,
     start_run,
@@ -123,12 +124,7 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
             h = draft.model(input_ids=ids, attention_mask=attn).last_hidden_state[mask]
             q_log = draft.lm_head(h).float().log_softmax(-1)
             loss = (p_log.exp() * (p_log - q_log)).sum(-1).mean()  # KL(p || q)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
-            optimizer.step()
-            schedule.step()
-            running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
+            running = optimizer_step(loss, params, optimizer, schedule, running)
             bar.set_postfix(kl=f"{running:.3f}", lr=f"{schedule.get_last_lr()[0]:.1e}")
         metrics = evaluate(draft.eval(), target, vocab_ids, held_seqs, pad)
         history.append({"epoch": epoch + 1, "train_kl": running, "seconds": time.perf_counter() - t0, **metrics})

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from specframe.errors import ConfigError
-from specframe.training.common import TrainRunConfig
+from specframe.training.common import TrainRunConfig, optimizer_step
 
 
 @dataclass
@@ -218,12 +218,7 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
             if out2 is not None and bool(mask[:, 1:].any()):
                 f2, t2 = losses(drafter, out2, feats[:, 2:], mask[:, 1:], cfg)
                 loss = loss + cfg.step2_weight * (cfg.feature_weight * f2 + cfg.token_weight * t2)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
-            optimizer.step()
-            schedule.step()
-            running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
+            running = optimizer_step(loss, params, optimizer, schedule, running)
             bar.set_postfix(loss=f"{running:.3f}", lr=f"{schedule.get_last_lr()[0]:.1e}")
         metrics = evaluate(drafter, full_head, vocab_ids, held_seqs, memo=memo)
         history.append({"epoch": epoch + 1, "train_loss": running, "seconds": time.perf_counter() - t0, **metrics})

@@ -29,7 +29,14 @@ from pathlib import Path
 import torch
 
 from specframe.errors import ConfigError
-from specframe.training.common import TrainRunConfig, resume_from, save_checkpoint, start_run, warmup_cosine
+from specframe.training.common import (
+    TrainRunConfig,
+    optimizer_step,
+    resume_from,
+    save_checkpoint,
+    start_run,
+    warmup_cosine,
+)
 
 PATH_RANKS = 10  # ranks per head considered in the path statistics
 
@@ -270,12 +277,7 @@ def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
             idx = order[s * cfg.batch_size : (s + 1) * cfg.batch_size]
             logits = heads.logits(x_train[idx].float(), lm_rows)
             loss = _heads_loss(logits, y_train[idx], index, cfg.head_decay)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
-            optimizer.step()
-            schedule.step()
-            running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
+            running = optimizer_step(loss, params, optimizer, schedule, running, decay=0.98)
             if s % 20 == 0:
                 bar.set_postfix(loss=f"{running:.3f}", lr=f"{schedule.get_last_lr()[0]:.1e}")
         m = evaluate(heads.eval(), lm_rows, vocab_ids, x_held, y_held)
@@ -353,12 +355,7 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
             )
             logits = heads.logits(feat[mask], lm_rows)
             loss = _heads_loss(logits, labels, index, cfg.head_decay) + cfg.keep_weight * keep
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
-            optimizer.step()
-            schedule.step()
-            running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
+            running = optimizer_step(loss, params, optimizer, schedule, running)
             bar.set_postfix(loss=f"{running:.3f}", keep_kl=f"{keep.item():.4f}")
         model.eval()
         m, n_held = heldout()
