@@ -49,6 +49,18 @@ def target_fingerprint(target: torch.nn.Module) -> dict:
     }
 
 
+def check_target_fingerprint(saved: dict, target: torch.nn.Module, what: str) -> dict:
+    """Raise ModelLoadError naming `what` unless `saved` (a `target_fingerprint`) is `target`'s; return it."""
+    have = target_fingerprint(target)
+    if saved != have:
+        raise ModelLoadError(
+            f"{what} was trained for another target (vocab {saved['vocab_size']}, hidden {saved['hidden_size']},"
+            f" embedding fingerprint {saved['embedding_sha256'][:12]}); this target has vocab {have['vocab_size']},"
+            f" hidden {have['hidden_size']}, fingerprint {have['embedding_sha256'][:12]}"
+        )
+    return have
+
+
 def build_shared_draft(
     target: torch.nn.Module, num_layers: int, vocab_ids: torch.Tensor, init_layers: list[int] | None = None
 ) -> LlamaForCausalLM:
@@ -114,13 +126,7 @@ def load_shared_draft(path: str | Path, target: torch.nn.Module) -> tuple[LlamaF
     another target."""
     p = Path(path)
     meta = json.loads((p / "draft_config.json").read_text())
-    want, have = meta["target"], target_fingerprint(target)
-    if want != have:
-        raise ModelLoadError(
-            f"draft '{p}' was trained for another target (vocab {want['vocab_size']}, hidden {want['hidden_size']},"
-            f" embedding fingerprint {want['embedding_sha256'][:12]}); this target has vocab {have['vocab_size']},"
-            f" hidden {have['hidden_size']}, fingerprint {have['embedding_sha256'][:12]}"
-        )
+    check_target_fingerprint(meta["target"], target, f"draft '{p}'")
     vocab_ids = torch.tensor(json.loads((p / "draft_vocab.json").read_text()), dtype=torch.long)
     draft = build_shared_draft(target, meta["llama_config"]["num_hidden_layers"], vocab_ids)
     state = load_file(p / "model.safetensors")

@@ -212,7 +212,7 @@ def save_drafter(
 
 def load_drafter(path: str | Path, target: torch.nn.Module, dtype: torch.dtype | None = None):
     """(drafter, vocab_ids, metadata) from a saved folder; refuses a drafter made for another target."""
-    from specframe.shared_draft import target_fingerprint
+    from specframe.shared_draft import check_target_fingerprint
 
     p = Path(path)
     meta_file = p / "eagle_config.json"
@@ -227,13 +227,7 @@ def load_drafter(path: str | Path, target: torch.nn.Module, dtype: torch.dtype |
         raise ModelLoadError(f"EAGLE drafter '{p}' is unreadable: {e}") from e
     if meta.get("format") != FORMAT:
         raise ModelLoadError(f"'{meta_file}' is not a {FORMAT} file (format {meta.get('format')!r})")
-    want, have = meta["target"], target_fingerprint(target)
-    if want != have:
-        raise ModelLoadError(
-            f"EAGLE drafter '{p}' was trained for another target (vocab {want['vocab_size']}, hidden "
-            f"{want['hidden_size']}, embedding fingerprint {want['embedding_sha256'][:12]}); this target has vocab "
-            f"{have['vocab_size']}, hidden {have['hidden_size']}, fingerprint {have['embedding_sha256'][:12]}"
-        )
+    have = check_target_fingerprint(meta["target"], target, f"EAGLE drafter '{p}'")
     cfg = LlamaConfig(**meta["llama_config"])
     cfg._attn_implementation = "sdpa"
     if cfg.hidden_size != have["hidden_size"] or cfg.vocab_size != len(vocab_ids):

@@ -284,11 +284,12 @@ def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
         history.append({"epoch": epoch + 1, "train_loss": running, "seconds": time.perf_counter() - t0, **m})
         log(f"epoch {epoch + 1}: train loss {running:.3f}; {summary(m, best_tree(m['path_counts'], cfg.tree_nodes))}")
         save_checkpoint(ckpt, params, optimizer, {"epoch": epoch + 1, "history": history})
-    final = _final(history, cfg, x_train.shape[0], x_held.shape[0])
-    return final, best_tree(final["heldout"]["path_counts"], cfg.tree_nodes), target, {"adapter": None}
+    final, tree = _final(history, cfg, x_train.shape[0], x_held.shape[0])
+    return final, tree, target, {"adapter": None}
 
 
-def _final(history: list, cfg, n_train: int, n_held: int) -> dict:
+def _final(history: list, cfg, n_train: int, n_held: int) -> tuple[dict, list[tuple[int, ...]]]:
+    """The run's metrics, and the tree of `cfg.tree_nodes` nodes chosen from the last held-out statistics."""
     last = history[-1]
     tree = best_tree(last["path_counts"], cfg.tree_nodes)
     return {
@@ -300,7 +301,7 @@ def _final(history: list, cfg, n_train: int, n_held: int) -> dict:
         "history": history,
         "train_positions": n_train,
         "heldout_positions": n_held,
-    }
+    }, tree
 
 
 def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resume, log):
@@ -375,8 +376,8 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
         save_checkpoint(ckpt, params, optimizer, {"epoch": epoch + 1, "history": history})
     if not history:
         raise ConfigError(f"nothing to train: the checkpoint in {ckpt} already has {start} epochs")
-    final = _final(history, cfg, sum(len(s.ids) for s in seqs), n_held)
+    final, tree = _final(history, cfg, sum(len(s.ids) for s in seqs), n_held)
     adapter_dir = out / "adapter"
     model.save_pretrained(str(adapter_dir))  # PEFT's own format (adapter_config.json + safetensors)
     merged = model.merge_and_unload()  # the model generation will verify with: fingerprint it
-    return final, best_tree(final["heldout"]["path_counts"], cfg.tree_nodes), merged, {"adapter": str(adapter_dir)}
+    return final, tree, merged, {"adapter": str(adapter_dir)}
