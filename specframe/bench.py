@@ -273,7 +273,10 @@ def specframe_method(name: str, decoder: Any, options: BenchOptions, description
 
 def hf_method(name: str, model: Any, counter: ForwardCounter, eos_ids: list[int], options: BenchOptions,
               description: str, **extra: Any) -> Method:
-    """transformers `generate` on the shared target; `extra` selects assisted or prompt-lookup decoding."""
+    """transformers `generate` on the shared target, on PyTorch's and transformers' own kernels; `extra` selects
+    assisted or prompt-lookup decoding."""
+    from specframe.cpu_kernels import stock_kernels
+
     pad = eos_ids[0] if eos_ids else None
 
     def run(ids: list[int], max_new: int, seed: int) -> Output:
@@ -286,9 +289,10 @@ def hf_method(name: str, model: Any, counter: ForwardCounter, eos_ids: list[int]
             kwargs.update(do_sample=True, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
             torch.manual_seed(seed)
         counter.calls = 0
-        t0 = time.perf_counter()
-        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kwargs, **extra)
-        seconds = time.perf_counter() - t0
+        with stock_kernels(model):  # as a transformers user runs it (specframe/cpu_kernels.py)
+            t0 = time.perf_counter()
+            out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kwargs, **extra)
+            seconds = time.perf_counter() - t0
         new = cut_at_eos(out[0, len(ids):].tolist(), eos_ids)
         return Output(new, counter.calls, seconds, None)
 
@@ -305,7 +309,7 @@ def hf_assistant(draft: Any, target_vocab: int) -> tuple[torch.nn.Module, int]:
     """The `draft` proposer's model as transformers wants an assistant, with its own generation config; and γ."""
     from specframe.shared_draft import as_full_vocab_model
 
-    gamma = int(draft.config.num_speculative_tokens)
+    gamma = int(draft.gamma)
     vocab_ids = getattr(draft, "vocab_ids", None)
     if vocab_ids is not None:  # a reduced-vocabulary shared draft: give it the target's full vocabulary
         assistant = as_full_vocab_model(draft.model, vocab_ids, target_vocab)
@@ -361,7 +365,7 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
     configs = {name: proposer_config(name) for name in options.override_heads() if name in registry.proposers}
     t = cfg.target
     loaded = load_model(t.model, dtype=t.dtype, device=t.device, adapter=t.adapter,
-                        trust_remote_code=t.trust_remote_code, quiet=True, small_batch_gemm=t.small_batch_gemm)
+                        trust_remote_code=t.trust_remote_code, quiet=True, fast_cpu_kernels=t.fast_cpu_kernels)
     model, tokenizer = loaded.model, loaded.tokenizer
     if tokenizer is None:
         raise ModelLoadError(f"target '{t.model}' has no tokenizer: the benchmark's questions are text")
@@ -556,6 +560,10 @@ DEFINITIONS = {
                             "subtask (pooled, not a mean of per-turn ratios); plain decoding scores 1.00",
     "tokens_per_s": "mean over questions of (new tokens of all its turns / seconds of all its turns), Spec-Bench's",
     "speedup": "tokens/s of the method / tokens/s of the baseline (hf or none) on the same questions, same run",
+    "kernels": "transformers' methods (hf, hf-assisted, hf-pld) run on PyTorch's and transformers' own kernels, as "
+               "a transformers user gets them; specframe's methods on its CPU kernels when target.fast_cpu_kernels "
+               "is on (specframe/cpu_kernels.py), so speedup vs none is the gain of speculation alone and speedup "
+               "vs hf also counts the faster kernels",
     "acceptance_rate": "accepted draft tokens / proposed draft tokens (tree: / depth proposed), pooled",
     "acceptance_by_position": "[d] = verification steps that accepted a token at draft depth d+1 / steps that "
                               "proposed one there (not conditional on depth d being accepted, so it falls with "

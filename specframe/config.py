@@ -31,9 +31,10 @@ class TargetConfig:
     adapter: str | None = None
     # Run model code shipped with a hub model. Off: only turn it on for models you trust.
     trust_remote_code: bool = False
-    # On CPU in float32, compute 2-64-row matmuls (verification) as W @ X.T, which MKL runs ~2x faster than
-    # X @ W.T; single-token decoding and long prefills are untouched (specframe/cpu_gemm.py has the numbers).
-    small_batch_gemm: bool = True
+    # On CPU in float32, faster kernels for 1-64-token forwards (decoding and verification): matmuls as W @ X.T
+    # and grouped-query attention without copying the cache; same results up to float rounding
+    # (specframe/cpu_kernels.py has the numbers). False: PyTorch's and transformers' own kernels.
+    fast_cpu_kernels: bool = True
 
 
 @dataclass

@@ -82,7 +82,7 @@ class SpeculativeDecoder:
             adapter=t.adapter,
             trust_remote_code=t.trust_remote_code,
             quiet=True,
-            small_batch_gemm=t.small_batch_gemm,
+            fast_cpu_kernels=t.fast_cpu_kernels,
         )
         entry = get_registry().get(cfg.proposer_name)
         info = target_info(loaded.model, loaded.tokenizer, t.model)

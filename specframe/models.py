@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specframe.errors import ModelLoadError
+from specframe.errors import ConfigError, ModelLoadError
 
 if TYPE_CHECKING:
     import transformers
@@ -40,6 +40,7 @@ __all__ = [
     "cache_dir",
     "list_models",
     "load_model",
+    "proposer_dtype",
     "pull_default_model",
     "resolve_device",
     "resolve_dtype",
@@ -199,6 +200,39 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[text]
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), so bf16 matmuls beat float32."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # an older torch without the probes
+        return False
+
+
+PROPOSER_DTYPES = ("auto", "float32", "bfloat16", "float16")  # a proposer's `dtype` option
+
+
+def check_proposer_dtype(value: object) -> None:
+    """Refuse a `proposer.dtype` value that is not one of PROPOSER_DTYPES."""
+    if value not in PROPOSER_DTYPES:
+        raise ConfigError(f"proposer.dtype must be one of {', '.join(PROPOSER_DTYPES)}; got {value!r}")
+
+
+def proposer_dtype(setting: str, target_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype of a proposer's own weights (its `dtype` option) for a target of `target_dtype` on `device`.
+
+    `auto` is the target's dtype, except bfloat16 for a float32 target on a CPU with native bf16 matmuls. A
+    proposer's precision cannot touch exactness (the target verifies every draft; a sampled draft's q is
+    whatever distribution it was drawn from), only how often drafts are accepted, and on such CPUs bf16 drafting
+    is 2-3x faster: measured here (2 cores, AVX512-BF16) the EAGLE drafter's layer on 3 rows took 3.0 ms in
+    float32 and 1.3 ms in bf16, its 8,192-row head 0.7 and 0.3 ms.
+    """
+    if str(setting).strip().lower() != "auto":
+        return resolve_dtype(setting, device)
+    if device.type == "cpu" and target_dtype == torch.float32 and cpu_has_native_bf16():
+        return torch.bfloat16
+    return target_dtype
+
+
 # ------------------------------------------------------------------------------------------------ loading
 
 
@@ -211,7 +245,7 @@ def load_model(
     trust_remote_code: bool = False,
     quiet: bool = False,
     attn_implementation: str = "sdpa",
-    small_batch_gemm: bool = True,
+    fast_cpu_kernels: bool = True,
 ) -> LoadedModel:
     """Load `name`: an alias (pulled on first use), a local HF directory, a `.gguf` file or a hub id `org/name`."""
     if name is None or not str(name).strip():
@@ -257,10 +291,10 @@ def load_model(
     model.to(dev)
     model.eval()
     model.requires_grad_(False)
-    if small_batch_gemm:
-        from specframe.cpu_gemm import use_small_batch_gemm
+    if fast_cpu_kernels:
+        from specframe.cpu_kernels import use_fast_cpu_kernels
 
-        use_small_batch_gemm(model)  # CPU float32 only; see specframe/cpu_gemm.py
+        use_fast_cpu_kernels(model)  # CPU float32 only; see specframe/cpu_kernels.py
     return LoadedModel(model=model, tokenizer=tokenizer, source=source)
 
 

@@ -121,9 +121,34 @@ def save_shared_draft(
     (out / "draft_config.json").write_text(json.dumps(meta, indent=2))
 
 
-def load_shared_draft(path: str | Path, target: torch.nn.Module) -> tuple[LlamaForCausalLM, torch.Tensor]:
-    """Rebuild a saved shared draft on `target`; returns (draft, vocab_ids). Refuses a draft made for
-    another target."""
+def saved_gamma(path: str | Path) -> int | None:
+    """The γ saved with a shared draft (`num_speculative_tokens` in draft_config.json), or None."""
+    value = json.loads((Path(path) / "draft_config.json").read_text()).get("num_speculative_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+
+class CastEmbedding(torch.nn.Module):
+    """The target's embedding module, shared by reference (not a submodule, so converting the draft never
+    converts the target), with its output cast to the draft's dtype."""
+
+    def __init__(self, embedding: torch.nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        object.__setattr__(self, "shared", embedding)
+        self.out_dtype = dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.shared.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.shared(input_ids).to(self.out_dtype)
+
+
+def load_shared_draft(
+    path: str | Path, target: torch.nn.Module, dtype: torch.dtype | None = None
+) -> tuple[LlamaForCausalLM, torch.Tensor]:
+    """Rebuild a saved shared draft on `target`, its own weights in `dtype` (default: the target's); returns
+    (draft, vocab_ids). Refuses a draft made for another target."""
     p = Path(path)
     meta = json.loads((p / "draft_config.json").read_text())
     check_target_fingerprint(meta["target"], target, f"draft '{p}'")
@@ -134,6 +159,11 @@ def load_shared_draft(path: str | Path, target: torch.nn.Module) -> tuple[LlamaF
     if missing:
         raise ModelLoadError(f"draft '{p}' is missing weights: {sorted(missing)[:3]}")
     draft.load_state_dict({k: v.to(target.dtype) for k, v in state.items()}, strict=False)
+    if dtype is not None and dtype != target.dtype:  # convert the draft's own parts, never the shared embedding
+        for part in (draft.model.layers, draft.model.norm, draft.lm_head):
+            part.to(dtype)
+        draft.model.embed_tokens = CastEmbedding(target.get_input_embeddings(), dtype)
+        draft.config.dtype = dtype
     return draft.to(target.device).eval().requires_grad_(False), vocab_ids.to(target.device)
 
 

@@ -48,9 +48,16 @@ def test_bad_config_names_the_full_key(overrides, message):
         load_config(overrides=overrides)
 
 
-def test_missing_required_value_names_the_key():
-    with pytest.raises(ConfigError, match="proposer.model"):
-        load_config("draft.yaml")
+def test_missing_required_value_names_the_key(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("proposer:\n  name: draft\n  model: ???\n")
+    with pytest.raises(ConfigError, match="proposer.model: missing mandatory value"):
+        load_config(f)
+
+
+def test_shipped_config_files_load():
+    for name in ("none", "draft", "medusa", "eagle"):
+        assert load_config(f"{name}.yaml").proposer_name == name
 
 
 def test_missing_file():

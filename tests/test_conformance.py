@@ -3,6 +3,9 @@
 import pytest
 
 from specframe.plugins import get_registry
+from specframe.proposers.draft import DraftConfig, DraftProposer
+from specframe.proposers.eagle import EagleConfig, EagleProposer
+from specframe.proposers.medusa import MedusaConfig, MedusaProposer
 from specframe.testing import conformance
 from specframe.testing.suite import ProposerConformance
 from specframe.testing.tiny import available_devices
@@ -54,3 +57,20 @@ def test_chi_square_flags_impossible_outcome():
     probs = torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64)
     assert conformance.chi_square(torch.tensor([50, 49, 1]), probs)[2] == 0.0
     assert conformance.chi_square(torch.tensor([50, 50, 0]), probs)[2] > 0.5
+
+
+# The proposers' own weights in bfloat16 on a float32 target (what `dtype: auto` picks on CPUs with native bf16
+# matmuls), whatever this machine's CPU: exactness must not depend on the drafter's precision.
+class TestDraftBf16(ProposerConformance):
+    proposer_class = DraftProposer
+    proposer_config = DraftConfig(num_speculative_tokens=3, dtype="bfloat16")
+
+
+class TestMedusaBf16(ProposerConformance):
+    proposer_class = MedusaProposer
+    proposer_config = MedusaConfig(dtype="bfloat16")
+
+
+class TestEagleBf16(ProposerConformance):
+    proposer_class = EagleProposer
+    proposer_config = EagleConfig(depth=3, top_k=3, total_tokens=8, dtype="bfloat16")

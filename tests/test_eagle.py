@@ -106,7 +106,7 @@ def test_tree_scores_equal_sequential_recomputation():
     to the drafter as a plain sequence from scratch: the mask and the positions are right."""
     target = target16()
     tokens = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
-    config = EagleConfig(depth=4, top_k=3, total_tokens=12)
+    config = EagleConfig(depth=4, top_k=3, total_tokens=12, dtype="float32")  # compared at 1e-4
     p, proposal = fresh_proposal(target, config, 5, tokens)
     assert len(proposal) == 12 and max(proposal.depths()) >= 3
     d = p.drafter
@@ -212,7 +212,8 @@ def test_training_improves_heldout_top1_and_saves_only_the_drafter(trained):
 def test_saved_drafter_round_trips_and_decodes_exactly(trained):
     target, cfg, _, _ = trained
     info = target_info(target)
-    proposer = EagleProposer.from_config(EagleConfig(model=cfg.out, depth=4, top_k=3, total_tokens=10), info)
+    config = EagleConfig(model=cfg.out, depth=4, top_k=3, total_tokens=10, dtype="float32")  # exact round trip
+    proposer = EagleProposer.from_config(config, info)
     from safetensors.torch import load_file
 
     saved = load_file(f"{cfg.out}/model.safetensors")

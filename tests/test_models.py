@@ -25,7 +25,7 @@ from tokenizers import models as tok_models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import specframe.models as sm
-from specframe.errors import BadInputError, ModelLoadError
+from specframe.errors import BadInputError, ConfigError, ModelLoadError
 from specframe.models import (
     LoadedModel,
     ModelAlias,
@@ -66,16 +66,11 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def logits(model: torch.nn.Module) -> torch.Tensor:
-    """Logits without specframe.cpu_gemm's few-row layout, so equal weights give bit-equal logits."""
-    from specframe.cpu_gemm import undo_small_batch_gemm, use_small_batch_gemm
+    """Logits on the stock kernels (not specframe.cpu_kernels'), so equal weights give bit-equal logits."""
+    from specframe.cpu_kernels import stock_kernels
 
-    rerouted = any("forward" in m.__dict__ for m in model.modules() if type(m) is torch.nn.Linear)
-    undo_small_batch_gemm(model)
-    with torch.no_grad():
-        out = model(IDS).logits
-    if rerouted:
-        use_small_batch_gemm(model)
-    return out
+    with stock_kernels(model), torch.no_grad():
+        return model(IDS).logits
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -199,7 +194,7 @@ def test_local_dir_loads_with_tokenizer(tiny_dir: Path, tiny_model: LlamaForCaus
     assert not lm.model.training
     assert not any(p.requires_grad for p in lm.model.parameters())
     assert lm.dtype == torch.float32 and lm.device == torch.device("cpu")
-    assert lm.model.config._attn_implementation == "sdpa"
+    assert lm.model.config._attn_implementation == "specframe_sdpa"  # sdpa, with cpu_kernels' GQA path
     assert torch.equal(logits(lm.model), logits(tiny_model))
     assert lm.tokenizer is not None
     assert lm.tokenizer("w1 w2")["input_ids"] == [4, 5]
@@ -282,6 +277,24 @@ def test_resolve_dtype_auto() -> None:
     assert resolve_dtype("auto", torch.device("cpu")) == sm.CPU_AUTO_DTYPE == torch.float32
     if torch.cuda.is_available():
         assert resolve_dtype("auto", torch.device("cuda", 0)) in (torch.bfloat16, torch.float16)
+
+
+def test_proposer_dtype_auto_is_bf16_only_for_fp32_targets_on_cpus_with_native_bf16(monkeypatch) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(sm, "cpu_has_native_bf16", lambda: True)
+    assert sm.proposer_dtype("auto", torch.float32, cpu) == torch.bfloat16
+    assert sm.proposer_dtype("auto", torch.float16, cpu) == torch.float16  # a half target keeps its dtype
+    assert sm.proposer_dtype("auto", torch.bfloat16, torch.device("cuda", 0)) == torch.bfloat16
+    assert sm.proposer_dtype("float32", torch.float32, cpu) == torch.float32  # an explicit choice wins
+    monkeypatch.setattr(sm, "cpu_has_native_bf16", lambda: False)
+    assert sm.proposer_dtype("auto", torch.float32, cpu) == torch.float32
+    assert sm.proposer_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16
+
+
+@pytest.mark.parametrize("value", ["fp64", "half", "", None])
+def test_bad_proposer_dtype_is_refused(value) -> None:
+    with pytest.raises(ConfigError, match="proposer.dtype must be one of auto, float32, bfloat16, float16"):
+        sm.check_proposer_dtype(value)
 
 
 def test_resolve_device() -> None:

@@ -75,6 +75,42 @@ def test_full_vocab_wrapper_matches_the_reduced_draft(trained):
     assert torch.allclose(big[vocab_ids], small, atol=1e-5) and big.argmax() == vocab_ids[small.argmax()]
 
 
+def test_bf16_draft_leaves_the_shared_embedding_alone_and_stays_exact(trained):
+    """A bfloat16 draft on a float32 target converts only its own weights, never the target's embedding that
+    it shares, and greedy output is still the target's."""
+    target, cfg, _ = trained
+    before = target.get_input_embeddings().weight.clone()
+    draft, _ = load_shared_draft(cfg.out, target, torch.bfloat16)
+    assert draft.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert draft.lm_head.weight.dtype == torch.bfloat16
+    assert target.get_input_embeddings().weight.dtype == torch.float32
+    assert torch.equal(target.get_input_embeddings().weight, before)
+    assert draft(input_ids=torch.tensor([[1, 2, 3]])).logits.dtype == torch.bfloat16
+    config = DraftConfig(model=cfg.out, num_speculative_tokens=3, dtype="bfloat16")
+    dec = SpeculativeDecoder(target, DraftProposer.from_config(config, target_info(target)))
+    for prompt in ([1, 2, 3], [4, 5]):
+        assert dec.generate(prompt, max_new_tokens=12).token_ids == reference_greedy(target, prompt, 12)
+
+
+def test_gamma_comes_from_the_config_else_the_draft_folder_else_four(trained):
+    import json
+    from pathlib import Path
+
+    target, cfg, _ = trained
+    info = target_info(target)
+    assert DraftProposer.from_config(DraftConfig(model=cfg.out), info).gamma == 4
+    meta_file = Path(cfg.out) / "draft_config.json"
+    meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "num_speculative_tokens": 2}))
+    assert DraftProposer.from_config(DraftConfig(model=cfg.out), info).gamma == 2
+    assert DraftProposer.from_config(DraftConfig(model=cfg.out, num_speculative_tokens=3), info).gamma == 3
+    proposal_lengths = []
+    proposer = DraftProposer.from_config(DraftConfig(model=cfg.out), info)
+    propose = proposer.propose
+    proposer.propose = lambda state: proposal_lengths.append(len(p := propose(state))) or p
+    SpeculativeDecoder(target, proposer).generate([1, 2, 3], max_new_tokens=12)
+    assert proposal_lengths and max(proposal_lengths) == 2
+
+
 def test_draft_for_another_target_is_refused(trained):
     _, cfg, _ = trained
     other = tiny_llama(vocab_size=16, seed=5, hidden_size=32, num_layers=3)

@@ -15,26 +15,34 @@ import torch
 
 from specframe.errors import BadInputError, ConfigError
 from specframe.kv_cache import new_cache
+from specframe.models import check_proposer_dtype, proposer_dtype
 from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo
 from specframe.sampling import sampling_probs
 from specframe.training.draft import DraftTrainConfig
+
+
+DEFAULT_GAMMA = 4  # γ when neither the config nor the draft's folder gives one
 
 
 @dataclass
 class DraftConfig:
     # The draft model: alias, local Hugging Face directory, hub id or .gguf file (see specframe.models).
     model: str | None = None
-    # γ: tokens drafted per step. More pays off when the draft agrees often and is cheap.
-    num_speculative_tokens: int = 4
+    # γ: tokens drafted per step. More pays off when the draft agrees often and is cheap. None: the γ saved with
+    # a trained draft (`num_speculative_tokens` in its draft_config.json, tuned on held-out prompts), else 4.
+    num_speculative_tokens: int | None = None
     # Draft the draft's argmax (q one-hot) instead of sampling from q. Exact either way; under sampling,
     # greedy drafts are accepted with probability p(x) rather than min(1, p/q).
     greedy: bool = False
-    # Draft weights' dtype; "auto" = the target's.
+    # Draft weights' dtype: auto (the target's, but bfloat16 for a float32 target on a CPU with native bf16
+    # matmuls; see specframe.models.proposer_dtype), float32, bfloat16 or float16.
     dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        if isinstance(self.num_speculative_tokens, bool) or self.num_speculative_tokens < 1:
+        gamma = self.num_speculative_tokens
+        if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1):
             raise ConfigError(f"proposer.num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        check_proposer_dtype(self.dtype)
 
 
 class DraftProposer(Proposer):
@@ -55,8 +63,10 @@ class DraftProposer(Proposer):
         model: torch.nn.Module,
         tokenizer=None,
         vocab_ids: torch.Tensor | None = None,
+        saved_gamma: int | None = None,
     ) -> None:
         super().__init__(config, target)
+        self.gamma = config.num_speculative_tokens or saved_gamma or DEFAULT_GAMMA  # tokens drafted per step
         if vocab_ids is None:
             check_same_vocabulary(model, tokenizer, target)
         self.model = model
@@ -70,21 +80,20 @@ class DraftProposer(Proposer):
     def from_config(cls, config: DraftConfig, target: TargetInfo) -> DraftProposer:
         from specframe.artifacts import shipped_draft
         from specframe.models import load_model
-        from specframe.shared_draft import is_shared_draft, load_shared_draft
+        from specframe.shared_draft import is_shared_draft, load_shared_draft, saved_gamma
 
         path = config.model or shipped_draft(target.name)
+        dtype = proposer_dtype(config.dtype, target.dtype, target.device)
         if not path:
             raise ConfigError(
                 f"proposer.model is required: no draft ships for target '{target.name}'; give a draft model "
                 "(alias, directory, hub id or .gguf) or train one with `specframe train --proposer draft`"
             )
         if is_shared_draft(path):
-            model, vocab_ids = load_shared_draft(path, target.model)
-            return cls(config, target, model, vocab_ids=vocab_ids)
-        dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(target.dtype)
-        loaded = load_model(
-            path, dtype=dtype if config.dtype == "auto" else config.dtype, device=str(target.device), quiet=True
-        )
+            model, vocab_ids = load_shared_draft(path, target.model, dtype)
+            return cls(config, target, model, vocab_ids=vocab_ids, saved_gamma=saved_gamma(path))
+        name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+        loaded = load_model(path, dtype=name, device=str(target.device), quiet=True)
         return cls(config, target, loaded.model, loaded.tokenizer)
 
     @classmethod
@@ -104,8 +113,9 @@ class DraftProposer(Proposer):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = LlamaForCausalLM(cfg)
-        model = model.to(device=target.device, dtype=target.dtype).eval()
-        return cls(config or DraftConfig(), target, model, None)
+        config = config or DraftConfig()
+        model = model.to(device=target.device, dtype=proposer_dtype(config.dtype, target.dtype, target.device))
+        return cls(config, target, model.eval(), None)
 
     def begin(self, prompt: torch.Tensor, hidden_states: dict[int, torch.Tensor]) -> None:
         self.cache = new_cache(self.model)
@@ -123,7 +133,7 @@ class DraftProposer(Proposer):
         return logits
 
     def propose(self, state: DecodeState) -> Proposal:
-        gamma = min(self.config.num_speculative_tokens, state.max_depth)
+        gamma = min(self.gamma, state.max_depth)
         self.drafted = gamma
         if gamma == 0:
             return Proposal.empty(state.tokens.device)

@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from specframe.errors import ConfigError, ModelLoadError
+from specframe.models import check_proposer_dtype, proposer_dtype
 from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo
 from specframe.training.medusa import MedusaTrainConfig
 
@@ -56,6 +57,9 @@ class MedusaConfig:
     tree: list[list[int]] | None = None
     # Rebuild the tree with this many nodes from the path statistics saved with the heads; None = as saved.
     tree_nodes: int | None = None
+    # Heads' dtype: auto (the target's, but bfloat16 for a float32 target on a CPU with native bf16 matmuls;
+    # see specframe.models.proposer_dtype), float32, bfloat16 or float16.
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tree is not None:
@@ -64,6 +68,7 @@ class MedusaConfig:
             raise ConfigError(f"proposer.tree_nodes must be >= 1, got {self.tree_nodes}")
         if self.tree is not None and self.tree_nodes is not None:
             raise ConfigError("proposer.tree and proposer.tree_nodes are exclusive: give one")
+        check_proposer_dtype(self.dtype)
 
 
 def check_tree(tree: list, num_heads: int | None) -> list[tuple[int, ...]]:
@@ -214,10 +219,11 @@ class MedusaProposer(Proposer):
         tree: list[tuple[int, ...]],
     ) -> None:
         super().__init__(config, target)
-        self.heads = heads.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+        dtype = proposer_dtype(config.dtype, target.dtype, target.device)
+        self.heads = heads.to(device=target.device, dtype=dtype).eval().requires_grad_(False)
         self.vocab_ids = vocab_ids.to(target.device)
         lm = target.model.get_output_embeddings().weight
-        self.lm_rows = lm.detach()[self.vocab_ids]  # [Vr, H] the target's own LM-head rows
+        self.lm_rows = lm.detach()[self.vocab_ids].to(dtype)  # [Vr, H] the target's own LM-head rows
         tree = check_tree(tree, heads.num_heads)
         if max(max(p) for p in tree) >= len(vocab_ids):
             raise ConfigError(
@@ -291,7 +297,10 @@ class MedusaProposer(Proposer):
         n = self.depth_ends[depth]  # nodes are sorted by depth: the first n are those within reach
         h = self.feature.to(self.lm_rows.dtype)
         feats = torch.stack([self.heads.heads[k](h) for k in range(depth)])  # [depth, H]
-        logits = torch.mm(self.lm_rows, feats.T).T  # [depth, Vr]; W @ X.T: the fast layout for few rows on CPU
+        if feats.dtype == torch.float32 and feats.device.type == "cpu":  # W @ X.T: faster for few rows here
+            logits = torch.mm(self.lm_rows, feats.T).T  # [depth, Vr]
+        else:
+            logits = feats @ self.lm_rows.T
         top = logits.topk(self.top, dim=-1).indices  # [depth, top] positions in the reduced vocabulary
         cand = self.vocab_ids[top]
         tokens = cand[self.node_head[:n], self.node_rank[:n]]

@@ -1,0 +1,114 @@
+"""Faster CPU kernels for the few-token forwards of decoding and verification (float32).
+
+Decoding runs the target on one token, verifying a proposal on 2-64. On this project's 2-core AMD EPYC machine
+(torch 2.13, MKL) PyTorch's default kernels handle those shapes badly:
+
+1. `linear` on one row is a matrix-vector product that reads the weights at about a third of the bandwidth
+   that a two-column matrix product gets; on 2-64 rows, `X @ W.T` is slower again than `W @ X.T` with a
+   contiguous X; and 10-15 rows cost more than 16. So every float32 CPU `nn.Linear` computes `W @ X.T`,
+   one row duplicated into two columns and 10-15 rows padded to 16 (padding rows are copies, dropped after).
+2. transformers' `sdpa` attention copies the key/value heads of grouped-query attention (`repeat_kv`, a copy
+   of the whole cache per layer) whenever a mask is given, that is on every multi-token forward; PyTorch's SDPA
+   does grouped-query attention itself (`enable_gqa`) with a mask on CPU. `specframe_sdpa` does that on CPU
+   and is transformers' own `sdpa` otherwise.
+
+SmolLM2-135M, 300 cached tokens, median ms per forward of 9, stock and fast interleaved in one run
+(`scripts/kernel_timings.py`):
+
+    tokens in the forward      1     2     3     4     5     6     8    12    16
+    stock kernels             55    90   110    80    73    78    78    83    90
+    specframe_sdpa + W @ X.T  34    34    44    42    50    58    61    85    81
+
+The results differ from the stock kernels only by float rounding (summation order), and every kernel is
+row-independent: a token's logits do not depend on which other tokens share its forward, which is what lets
+chunked verification reproduce one-token decoding. Models loaded by `specframe.models.load_model` get these
+kernels unless `target.fast_cpu_kernels` is false; the benchmark runs transformers' baselines on the stock
+kernels (`stock_kernels`), as a transformers user gets them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+MAX_ROWS = 64  # longer inputs (prefills) keep PyTorch's own path
+PAD_ROWS = {1: 2, **{n: 16 for n in range(10, 16)}}  # row counts computed as a larger, faster product
+ATTENTION = "specframe_sdpa"
+
+
+def _linear_few_rows(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // self.in_features if x.dim() else 0
+    if not (1 <= rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == torch.float32):
+        return F.linear(x, self.weight, self.bias)
+    flat = x.reshape(rows, self.in_features).contiguous()  # a strided X is ~1.7x slower
+    padded = PAD_ROWS.get(rows, rows)
+    if padded > rows:  # materialised copies of the last row (an expanded view is slower still)
+        flat = torch.cat([flat, flat[-1:].repeat(padded - rows, 1)])
+    y = torch.mm(self.weight, flat.t())[:, :rows].t()
+    if self.bias is not None:
+        y = y + self.bias
+    return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def _sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' `sdpa` attention, except that masked grouped-query attention on CPU skips `repeat_kv`."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    plain = kwargs.get("position_bias") is None and not kwargs.get("output_attentions") and not kwargs.get("softcap")
+    if query.device.type == "cpu" and attention_mask is not None and groups > 1 and plain:
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+        )
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+    )
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, _sdpa_gqa)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # the masks transformers builds for `sdpa`
+
+
+def use_fast_cpu_kernels(model: torch.nn.Module) -> int:
+    """Give `model`'s float32 CPU `nn.Linear` layers the few-row layout and, where it uses `sdpa` attention,
+    `specframe_sdpa`; returns how many linear layers were rerouted."""
+    n = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and module.weight.device.type == "cpu":
+            if module.weight.dtype == torch.float32:
+                module.forward = _linear_few_rows.__get__(module)
+                n += 1
+    config = getattr(model, "config", None)
+    if n and getattr(config, "_attn_implementation", None) == "sdpa" and hasattr(model, "set_attn_implementation"):
+        _register_attention()
+        model.set_attn_implementation(ATTENTION)
+    return n
+
+
+def use_stock_kernels(model: torch.nn.Module) -> None:
+    """Undo `use_fast_cpu_kernels`."""
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and "forward" in module.__dict__:
+            del module.forward
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTENTION:
+        model.set_attn_implementation("sdpa")
+
+
+@contextlib.contextmanager
+def stock_kernels(model: torch.nn.Module) -> Iterator[None]:
+    """Run `model` on PyTorch's and transformers' own kernels for the duration (e.g. a transformers baseline)."""
+    fast = any(type(m) is torch.nn.Linear and "forward" in m.__dict__ for m in model.modules())
+    use_stock_kernels(model)
+    try:
+        yield
+    finally:
+        if fast:
+            use_fast_cpu_kernels(model)

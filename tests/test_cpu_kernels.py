@@ -1,0 +1,107 @@
+import pytest
+import torch
+
+from specframe.cpu_kernels import (
+    ATTENTION,
+    MAX_ROWS,
+    stock_kernels,
+    use_fast_cpu_kernels,
+    use_stock_kernels,
+)
+from specframe.testing.tiny import tiny_llama
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 10, 15, 16, MAX_ROWS, MAX_ROWS + 1])
+def test_few_row_layout_computes_the_same_linear(rows):
+    layer = torch.nn.Linear(24, 40)
+    x = torch.randn(1, rows, 24)
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert use_fast_cpu_kernels(layer) == 1
+    y = layer(x)
+    assert y.shape == expected.shape
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_few_row_layout_accepts_strided_inputs():
+    layer = torch.nn.Linear(24, 40)
+    x = torch.randn(24, 3).t()[None]  # [1, 3, 24], not contiguous
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    use_fast_cpu_kernels(layer)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_do_not_depend_on_each_other():
+    """Padding and the layout keep each row's result independent of the others in the same call, so a token's
+    logits are the same whether it is verified alone or in a chunk."""
+    layer = torch.nn.Linear(24, 40)
+    use_fast_cpu_kernels(layer)
+    x = torch.randn(13, 24)
+    together = layer(x)
+    for i in (0, 6, 12):
+        torch.testing.assert_close(layer(x[i : i + 1]), together[i : i + 1], rtol=1e-5, atol=1e-5)
+
+
+def test_only_float32_cpu_linears_are_rerouted_and_stock_kernels_restore_them():
+    model = tiny_llama(vocab_size=16, hidden_size=32)
+    n_linear = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert use_fast_cpu_kernels(model) == n_linear
+    assert model.config._attn_implementation == ATTENTION
+    assert use_fast_cpu_kernels(tiny_llama(vocab_size=16, dtype=torch.bfloat16)) == 0
+    with stock_kernels(model):
+        assert not any("forward" in m.__dict__ for m in model.modules() if type(m) is torch.nn.Linear)
+        assert model.config._attn_implementation == "sdpa"
+    assert "forward" in model.lm_head.__dict__ and model.config._attn_implementation == ATTENTION
+    use_stock_kernels(model)
+    assert not any("forward" in m.__dict__ for m in model.modules() if type(m) is torch.nn.Linear)
+    assert model.config._attn_implementation == "sdpa"
+
+
+@torch.no_grad()
+def test_gqa_attention_with_masks_matches_transformers_sdpa():
+    """On a grouped-query target (2 heads, 1 key/value head), with a cache: a causal chunk and a tree mask."""
+    from transformers import DynamicCache
+
+    from specframe.kv_cache import tree_attention_mask
+
+    stock = tiny_llama(vocab_size=16, hidden_size=32)
+    fast = tiny_llama(vocab_size=16, hidden_size=32)
+    use_fast_cpu_kernels(fast)
+    prompt = torch.tensor([[1, 2, 3, 4, 5]])
+    chunk = torch.tensor([[6, 7, 8, 9]])
+    mask = tree_attention_mask([-1, -1, 0], 5, torch.float32, torch.device("cpu"))
+    results = []
+    for model in (stock, fast):
+        cache = DynamicCache(config=model.config)
+        model(input_ids=prompt, cache=cache, use_cache=True)
+        causal = model(input_ids=chunk, cache=cache, use_cache=True).logits
+        cache.crop(-4)
+        tree = model(
+            input_ids=chunk, cache=cache, use_cache=True, attention_mask=mask, position_ids=torch.tensor([[5, 6, 6, 7]])
+        ).logits
+        results.append((causal, tree))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_fast_kernels_verify_the_same_tokens():
+    from specframe import SpeculativeDecoder
+    from specframe.decoder import target_info
+    from specframe.proposers.medusa import MedusaProposer
+
+    plain = tiny_llama(vocab_size=16, hidden_size=32)
+    fast = tiny_llama(vocab_size=16, hidden_size=32)
+    use_fast_cpu_kernels(fast)
+    outs = []
+    for model in (plain, fast):
+        dec = SpeculativeDecoder(model, MedusaProposer.random(target_info(model)), max_new_tokens=40)
+        outs.append(dec.generate([1, 2, 3, 4]).token_ids)
+    assert outs[0] == outs[1]
+
+
+def test_load_model_applies_them_unless_told_not_to(tiny_dirs):
+    from specframe.models import load_model
+
+    on = load_model(str(tiny_dirs["target"]), dtype="float32", device="cpu", quiet=True).model
+    off = load_model(str(tiny_dirs["target"]), dtype="float32", device="cpu", quiet=True, fast_cpu_kernels=False).model
+    assert "forward" in on.lm_head.__dict__ and "forward" not in off.lm_head.__dict__
+    assert on.config._attn_implementation == ATTENTION and off.config._attn_implementation == "sdpa"
