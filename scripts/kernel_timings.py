@@ -27,6 +27,7 @@ def main() -> None:
     torch.manual_seed(0)
     cache = DynamicCache(config=model.config)
     rows = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+    context = int(__import__("os").environ.get("CONTEXT", "300"))
     times: dict[str, dict[int, list[float]]] = {"stock": {r: [] for r in rows}, "fast": {r: [] for r in rows}}
 
     def forward(k: int) -> float:
@@ -37,7 +38,7 @@ def main() -> None:
         return dt
 
     with torch.inference_mode():
-        model(input_ids=torch.randint(0, 1000, (1, 300)), cache=cache, use_cache=True)
+        model(input_ids=torch.randint(0, 1000, (1, context)), cache=cache, use_cache=True)
         for _ in range(args.repeats):
             with stock_kernels(model):
                 for r in rows:

@@ -12,16 +12,21 @@ Decoding runs the target on one token, verifying a proposal on 2-64. On this pro
    does grouped-query attention itself (`enable_gqa`) with a mask on CPU. `specframe_sdpa` does that on CPU
    and is transformers' own `sdpa` otherwise.
 
-SmolLM2-135M, 300 cached tokens, median ms per forward of 9, stock and fast interleaved in one run
-(`scripts/kernel_timings.py`):
+SmolLM2-135M, median ms per forward, stock and fast interleaved in one run per context length
+(`scripts/kernel_timings.py`, `CONTEXT=1200` for the second):
 
-    tokens in the forward      1     2     3     4     5     6     8    12    16
-    stock kernels             55    90   110    80    73    78    78    83    90
-    specframe_sdpa + W @ X.T  34    34    44    42    50    58    61    85    81
+    tokens in the forward          1     2     3     4     5     6     8    12    16
+    300 cached, stock kernels     55    90   111    80    73    78    80    84    91
+    300 cached, these kernels     34    31    41    40    47    54    60    80    78
+    1200 cached, stock kernels    58   101   125    94    89    95    92   101   110
+    1200 cached, these kernels    38    37    49    46    55    62    67    91    90
 
-The results differ from the stock kernels only by float rounding (summation order), and every kernel is
-row-independent: a token's logits do not depend on which other tokens share its forward, which is what lets
-chunked verification reproduce one-token decoding. Models loaded by `specframe.models.load_model` get these
+The outputs of the rerouted linear layers are made row-major again: a column-major query sends SDPA to its
+slow math path (measured: 2 tokens at 1200 cached took 49 ms without that copy, 37 with it).
+
+The results differ from the stock kernels only by float rounding (summation order), and so do a token's
+logits computed in a chunk rather than alone (as with the stock float32 kernels), so chunked verification
+reproduces one-token decoding except at exact near-ties. Models loaded by `specframe.models.load_model` get these
 kernels unless `target.fast_cpu_kernels` is false; the benchmark runs transformers' baselines on the stock
 kernels (`stock_kernels`), as a transformers user gets them.
 """
@@ -47,7 +52,7 @@ def _linear_few_rows(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     padded = PAD_ROWS.get(rows, rows)
     if padded > rows:  # materialised copies of the last row (an expanded view is slower still)
         flat = torch.cat([flat, flat[-1:].repeat(padded - rows, 1)])
-    y = torch.mm(self.weight, flat.t())[:, :rows].t()
+    y = torch.mm(self.weight, flat.t())[:, :rows].t().contiguous()  # row-major out: SDPA needs it
     if self.bias is not None:
         y = y + self.bias
     return y.reshape(*x.shape[:-1], self.out_features)
