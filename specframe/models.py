@@ -239,7 +239,7 @@ def proposer_dtype(setting: str, target_dtype: torch.dtype, device: torch.device
 def load_model(
     name: str | os.PathLike[str],
     *,
-    dtype: str = "auto",
+    dtype: str | torch.dtype = "auto",
     device: str = "auto",
     adapter: str | os.PathLike[str] | None = None,
     trust_remote_code: bool = False,

@@ -4,6 +4,7 @@ import torch
 from specframe.cpu_kernels import (
     ATTENTION,
     MAX_ROWS,
+    few_rows_linear,
     stock_kernels,
     use_fast_cpu_kernels,
     use_stock_kernels,
@@ -20,6 +21,15 @@ def test_few_row_layout_computes_the_same_linear(rows):
     y = layer(x)
     assert y.shape == expected.shape
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS + 1])
+def test_few_rows_linear_without_a_module_is_x_times_w_transposed(rows):
+    weight = torch.randn(40, 24)
+    x = torch.randn(rows, 24)
+    torch.testing.assert_close(few_rows_linear(x, weight), x @ weight.T, rtol=1e-5, atol=1e-5)
+    half = x.bfloat16()
+    assert torch.equal(few_rows_linear(half, weight.bfloat16()), torch.nn.functional.linear(half, weight.bfloat16()))
 
 
 def test_few_row_layout_accepts_strided_inputs():

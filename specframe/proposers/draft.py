@@ -20,7 +20,6 @@ from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, Targ
 from specframe.sampling import sampling_probs
 from specframe.training.draft import DraftTrainConfig
 
-
 DEFAULT_GAMMA = 4  # γ when neither the config nor the draft's folder gives one
 
 
@@ -92,8 +91,7 @@ class DraftProposer(Proposer):
         if is_shared_draft(path):
             model, vocab_ids = load_shared_draft(path, target.model, dtype)
             return cls(config, target, model, vocab_ids=vocab_ids, saved_gamma=saved_gamma(path))
-        name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-        loaded = load_model(path, dtype=name, device=str(target.device), quiet=True)
+        loaded = load_model(path, dtype=dtype, device=str(target.device), quiet=True)
         return cls(config, target, loaded.model, loaded.tokenizer)
 
     @classmethod

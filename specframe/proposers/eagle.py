@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from specframe.cpu_kernels import MAX_ROWS, use_fast_cpu_kernels
+from specframe.cpu_kernels import few_rows_linear, use_fast_cpu_kernels
 from specframe.errors import ConfigError, ModelLoadError
 from specframe.models import check_proposer_dtype, proposer_dtype
 from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo
@@ -157,11 +157,7 @@ class EagleDrafter(torch.nn.Module):
 
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
         """Reduced-vocabulary logits (float32) of predicted features ([..., H] -> [..., K])."""
-        rows = feats.reshape(-1, feats.shape[-1])
-        if rows.shape[0] <= MAX_ROWS and rows.dtype == torch.float32 and rows.device.type == "cpu":
-            # a proposal's few rows: head @ X.T, the faster float32 layout on CPU (specframe/cpu_kernels.py)
-            return torch.mm(self.head, rows.T).T.reshape(*feats.shape[:-1], -1).float()
-        return (feats @ self.head.T).float()
+        return few_rows_linear(feats, self.head).float()  # a proposal's few rows: the faster CPU layout
 
 
 def build_drafter(target: torch.nn.Module, vocab_ids: torch.Tensor, init_from_last_layer: bool = False) -> EagleDrafter:

@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from specframe.cpu_kernels import few_rows_linear
 from specframe.errors import ConfigError, ModelLoadError
 from specframe.models import check_proposer_dtype, proposer_dtype
 from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo
@@ -297,10 +298,7 @@ class MedusaProposer(Proposer):
         n = self.depth_ends[depth]  # nodes are sorted by depth: the first n are those within reach
         h = self.feature.to(self.lm_rows.dtype)
         feats = torch.stack([self.heads.heads[k](h) for k in range(depth)])  # [depth, H]
-        if feats.dtype == torch.float32 and feats.device.type == "cpu":  # W @ X.T: faster for few rows here
-            logits = torch.mm(self.lm_rows, feats.T).T  # [depth, Vr]
-        else:
-            logits = feats @ self.lm_rows.T
+        logits = few_rows_linear(feats, self.lm_rows)  # [depth, Vr]; the faster CPU layout for few rows
         top = logits.topk(self.top, dim=-1).indices  # [depth, top] positions in the reduced vocabulary
         cand = self.vocab_ids[top]
         tokens = cand[self.node_head[:n], self.node_rank[:n]]
