@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--target", default="smollm2-135m-instruct", help="target model")
     t.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (training runs in float32)")
     t.add_argument("--resume", action="store_true", help="continue from the output folder's checkpoint")
-    t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="training options (see docs), e.g. layers=4")
+    t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="training options (see docs), e.g. epochs=4")
     t.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     t.set_defaults(run=cmd_train)
 

@@ -10,8 +10,9 @@ from specframe.plugins import get_registry
 
 pytestmark = pytest.mark.slow
 
-MEDUSA_FLOOR = 1.1
-EAGLE_FLOOR = 1.2
+DRAFT_FLOOR = 1.15
+MEDUSA_FLOOR = 1.15
+EAGLE_FLOOR = 1.25
 PROMPTS = ["Why is the sky blue?", "Write a haiku about autumn.", "List three uses of a paperclip."]
 
 
@@ -42,12 +43,15 @@ def test_every_proposer_equals_transformers_greedy(decoders, prompt):
         assert res.token_ids == ref, name
 
 
-# Floors well under what each shipped artifact measured on the benchmark (see its card and docs/results.md).
-@pytest.mark.parametrize("name, floor", [("draft", 1.15), ("medusa", MEDUSA_FLOOR), ("eagle", EAGLE_FLOOR)])
+# Floors under what each shipped artifact measures on these prompts (mean accepted length over all three,
+# 64 new tokens: draft 1.29, Medusa 1.34, EAGLE 1.43 when last shipped) and on the benchmark (their cards).
+@pytest.mark.parametrize("name, floor", [("draft", DRAFT_FLOOR), ("medusa", MEDUSA_FLOOR), ("eagle", EAGLE_FLOOR)])
 def test_shipped_artifacts_are_present_and_accept_tokens(decoders, name, floor):
     assert name in decoders, f"the default target must ship with a trained {name} artifact"
-    res = decoders[name].generate(PROMPTS[0], max_new_tokens=64)
-    assert res.stats["mean_accepted_length"] > floor
+    results = [decoders[name].generate(p, max_new_tokens=64) for p in PROMPTS]
+    tokens = sum(r.stats["new_tokens"] for r in results)
+    forwards = sum(r.stats["target_forwards"] for r in results)
+    assert tokens / forwards > floor
 
 
 def test_sampling_runs_and_is_reproducible(decoders):

@@ -24,9 +24,31 @@ def trained(tmp_path):
         lr=1e-2,
         batch_size=8,
         heldout_fraction=0.2,
+        features_cache=str(tmp_path / "features"),
     )
     metrics = train_draft(cfg, target, None, log=lambda m: None)
     return target, cfg, metrics
+
+
+def test_teacher_from_cached_features_lines_up_with_the_draft(tmp_path):
+    # A draft made of all the target's layers agrees with the teacher, so the training KL is ~0 only if the
+    # cached features are taken at exactly the positions the draft predicts (and the cache is really written).
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
+    write_distill_data(tmp_path / "d.jsonl", target)
+    common = dict(data=str(tmp_path / "d.jsonl"), vocab_size=16, epochs=1, lr=1e-12, heldout_fraction=0.2)
+    cache = tmp_path / "features"
+    full = train_draft(
+        DraftTrainConfig(**common, out=str(tmp_path / "a"), layers=2, features_cache=str(cache)), target, None,
+        log=lambda m: None,
+    )
+    assert list(cache.glob("features-*.safetensors"))
+    assert full["history"][-1]["train_kl"] < 1e-2  # the teacher pass is bfloat16
+    assert full["history"][-1]["top1_agreement"] == 1.0
+    part = train_draft(
+        DraftTrainConfig(**common, out=str(tmp_path / "b"), layers=1, features_cache=""), target, None,
+        log=lambda m: None,
+    )
+    assert part["history"][-1]["train_kl"] > 20 * full["history"][-1]["train_kl"]
 
 
 def test_training_improves_agreement_and_saves_only_new_weights(trained):

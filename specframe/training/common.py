@@ -39,6 +39,8 @@ class TrainRunConfig:
     heldout_fraction: float = 0.05
     # Seed for the split, initialisation and batching order.
     seed: int = 0
+    # Folder caching the target's features over the data, shared by every trainer ("" = recompute each run).
+    features_cache: str = "runs/features"
 
     def __post_init__(self) -> None:
         for key in ("epochs", "batch_size", "max_length", "vocab_size"):

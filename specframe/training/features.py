@@ -90,6 +90,15 @@ def extract_features(
     return out
 
 
+def split_features(cfg, target: torch.nn.Module, train_ex: list, held_ex: list):
+    """(training, held-out) feature sequences for a trainer's split, from one extraction over all of its examples,
+    so every trainer with the same data, `max_length` and target shares one cache file (`cfg.features_cache`,
+    "" = no cache)."""
+    feats = extract_features(target, train_ex + held_ex, cfg.max_length, cache_dir=cfg.features_cache or None)
+    held_ids = {e.id for e in held_ex}
+    return [s for s in feats if s.id not in held_ids], [s for s in feats if s.id in held_ids]
+
+
 def _save(path: Path, seqs: list[FeatureSequence]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     lengths = torch.tensor([s.ids.numel() for s in seqs])

@@ -61,8 +61,6 @@ class MedusaTrainConfig(TrainRunConfig):
     head_decay: float = 0.8
     # Nodes in the saved tree (chosen from held-out path statistics).
     tree_nodes: int = 16
-    # Where the target's features are cached between runs (stage 1).
-    features_cache: str = "runs/features"
     # Stage 2: LoRA rank, and the target modules it adapts.
     lora_rank: int = 8
     lora_modules: tuple[str, ...] = ("q_proj", "v_proj")
@@ -248,12 +246,11 @@ def _heads_loss(logits: torch.Tensor, labels: torch.Tensor, index: torch.Tensor,
 def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resume, log):
     from tqdm import tqdm
 
-    from specframe.training.features import extract_features
+    from specframe.training.features import split_features
 
-    held_ids = {e.id for e in held_ex}
-    feats = extract_features(target, train_ex + held_ex, cfg.max_length, cache_dir=cfg.features_cache)
-    x_train, y_train = stack_features([f for f in feats if f.id not in held_ids], cfg.num_heads)
-    x_held, y_held = stack_features([f for f in feats if f.id in held_ids], cfg.num_heads)
+    train_feats, held_feats = split_features(cfg, target, train_ex, held_ex)
+    x_train, y_train = stack_features(train_feats, cfg.num_heads)
+    x_held, y_held = stack_features(held_feats, cfg.num_heads)
     log(f"{x_train.shape[0]} training positions, {x_held.shape[0]} held-out")
     lm_rows = target.get_output_embeddings().weight.detach()[vocab_ids].float()
     params = dict(heads.named_parameters())
