@@ -2,6 +2,7 @@
 
     python scripts/tune_on_heldout.py --proposer medusa --grid tree_nodes=8,12,16,24,32 [--prompts 10]
     python scripts/tune_on_heldout.py --proposer eagle --grid total_tokens=8,12,16,24 --grid depth=4,6
+    python scripts/tune_on_heldout.py --proposer union --grid "members=[eagle]|[ngram]|[eagle,ngram]"
 
 Prompts are the held-out split (5%, by id, the trainers' split) of the self-distillation data. Each setting
 decodes every prompt greedily (128 new tokens), settings interleaved per prompt in rotating order with plain
@@ -27,7 +28,7 @@ from specframe.training.common import split_heldout
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--proposer", required=True)
-    ap.add_argument("--grid", action="append", default=[], help="KEY=V1,V2,... (proposer options)")
+    ap.add_argument("--grid", action="append", default=[], help="KEY=V1,V2,... or KEY=V1|V2|... (proposer options)")
     ap.add_argument("--data", default="runs/distill/smollm2-135m-instruct.jsonl")
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -38,7 +39,8 @@ def main() -> None:
     _, held = split_heldout(read_distill(args.data), 0.05, 0)
     prompts = [e.prompt_ids for e in held][: args.prompts]
     keys = [g.split("=", 1)[0] for g in args.grid]
-    values = [g.split("=", 1)[1].split(",") for g in args.grid]
+    # Values are comma-separated, or |-separated when a value holds commas (members=[eagle]|[eagle,ngram]).
+    values = [g.split("=", 1)[1].split("|" if "|" in g else ",") for g in args.grid]
     settings = [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*values)]
     base = SpeculativeDecoder.from_config(load_config(overrides=["proposer.name=none"]))
     info = target_info(base.model, base.tokenizer, name=load_config().target.model)

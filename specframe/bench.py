@@ -53,7 +53,7 @@ SUBTASKS: dict[str, tuple[str, ...]] = {
 }
 SUBTASK_OF = {category: subtask for subtask, categories in SUBTASKS.items() for category in categories}
 BASELINES = ("hf", "hf-assisted", "hf-pld")
-DEFAULT_PROPOSERS = ("none", "draft", "medusa", "eagle", "ngram")
+DEFAULT_PROPOSERS = ("none", "draft", "medusa", "eagle", "ngram", "union")
 REFERENCE = "hf"  # greedy reference and the first speedup denominator
 ENGINE_BASELINE = "none"  # the second speedup denominator; also gives the plain decode step's cost
 QUESTIONS_RELATIVE = Path("..") / "shared" / "data" / "spec_bench" / "question.jsonl"  # from the project root

@@ -5,6 +5,7 @@ from specframe.proposers.draft import DraftProposer
 from specframe.proposers.eagle import EagleProposer
 from specframe.proposers.medusa import MedusaProposer
 from specframe.proposers.none import NoneProposer
+from specframe.proposers.union import UnionProposer
 
 
 @hookimpl
@@ -13,3 +14,4 @@ def register_proposers(register):
     register(DraftProposer)
     register(EagleProposer)
     register(MedusaProposer)
+    register(UnionProposer)

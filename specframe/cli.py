@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     dist.set_defaults(run=cmd_data_distill)
 
     b = sub.add_parser("bench", help="Spec-Bench style speed/acceptance benchmark (writes JSON, Markdown, PNG)")
-    b.add_argument("--proposers", default="none,draft,medusa,eagle,ngram",
+    b.add_argument("--proposers", default="none,draft,medusa,eagle,ngram,union",
                    help="comma-separated specframe proposers; missing ones or ones without a trained artifact are "
                         "skipped with a message")
     b.add_argument("--baselines", default="hf,hf-assisted,hf-pld",

@@ -134,6 +134,8 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
         return OmegaConf.to_object(base)
     except ConfigError:  # raised by a schema's __post_init__, already naming its full key
         raise
+    except TypeError as e:  # OmegaConf: e.g. `key.0=x` on a list field (a dotlist index makes a mapping)
+        raise ConfigError(f"{prefix}: {one_line(e)} (set a list field whole, e.g. {prefix}.KEY=[a,b])") from e
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         where = f"{prefix}.{key}" if key else prefix

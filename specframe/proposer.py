@@ -89,8 +89,11 @@ class DecodeState:
 class Acceptance:
     """What the engine tells a proposer after verification."""
 
-    accepted_nodes: list[int]  # proposal node indices on the accepted path, root-to-leaf order
-    accepted_tokens: list[int]  # their tokens
+    # Proposal node indices on the accepted path, root-to-leaf order. Inside a `union` a member's path may go on
+    # through other members' nodes: it then lists only the member's own nodes up to where the path left them,
+    # and is shorter than `accepted_tokens`.
+    accepted_nodes: list[int]
+    accepted_tokens: list[int]  # every accepted token on the path (the tokens of the accepted nodes)
     next_token: int  # the token the target emitted after them (residual or bonus); the next root
     # Hidden states of the target layers the proposer asked for, at the positions newly kept in the
     # target's cache (the root, then each accepted node): layer index -> [len(accepted_nodes) + 1, hidden].

@@ -61,7 +61,7 @@ def entry_points(monkeypatch):
 
 def test_builtins_register_through_the_plugin_manager():
     reg = build_registry(autoload=False)
-    assert reg.names() == ["draft", "eagle", "medusa", "none"]
+    assert reg.names() == ["draft", "eagle", "medusa", "none", "union"]
     assert {e.plugin for e in reg.proposers.values()} == {"builtin"}
     assert reg.get("none").distribution == "specframe"
 
@@ -118,7 +118,7 @@ def test_broken_plugin_warns_naming_it_and_the_rest_keep_working(entry_points, l
     entry_points.append(FakeEntryPoint("broken-plugin", load))
     with pytest.warns(UserWarning, match=f"plugin 'broken-plugin' .*{message}"):
         reg = build_registry()
-    assert reg.names() == ["draft", "eagle", "medusa", "none"]
+    assert reg.names() == ["draft", "eagle", "medusa", "none", "union"]
     assert len(reg.failures) == 1
 
 

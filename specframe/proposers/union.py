@@ -1,0 +1,199 @@
+"""`union`: several proposers draft for the same step; their trees are merged and verified in one forward.
+
+Proposers are good at different text: a feature drafter (EAGLE) at free text, n-gram lookup at text that
+copies the prompt (summaries, retrieval answers, translation that repeats names and numbers). `union` asks
+each member for its proposal, hangs all of them off the same root in member order and sends the result to
+the target as one tree, so a step keeps whichever member's guess went furthest.
+
+Merging. Deterministic nodes (q one-hot) with the same parent and token are one node (a trie): members that
+agree share nodes, and the target scores each distinct continuation once. Sampled nodes (drawn from a
+member's q) are never merged and keep their member's q. The engine's tree rule tries a node's children in
+order against the running residual; that is exact for any mix of deterministic children and children drawn
+from any q, as long as each draw is independent of the others (DESIGN.md, "The algorithm"). So the union is
+exact whenever every member is, and the conformance suite checks it like any other proposer.
+
+What members learn. After verification every member gets the whole accepted path: `accepted_tokens` and the
+hidden states cover every accepted token, and `accepted_nodes` lists the member's own nodes along the path,
+which ends where the path leaves that member's proposal, so it can be shorter than `accepted_tokens` (see
+`Acceptance`). A member that rolls its own state back by `accepted_nodes` and catches up from the tokens
+(as `draft`, `eagle`, `medusa` and `ngram` do) works unchanged.
+
+Cost. Every member drafts every step and the target verifies all of their nodes, so a member that proposes
+often and is seldom right makes every step dearer; pick members whose strengths differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from specframe.errors import ConfigError, ProposerError
+from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo, validate_proposal
+
+
+@dataclass
+class UnionConfig:
+    # Member proposers by registered name, in order: their trees hang off the root in this order (earlier
+    # members' children are tried first). A name may repeat (each copy is built separately).
+    members: list[str] = field(default_factory=lambda: ["eagle", "ngram"])
+    # Each member's own options by member name, e.g. {ngram: {num_speculative_tokens: 6}}, on the command line
+    # `proposer.options.ngram.num_speculative_tokens=6`. Validated by that member's config class.
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from specframe.config import structured
+        from specframe.plugins import get_registry
+
+        if not isinstance(self.members, list) or not self.members:
+            raise ConfigError(f"proposer.members must be a non-empty list of proposer names, got {self.members!r}")
+        registry = get_registry()
+        for name in self.members:
+            if not isinstance(name, str):
+                raise ConfigError(f"proposer.members must hold proposer names, got {name!r}")
+            if name == UnionProposer.name:
+                raise ConfigError("proposer.members: a union cannot have a union as a member")
+            if name not in registry.proposers:
+                raise ConfigError(
+                    f"proposer.members: unknown proposer '{name}'; installed: {', '.join(registry.names())}"
+                )
+        for name in self.options:
+            if name not in self.members:
+                raise ConfigError(
+                    f"proposer.options.{name}: '{name}' is not a member (members: {', '.join(self.members)})"
+                )
+        # One validated config per member (options of a repeated name apply to each copy).
+        self.member_configs: list[Any] = []
+        for name in self.members:
+            values = OmegaConf.create(dict(self.options.get(name) or {}))
+            prefix = f"proposer.options.{name}"
+            try:
+                self.member_configs.append(structured(registry.get(name).cls.config_class, values, prefix))
+            except ConfigError as e:  # a member's own checks name `proposer.<key>`: name the full key
+                msg = str(e)
+                raise ConfigError(prefix + msg.removeprefix("proposer") if msg.startswith("proposer.") else msg) from e
+
+
+@dataclass
+class _Merged:
+    proposal: Proposal
+    # owners[i]: member index -> that member's node index, for every member whose proposal holds merged node i.
+    owners: list[dict[int, int]]
+
+
+def merge_proposals(proposals: list[Proposal], vocab_size: int, device: torch.device | str) -> _Merged:
+    """Hang `proposals` off one root in order; deterministic nodes with the same parent and token are shared."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    deterministic: list[bool] = []
+    q_rows: dict[int, torch.Tensor] = {}  # merged node -> its q (sampled nodes only)
+    owners: list[dict[int, int]] = []
+    shared: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged deterministic node
+    for m, p in enumerate(proposals):
+        where: list[int] = []  # this member's node -> merged node
+        det = p.deterministic.tolist()
+        for i, (tok, par) in enumerate(zip(p.tokens.tolist(), p.parents.tolist(), strict=True)):
+            parent = -1 if par < 0 else where[par]
+            node = shared.get((parent, tok)) if det[i] else None
+            if node is None:
+                node = len(tokens)
+                tokens.append(tok)
+                parents.append(parent)
+                deterministic.append(det[i])
+                owners.append({})
+                if det[i]:
+                    shared[(parent, tok)] = node
+                else:
+                    q_rows[node] = p.draft_probs[i]
+            owners[node][m] = i
+            where.append(node)
+    n = len(tokens)
+    q = None
+    if q_rows:
+        q = torch.zeros(n, vocab_size, device=device)
+        for node, row in q_rows.items():
+            q[node] = row.to(device=device, dtype=q.dtype)
+    proposal = Proposal(
+        torch.tensor(tokens, dtype=torch.long, device=device),
+        torch.tensor(parents, dtype=torch.long, device=device),
+        torch.tensor(deterministic, dtype=torch.bool, device=device),
+        q,
+    )
+    return _Merged(proposal, owners)
+
+
+class UnionProposer(Proposer):
+    name = "union"
+    config_class = UnionConfig
+
+    def __init__(self, config: UnionConfig, target: TargetInfo, members: list[Proposer]) -> None:
+        super().__init__(config, target)
+        self.members = members
+        self.member_names = list(config.members)
+        # Every layer any member needs; each member is handed only its own.
+        self.hidden_state_layers = tuple(sorted({layer for p in members for layer in p.hidden_state_layers}))
+        self.merged: _Merged | None = None
+
+    @classmethod
+    def from_config(cls, config: UnionConfig, target: TargetInfo) -> UnionProposer:
+        from specframe.plugins import get_registry
+
+        registry = get_registry()
+        members = [
+            registry.get(name).cls.from_config(cfg, target)
+            for name, cfg in zip(config.members, config.member_configs, strict=True)
+        ]
+        return cls(config, target, members)
+
+    @classmethod
+    def random(cls, target: TargetInfo, config: UnionConfig | None = None, seed: int = 0) -> UnionProposer:
+        """Every member with its own random weights (member i gets seed + i, so repeated names differ)."""
+        from specframe.plugins import get_registry
+
+        config = config or UnionConfig()
+        registry = get_registry()
+        members = [
+            registry.get(name).cls.random(target, cfg, seed=seed + i)
+            for i, (name, cfg) in enumerate(zip(config.members, config.member_configs, strict=True))
+        ]
+        return cls(config, target, members)
+
+    def _call(self, m: int, fn: Any, *args: Any) -> Any:
+        """Call a member's method; its failure names the member."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            raise ProposerError(f"union member '{self.member_names[m]}' raised {type(e).__name__}: {e}") from e
+
+    def _hidden(self, m: int, hidden_states: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        return {layer: hidden_states[layer] for layer in self.members[m].hidden_state_layers}
+
+    def begin(self, prompt: torch.Tensor, hidden_states: dict[int, torch.Tensor]) -> None:
+        self.merged = None
+        for m, member in enumerate(self.members):
+            self._call(m, member.begin, prompt, self._hidden(m, hidden_states))
+
+    def propose(self, state: DecodeState) -> Proposal:
+        proposals = []
+        for m, member in enumerate(self.members):
+            p = self._call(m, member.propose, state)
+            validate_proposal(p, self.target.vocab_size, state.max_depth, f"union member '{self.member_names[m]}'")
+            proposals.append(p)
+        self.merged = merge_proposals(proposals, self.target.vocab_size, state.tokens.device)
+        return self.merged.proposal
+
+    def accepted(self, result: Acceptance) -> None:
+        if self.merged is None:
+            raise RuntimeError("union: accepted() without a proposal")
+        for m, member in enumerate(self.members):
+            own: list[int] = []
+            for node in result.accepted_nodes:  # the path, root to leaf, until it leaves this member's tree
+                i = self.merged.owners[node].get(m)
+                if i is None:
+                    break
+                own.append(i)
+            hidden = self._hidden(m, result.hidden_states)
+            self._call(m, member.accepted, Acceptance(own, result.accepted_tokens, result.next_token, hidden))
+        self.merged = None

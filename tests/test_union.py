@@ -1,0 +1,176 @@
+"""`union`: merging members' trees, telling each member what it needs, config errors, and exactness."""
+
+import pytest
+import torch
+
+from specframe import Proposal, SpeculativeDecoder, load_config
+from specframe.errors import ConfigError, ProposerError
+from specframe.plugins import get_registry
+from specframe.proposer import Acceptance, DecodeState
+from specframe.proposers.draft import DraftProposer
+from specframe.proposers.union import UnionConfig, UnionProposer, merge_proposals
+from specframe.sampling import SamplingParams
+from specframe.testing.conformance import reference_greedy
+from specframe.testing.suite import ProposerConformance
+
+
+def det(tokens, parents):
+    n = len(tokens)
+    return Proposal(torch.tensor(tokens), torch.tensor(parents), torch.ones(n, dtype=torch.bool))
+
+
+def sampled(tokens, parents, q):
+    n = len(tokens)
+    return Proposal(torch.tensor(tokens), torch.tensor(parents), torch.zeros(n, dtype=torch.bool), q)
+
+
+def test_deterministic_nodes_with_the_same_parent_and_token_are_shared():
+    a = det([5, 6, 7], [-1, 0, 1])  # chain 5 6 7
+    b = det([5, 6, 2, 3], [-1, 0, 1, -1])  # chain 5 6 2, and 3 at the root
+    m = merge_proposals([a, b], vocab_size=8, device="cpu")
+    p = m.proposal
+    assert p.tokens.tolist() == [5, 6, 7, 2, 3]
+    assert p.parents.tolist() == [-1, 0, 1, 1, -1]
+    assert p.deterministic.all() and p.draft_probs is None
+    assert m.owners == [{0: 0, 1: 0}, {0: 1, 1: 1}, {0: 2}, {1: 2}, {1: 3}]
+
+
+def test_sampled_nodes_are_never_merged_and_keep_their_q():
+    qa = torch.full((2, 8), 1 / 8)
+    qb = torch.eye(8)[[5]] * 0.5 + 0.5 / 8
+    a = sampled([5, 1], [-1, 0], qa)
+    b = sampled([5], [-1], qb)
+    c = det([5, 4], [-1, 0])
+    m = merge_proposals([a, b, c], vocab_size=8, device="cpu")
+    p = m.proposal
+    assert p.tokens.tolist() == [5, 1, 5, 5, 4]  # two sampled 5s and one deterministic 5 under the root
+    assert p.parents.tolist() == [-1, 0, -1, -1, 3]
+    assert p.deterministic.tolist() == [False, False, False, True, True]
+    assert torch.equal(p.draft_probs[0], qa[0]) and torch.equal(p.draft_probs[1], qa[1])
+    assert torch.equal(p.draft_probs[2], qb[0])
+    assert m.owners[3] == {2: 0} and m.owners[4] == {2: 1}
+
+
+def test_empty_members_give_an_empty_proposal():
+    m = merge_proposals([Proposal.empty(), Proposal.empty()], vocab_size=8, device="cpu")
+    assert len(m.proposal) == 0
+
+
+class Recorder(DraftProposer):
+    """A random draft that records what it is told after each step."""
+
+    name = "recorder"
+    seen: list
+
+    def accepted(self, result: Acceptance) -> None:
+        self.seen.append((list(result.accepted_nodes), list(result.accepted_tokens), result.next_token))
+        super().accepted(result)
+
+
+def test_each_member_learns_its_own_nodes_and_every_accepted_token(info):
+    config = UnionConfig(members=["draft", "draft"])
+    union = UnionProposer.random(info, config)
+    union.members = [Recorder.random(info, cfg, seed=i + 1) for i, cfg in enumerate(config.member_configs)]
+    for member in union.members:
+        member.seen = []
+    union.begin(torch.tensor([1, 2]), {})
+    state = DecodeState(torch.tensor([1, 2, 3]), 2, SamplingParams(0.0, 0, 1.0), torch.Generator(), 8)
+    merged = union.propose(state)
+    owners = union.merged.owners
+    # Say the target accepted member 1's whole chain; member 0's part of the path ends where the chains differ.
+    path = [n for n in range(len(merged)) if 1 in owners[n]]
+    tokens = merged.tokens[path].tolist()
+    shared = next((i for i, n in enumerate(path) if 0 not in owners[n]), len(path))
+    assert shared < len(path), "the test needs two chains that differ"
+    union.accepted(Acceptance(path, tokens, 0, {}))
+    assert union.members[1].seen == [([owners[n][1] for n in path], tokens, 0)]
+    assert union.members[0].seen == [([owners[n][0] for n in path[:shared]], tokens, 0)]
+
+
+def test_a_member_left_by_the_path_rolls_back_only_its_rejected_drafts(target, info):
+    """Two different drafts: the path often leaves one member's chain; its KV cache must still be exact."""
+    union = UnionProposer.random(
+        info, UnionConfig(members=["draft", "draft"], options={"draft": {"num_speculative_tokens": 3}})
+    )
+    dec = SpeculativeDecoder(target, union)
+    left = []
+    inner = union.members[0].accepted
+    union.members[0].accepted = lambda r: left.append(len(r.accepted_nodes) < len(r.accepted_tokens)) or inner(r)
+    out = dec.generate([1, 2, 3], max_new_tokens=40)
+    assert out.token_ids == reference_greedy(target, [1, 2, 3], 40)
+    assert any(left), "the test needs a step whose path left member 0's chain"
+    # Member 0's cache holds exactly the emitted sequence: its next logits equal a fresh forward's.
+    draft = union.members[0]
+    seq = torch.tensor([1, 2, 3, *out.token_ids])
+    cached = draft._next_logits(seq[draft.cached :])
+    fresh = draft.model(input_ids=seq[None]).logits[0, -1].float()
+    torch.testing.assert_close(cached, fresh, atol=1e-4, rtol=1e-4)
+
+
+def test_eagle_member_gets_features_for_tokens_other_members_proposed(target, info):
+    """eagle + a draft: eagle must be fed every accepted token, including the draft's."""
+    union = UnionProposer.random(
+        info, UnionConfig(members=["draft", "eagle"], options={"eagle": {"depth": 1, "top_k": 1, "total_tokens": 1}})
+    )
+    out = SpeculativeDecoder(target, union).generate([1, 2, 3], max_new_tokens=30)
+    assert out.token_ids == reference_greedy(target, [1, 2, 3], 30)
+    assert union.hidden_state_layers == (-1,)
+    assert union.members[1].committed > 3  # eagle kept up with the sequence
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="proposer.members must be a non-empty list"):
+        UnionConfig(members=[])
+    with pytest.raises(ConfigError, match="unknown proposer 'nope'"):
+        UnionConfig(members=["nope"])
+    with pytest.raises(ConfigError, match="cannot have a union as a member"):
+        UnionConfig(members=["union"])
+    with pytest.raises(ConfigError, match="proposer.options.medusa: 'medusa' is not a member"):
+        UnionConfig(members=["draft"], options={"medusa": {}})
+    with pytest.raises(ConfigError, match="proposer.options.draft.num_speculative_tokens"):
+        UnionConfig(members=["draft"], options={"draft": {"num_speculative_tokens": 0}})
+    with pytest.raises(ConfigError, match="proposer.options.draft"):
+        UnionConfig(members=["draft"], options={"draft": {"no_such_key": 1}})
+
+
+def test_config_from_yaml_and_overrides():
+    cfg = load_config(
+        "union.yaml" if "ngram" in get_registry().proposers else None,
+        overrides=["proposer.name=union", "proposer.members=[draft,eagle]", "proposer.options.eagle.depth=2"],
+    )
+    assert cfg.proposer.members == ["draft", "eagle"]
+    assert cfg.proposer.member_configs[1].depth == 2
+    with pytest.raises(ConfigError, match="set a list field whole"):
+        load_config(overrides=["proposer.name=union", "proposer.members.1=draft"])
+
+
+def test_a_failing_member_is_named(target, info):
+    union = UnionProposer.random(info, UnionConfig(members=["none", "draft"]))
+
+    def boom(state):
+        raise RuntimeError("kaput")
+
+    union.members[1].propose = boom
+    with pytest.raises(ProposerError, match="union member 'draft' raised RuntimeError: kaput"):
+        SpeculativeDecoder(target, union).generate([1, 2], max_new_tokens=5)
+
+
+def test_a_malformed_member_proposal_is_named(target, info):
+    union = UnionProposer.random(info, UnionConfig(members=["none", "draft"]))
+    union.members[1].propose = lambda state: det([99], [-1])
+    with pytest.raises(ProposerError, match="union member 'draft' returned a malformed proposal: token id"):
+        SpeculativeDecoder(target, union).generate([1, 2], max_new_tokens=5)
+
+
+# Exactness with sampled members: two drafts with different random weights hang chains drawn from two different
+# q's off the same root (the full suite, statistics included).
+class TestUnionOfTwoSampledDrafts(ProposerConformance):
+    proposer_class = UnionProposer
+    proposer_config = UnionConfig(members=["draft", "draft"], options={"draft": {"num_speculative_tokens": 2}})
+
+
+class TestUnionOfTreesAndChains(ProposerConformance):
+    proposer_class = UnionProposer
+    proposer_config = UnionConfig(
+        members=["eagle", "draft", "medusa"], options={"eagle": {"depth": 2, "top_k": 2, "total_tokens": 4}}
+    )
