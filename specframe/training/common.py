@@ -57,6 +57,7 @@ class TrainRunConfig:
 class Sequence:
     ids: list[int]  # prompt + response, truncated to max_length
     first_target: int  # positions t >= first_target - 1 predict response tokens (loss positions)
+    features: torch.Tensor | None = None  # the target's cached features over `ids` [len(ids), hidden], if any
 
 
 def to_sequences(examples: list[DistillExample], max_length: int) -> list[Sequence]:

@@ -90,8 +90,7 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
     # The teacher: the target's cached features (one bfloat16 pass shared with the Medusa and EAGLE trainers)
     # through its LM-head rows for the draft's vocabulary, computed per batch (never stored as log-probs).
     train_feats, held_feats = split_features(cfg, target, train_ex, held_ex)
-    train_seqs = [Sequence(f.ids.tolist(), f.first_target) for f in train_feats]
-    features = {id(s): f.features for s, f in zip(train_seqs, train_feats, strict=True)}
+    train_seqs = [Sequence(f.ids.tolist(), f.first_target, f.features) for f in train_feats]
     held_seqs = [Sequence(f.ids.tolist(), f.first_target) for f in held_feats]
     in_vocab = torch.zeros(vocab_size, dtype=torch.bool)
     in_vocab[vocab_ids] = True
@@ -125,7 +124,7 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
         for b in bar:
             ids, attn, mask = collate(batches[b], pad)
             with torch.no_grad():
-                hidden = torch.cat([features[id(s)][mask[i, : len(s.ids)]] for i, s in enumerate(batches[b])])
+                hidden = torch.cat([s.features[mask[i, : len(s.ids)]] for i, s in enumerate(batches[b])])
                 p_log = (hidden.float() @ teacher_head.T).log_softmax(-1)
             h = draft.model(input_ids=ids, attention_mask=attn).last_hidden_state[mask]
             q_log = draft.lm_head(h).float().log_softmax(-1)
