@@ -96,7 +96,7 @@ class Acceptance:
     accepted_tokens: list[int]  # every accepted token on the path (the tokens of the accepted nodes)
     next_token: int  # the token the target emitted after them (residual or bonus); the next root
     # Hidden states of the target layers the proposer asked for, at the positions newly kept in the
-    # target's cache (the root, then each accepted node): layer index -> [len(accepted_nodes) + 1, hidden].
+    # target's cache (the root, then each accepted token): layer index -> [len(accepted_tokens) + 1, hidden].
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
 
 

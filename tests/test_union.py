@@ -8,8 +8,10 @@ from specframe.errors import ConfigError, ProposerError
 from specframe.plugins import get_registry
 from specframe.proposer import Acceptance, DecodeState
 from specframe.proposers.draft import DraftProposer
+from specframe.proposers.eagle import EagleConfig, EagleProposer
 from specframe.proposers.union import UnionConfig, UnionProposer, merge_proposals
 from specframe.sampling import SamplingParams
+from specframe.testing import conformance
 from specframe.testing.conformance import reference_greedy
 from specframe.testing.suite import ProposerConformance
 
@@ -51,6 +53,15 @@ def test_sampled_nodes_are_never_merged_and_keep_their_q():
     assert m.owners[3] == {2: 0} and m.owners[4] == {2: 1}
 
 
+def test_a_members_own_duplicate_siblings_are_not_merged():
+    a = det([5, 5, 1], [-1, -1, 1])  # two 5s at the root (a member may propose that), 1 under the second
+    b = det([5, 2], [-1, 0])
+    m = merge_proposals([a, b], vocab_size=8, device="cpu")
+    assert m.proposal.tokens.tolist() == [5, 5, 1, 2]
+    assert m.proposal.parents.tolist() == [-1, -1, 1, 0]
+    assert m.owners == [{0: 0, 1: 0}, {0: 1}, {0: 2}, {1: 1}]  # b's 5 joins a's first 5 only
+
+
 def test_empty_members_give_an_empty_proposal():
     m = merge_proposals([Proposal.empty(), Proposal.empty()], vocab_size=8, device="cpu")
     assert len(m.proposal) == 0
@@ -87,35 +98,53 @@ def test_each_member_learns_its_own_nodes_and_every_accepted_token(info):
     assert union.members[0].seen == [([owners[n][0] for n in path[:shared]], tokens, 0)]
 
 
-def test_a_member_left_by_the_path_rolls_back_only_its_rejected_drafts(target, info):
-    """Two different drafts: the path often leaves one member's chain; its KV cache must still be exact."""
-    union = UnionProposer.random(
-        info, UnionConfig(members=["draft", "draft"], options={"draft": {"num_speculative_tokens": 3}})
-    )
-    dec = SpeculativeDecoder(target, union)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_members_left_by_the_path_roll_back_only_their_rejected_drafts(target, info, temperature):
+    """Two different drafts: the path often leaves a member's chain; each KV cache must still be exact."""
+    config = UnionConfig(members=["draft", "draft"], options={"draft": {"num_speculative_tokens": 3}})
+    union = UnionProposer.random(info, config)
     left = []
-    inner = union.members[0].accepted
-    union.members[0].accepted = lambda r: left.append(len(r.accepted_nodes) < len(r.accepted_tokens)) or inner(r)
-    out = dec.generate([1, 2, 3], max_new_tokens=40)
-    assert out.token_ids == reference_greedy(target, [1, 2, 3], 40)
-    assert any(left), "the test needs a step whose path left member 0's chain"
-    # Member 0's cache holds exactly the emitted sequence: its next logits equal a fresh forward's.
-    draft = union.members[0]
+    for draft in union.members:
+        inner = draft.accepted
+        draft.accepted = lambda r, inner=inner: left.append(len(r.accepted_nodes) < len(r.accepted_tokens)) or inner(r)
+    out = SpeculativeDecoder(target, union).generate([1, 2, 3], max_new_tokens=40, temperature=temperature, seed=0)
+    if temperature == 0.0:
+        assert out.token_ids == reference_greedy(target, [1, 2, 3], 40)
+    assert any(left), "the test needs a step whose path left a member's chain"
+    # Each member's cache holds exactly the emitted sequence: its next logits equal a fresh forward's.
     seq = torch.tensor([1, 2, 3, *out.token_ids])
-    cached = draft._next_logits(seq[draft.cached :])
-    fresh = draft.model(input_ids=seq[None]).logits[0, -1].float()
-    torch.testing.assert_close(cached, fresh, atol=1e-4, rtol=1e-4)
+    for draft in union.members:
+        cached = draft._next_logits(seq[draft.cached :])
+        fresh = draft.model(input_ids=seq[None]).logits[0, -1].float()
+        torch.testing.assert_close(cached, fresh, atol=1e-4, rtol=1e-4)
 
 
-def test_eagle_member_gets_features_for_tokens_other_members_proposed(target, info):
-    """eagle + a draft: eagle must be fed every accepted token, including the draft's."""
-    union = UnionProposer.random(
-        info, UnionConfig(members=["draft", "eagle"], options={"eagle": {"depth": 1, "top_k": 1, "total_tokens": 1}})
-    )
-    out = SpeculativeDecoder(target, union).generate([1, 2, 3], max_new_tokens=30)
-    assert out.token_ids == reference_greedy(target, [1, 2, 3], 30)
+def test_eagle_member_drafts_as_it_would_alone(target, info):
+    """eagle + a draft: eagle must be fed every accepted token and feature, the draft's included. Wherever the
+    union and eagle alone reach the same sequence, eagle proposes the same tree."""
+    eagle_options = {"depth": 2, "top_k": 2, "total_tokens": 4}
+    config = UnionConfig(members=["draft", "eagle"], options={"eagle": eagle_options})
+    union = UnionProposer.random(info, config)
+    alone = EagleProposer.random(info, EagleConfig(**eagle_options), seed=1)  # member 1 of the union: seed 0 + 1
+    trees = {}
+    for key, eagle in (("union", union.members[1]), ("alone", alone)):
+        inner = eagle.propose
+
+        def record(state, inner=inner, key=key):
+            p = inner(state)
+            trees[(key, tuple(state.tokens.tolist()))] = (p.tokens.tolist(), p.parents.tolist())
+            return p
+
+        eagle.propose = record
+    prompt = [1, 2, 3]
+    out = SpeculativeDecoder(target, union).generate(prompt, max_new_tokens=40)
+    assert out.token_ids == reference_greedy(target, prompt, 40)
+    SpeculativeDecoder(target, alone).generate(prompt, max_new_tokens=40)
+    common = [k for (who, k) in trees if who == "union" and ("alone", k) in trees and len(k) > len(prompt) + 1]
+    assert len(common) >= 3, f"the test needs sequences both runs reached, got {len(common)}"
+    for k in common:
+        assert trees[("union", k)] == trees[("alone", k)], k
     assert union.hidden_state_layers == (-1,)
-    assert union.members[1].committed > 3  # eagle kept up with the sequence
 
 
 def test_config_errors_name_the_key():
@@ -125,12 +154,22 @@ def test_config_errors_name_the_key():
         UnionConfig(members=["nope"])
     with pytest.raises(ConfigError, match="cannot have a union as a member"):
         UnionConfig(members=["union"])
+    with pytest.raises(ConfigError, match="proposer.options.draft must be a mapping of draft's options, got 3"):
+        UnionConfig(members=["draft"], options={"draft": 3})
     with pytest.raises(ConfigError, match="proposer.options.medusa: 'medusa' is not a member"):
         UnionConfig(members=["draft"], options={"medusa": {}})
     with pytest.raises(ConfigError, match="proposer.options.draft.num_speculative_tokens"):
         UnionConfig(members=["draft"], options={"draft": {"num_speculative_tokens": 0}})
-    with pytest.raises(ConfigError, match="proposer.options.draft"):
+    with pytest.raises(ConfigError, match=r"^proposer\.options\.draft\.no_such_key: Key 'no_such_key' not in"):
         UnionConfig(members=["draft"], options={"draft": {"no_such_key": 1}})
+    with pytest.raises(ConfigError, match=r"^proposer\.options\.draft\.num_speculative_tokens must be >= 1"):
+        UnionConfig(members=["draft"], options={"draft": {"num_speculative_tokens": 0}})
+
+
+def test_a_member_that_cannot_be_built_is_named_with_its_own_keys(info):
+    # No drafter ships for a tiny random target: eagle's "proposer.model is required" names the union's key.
+    with pytest.raises(ConfigError, match=r"union member 'eagle': proposer\.options\.eagle\.model is required"):
+        UnionProposer.from_config(UnionConfig(members=["none", "eagle"]), info)
 
 
 def test_config_from_yaml_and_overrides():
@@ -174,3 +213,24 @@ class TestUnionOfTreesAndChains(ProposerConformance):
     proposer_config = UnionConfig(
         members=["eagle", "draft", "medusa"], options={"eagle": {"depth": 2, "top_k": 2, "total_tokens": 4}}
     )
+
+
+@pytest.mark.slow
+def test_suite_catches_a_merge_that_mixes_up_members_q(monkeypatch):
+    """Power: a union that hands a sampled node another member's q must fail the suite. (Dropping q altogether
+    would not be wrong: accepting any independently chosen token with r(x) is exact, only less often.)"""
+    import specframe.proposers.union as union_module
+
+    real = union_module.merge_proposals
+
+    def broken(proposals, vocab_size, device):
+        m = real(proposals, vocab_size, device)
+        q = m.proposal.draft_probs
+        if q is not None and len(proposals) == 2 and len(proposals[0]) == len(proposals[1]):
+            m.proposal.draft_probs = q.roll(len(proposals[0]), dims=0)  # member 0's rows <-> member 1's
+        return m
+
+    monkeypatch.setattr(union_module, "merge_proposals", broken)
+    config = UnionConfig(members=["draft", "draft"], options={"draft": {"num_speculative_tokens": 2}})
+    r = conformance.check_sampling(UnionProposer, "cpu", "temperature=1", config=config)
+    assert r.p_value < conformance.ALPHA, r.detail

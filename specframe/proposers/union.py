@@ -10,7 +10,9 @@ agree share nodes, and the target scores each distinct continuation once. Sample
 member's q) are never merged and keep their member's q. The engine's tree rule tries a node's children in
 order against the running residual; that is exact for any mix of deterministic children and children drawn
 from any q, as long as each draw is independent of the others (DESIGN.md, "The algorithm"). So the union is
-exact whenever every member is, and the conformance suite checks it like any other proposer.
+exact whenever every member is, and the conformance suite checks it like any other proposer. (Merging may
+reorder a member's own siblings; that is harmless because a deterministic node's token never depends on a
+sampled sibling's draw.) A member's own duplicate siblings are not merged.
 
 What members learn. After verification every member gets the whole accepted path: `accepted_tokens` and the
 hidden states cover every accepted token, and `accepted_nodes` lists the member's own nodes along the path,
@@ -24,13 +26,14 @@ often and is seldom right makes every step dearer; pick members whose strengths 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from omegaconf import OmegaConf
 
-from specframe.errors import ConfigError, ProposerError
+from specframe.errors import BadInputError, ConfigError, ProposerError
 from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo, validate_proposal
 
 
@@ -59,7 +62,11 @@ class UnionConfig:
                 raise ConfigError(
                     f"proposer.members: unknown proposer '{name}'; installed: {', '.join(registry.names())}"
                 )
-        for name in self.options:
+        if not isinstance(self.options, Mapping):
+            raise ConfigError(f"proposer.options must map member names to their options, got {self.options!r}")
+        for name, values in self.options.items():
+            if not isinstance(values, Mapping):
+                raise ConfigError(f"proposer.options.{name} must be a mapping of {name}'s options, got {values!r}")
             if name not in self.members:
                 raise ConfigError(
                     f"proposer.options.{name}: '{name}' is not a member (members: {', '.join(self.members)})"
@@ -71,9 +78,14 @@ class UnionConfig:
             prefix = f"proposer.options.{name}"
             try:
                 self.member_configs.append(structured(registry.get(name).cls.config_class, values, prefix))
-            except ConfigError as e:  # a member's own checks name `proposer.<key>`: name the full key
-                msg = str(e)
-                raise ConfigError(prefix + msg.removeprefix("proposer") if msg.startswith("proposer.") else msg) from e
+            except ConfigError as e:
+                raise ConfigError(member_keys(str(e), name)) from e
+
+
+def member_keys(message: str, member: str) -> str:
+    """A member's error names its keys `proposer.<key>`; inside a union they are `proposer.options.<member>.<key>`."""
+    prefix = f"proposer.options.{member}."
+    return message if message.startswith(prefix) else message.replace("proposer.", prefix)
 
 
 @dataclass
@@ -97,6 +109,8 @@ def merge_proposals(proposals: list[Proposal], vocab_size: int, device: torch.de
         for i, (tok, par) in enumerate(zip(p.tokens.tolist(), p.parents.tolist(), strict=True)):
             parent = -1 if par < 0 else where[par]
             node = shared.get((parent, tok)) if det[i] else None
+            if node is not None and m in owners[node]:  # only merge across members: a member's own duplicate
+                node = None  # siblings stay apart, so what it is told later is a path in its own tree
             if node is None:
                 node = len(tokens)
                 tokens.append(tok)
@@ -104,7 +118,7 @@ def merge_proposals(proposals: list[Proposal], vocab_size: int, device: torch.de
                 deterministic.append(det[i])
                 owners.append({})
                 if det[i]:
-                    shared[(parent, tok)] = node
+                    shared.setdefault((parent, tok), node)  # later members join the first such node
                 else:
                     q_rows[node] = p.draft_probs[i]
             owners[node][m] = i
@@ -132,19 +146,26 @@ class UnionProposer(Proposer):
         super().__init__(config, target)
         self.members = members
         self.member_names = list(config.members)
-        # Every layer any member needs; each member is handed only its own.
-        self.hidden_state_layers = tuple(sorted({layer for p in members for layer in p.hidden_state_layers}))
         self.merged: _Merged | None = None
+
+    @property
+    def hidden_state_layers(self) -> tuple[int, ...]:  # type: ignore[override]
+        """Every layer any member needs; each member is handed only its own."""
+        return tuple(sorted({layer for p in self.members for layer in p.hidden_state_layers}))
 
     @classmethod
     def from_config(cls, config: UnionConfig, target: TargetInfo) -> UnionProposer:
         from specframe.plugins import get_registry
 
         registry = get_registry()
-        members = [
-            registry.get(name).cls.from_config(cfg, target)
-            for name, cfg in zip(config.members, config.member_configs, strict=True)
-        ]
+        members = []
+        for name, cfg in zip(config.members, config.member_configs, strict=True):
+            try:
+                members.append(registry.get(name).cls.from_config(cfg, target))
+            except BadInputError as e:  # keep the error's kind (exit code 2); say which member and which key
+                raise type(e)(f"union member '{name}': {member_keys(str(e), name)}") from e
+            except Exception as e:
+                raise ProposerError(f"union member '{name}' failed to build: {type(e).__name__}: {e}") from e
         return cls(config, target, members)
 
     @classmethod
@@ -195,5 +216,6 @@ class UnionProposer(Proposer):
                     break
                 own.append(i)
             hidden = self._hidden(m, result.hidden_states)
-            self._call(m, member.accepted, Acceptance(own, result.accepted_tokens, result.next_token, hidden))
+            told = Acceptance(own, list(result.accepted_tokens), result.next_token, hidden)
+            self._call(m, member.accepted, told)
         self.merged = None
