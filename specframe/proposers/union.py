@@ -145,7 +145,6 @@ class UnionProposer(Proposer):
     def __init__(self, config: UnionConfig, target: TargetInfo, members: list[Proposer]) -> None:
         super().__init__(config, target)
         self.members = members
-        self.member_names = list(config.members)
         self.merged: _Merged | None = None
 
     @property
@@ -186,7 +185,7 @@ class UnionProposer(Proposer):
         try:
             return fn(*args)
         except Exception as e:
-            raise ProposerError(f"union member '{self.member_names[m]}' raised {type(e).__name__}: {e}") from e
+            raise ProposerError(f"union member '{self.config.members[m]}' raised {type(e).__name__}: {e}") from e
 
     def _hidden(self, m: int, hidden_states: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         return {layer: hidden_states[layer] for layer in self.members[m].hidden_state_layers}
@@ -200,7 +199,7 @@ class UnionProposer(Proposer):
         proposals = []
         for m, member in enumerate(self.members):
             p = self._call(m, member.propose, state)
-            validate_proposal(p, self.target.vocab_size, state.max_depth, f"union member '{self.member_names[m]}'")
+            validate_proposal(p, self.target.vocab_size, state.max_depth, f"union member '{self.config.members[m]}'")
             proposals.append(p)
         self.merged = merge_proposals(proposals, self.target.vocab_size, state.tokens.device)
         return self.merged.proposal
