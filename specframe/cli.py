@@ -41,7 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="run the exactness conformance suite on a proposer (tiny random models)")
     c.add_argument("--proposer", required=True, help="proposer name")
     c.add_argument("--device", action="append", help="device(s) to check; default: cpu and cuda if present")
+    c.add_argument("--dtype", action="append",
+                   help="dtype(s) of the tiny target: float32, bfloat16, float16 (repeat for several; default float32)")
     c.add_argument("--quick", action="store_true", help="greedy and rollback checks only (no statistics)")
+    c.add_argument("--no-power", action="store_true",
+                   help="skip the power checks (broken rules that must be caught: they test the suite itself)")
     c.add_argument("--json", action="store_true")
     c.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="proposer options, e.g. proposer.max_ngram=2")
     c.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
@@ -202,7 +206,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         values = OmegaConf.from_dotlist([o.removeprefix("proposer.") for o in key_values(args.overrides, "proposer.")])
         config = structured(entry.cls.config_class, values, "proposer")
     report = run_suite(entry.cls, devices=args.device, config=config, quick=args.quick,
-                       log=None if args.json else print)
+                       log=None if args.json else print, dtypes=args.dtype,
+                       power=False if args.no_power else None)
     if args.json:
         print(json.dumps(report.as_dict()))
     else:

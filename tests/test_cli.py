@@ -150,6 +150,17 @@ def test_check_quick(capsys):
     assert code == 0 and "PASS  greedy [cpu]" in out and "2 passed, 0 failed" in out
 
 
+def test_check_in_several_dtypes(capsys):
+    code, out, _ = run(capsys, "check", "--proposer", "eagle", "--quick", "--device", "cpu", "--dtype", "float32",
+                       "--dtype", "bfloat16", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["passed"]
+    assert [(r["check"], r["dtype"]) for r in report["results"]] == [
+        ("greedy", "float32"), ("rollback", "float32"), ("greedy", "bfloat16"), ("rollback", "bfloat16")]
+    code, _, err = run(capsys, "check", "--proposer", "eagle", "--quick", "--dtype", "float8")
+    assert code == 2 and "float8" in err
+
+
 def test_python_dash_m_entry_point():
     r = subprocess.run(
         [sys.executable, "-m", "specframe", "generate", "--proposer", "zzz", "--prompt", "x"],

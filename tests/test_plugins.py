@@ -136,3 +136,11 @@ def test_environment_variable_turns_autoload_off(entry_points, monkeypatch):
     entry_points.append(FakeEntryPoint("echo-plugin", lambda: plugin_module(lambda register: register(Echo))))
     monkeypatch.setenv(plugins_mod.DISABLE_ENV, "1")
     assert "echo" not in build_registry().names()
+
+
+def test_require_proposers_skips_naming_only_the_missing_ones():
+    from specframe.testing.suite import require_proposers
+
+    require_proposers("none", "eagle")  # built in: no skip
+    with pytest.raises(pytest.skip.Exception, match=r"not registered: no-such-proposer \("):
+        require_proposers("none", "no-such-proposer")

@@ -7,6 +7,8 @@ from specframe import SpeculativeDecoder, load_config
 from specframe.artifacts import shipped
 from specframe.decoder import target_info
 from specframe.plugins import get_registry
+from specframe.proposers.union import DEFAULT_MEMBERS
+from specframe.testing.suite import require_proposers
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +29,7 @@ def decoders():
             cfg = load_config(overrides=[f"proposer.name={name}"])
             proposer = get_registry().get(name).cls.from_config(cfg.proposer, info)
             out[name] = SpeculativeDecoder(base.model, proposer, tokenizer=base.tokenizer)
-    if "eagle" in out and "ngram" in get_registry().proposers:  # union's default members: eagle + the plugin
+    if "eagle" in out and all(m in get_registry().proposers for m in DEFAULT_MEMBERS):
         proposer = get_registry().get("union").cls.from_config(load_config("union.yaml").proposer, info)
         out["union"] = SpeculativeDecoder(base.model, proposer, tokenizer=base.tokenizer)
     return out
@@ -56,7 +58,7 @@ def test_every_proposer_equals_transformers_greedy(decoders, prompt):
 )
 def test_shipped_artifacts_are_present_and_accept_tokens(decoders, name, floor):
     if name == "union" and name not in decoders:
-        pytest.skip("union's default members need the ngram plugin: pip install ./plugins/specframe-ngram")
+        require_proposers(*DEFAULT_MEMBERS)
     assert name in decoders, f"the default target must ship with a trained {name} artifact"
     results = [decoders[name].generate(p, max_new_tokens=64) for p in PROMPTS]
     tokens = sum(r.stats["new_tokens"] for r in results)

@@ -36,12 +36,15 @@ from omegaconf import OmegaConf
 from specframe.errors import BadInputError, ConfigError, ProposerError
 from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo, validate_proposal
 
+# Chosen on held-out training prompts (docs/plugins.md); "ngram" is the separate specframe-ngram plugin.
+DEFAULT_MEMBERS = ("eagle", "ngram")
+
 
 @dataclass
 class UnionConfig:
     # Member proposers by registered name, in order: their trees hang off the root in this order (earlier
     # members' children are tried first). A name may repeat (each copy is built separately).
-    members: list[str] = field(default_factory=lambda: ["eagle", "ngram"])
+    members: list[str] = field(default_factory=lambda: list(DEFAULT_MEMBERS))
     # Each member's own options by member name, e.g. {ngram: {num_speculative_tokens: 6}}, on the command line
     # `proposer.options.ngram.num_speculative_tokens=6`. Validated by that member's config class.
     options: dict[str, dict[str, Any]] = field(default_factory=dict)

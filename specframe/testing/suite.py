@@ -21,6 +21,15 @@ from specframe.testing import conformance
 from specframe.testing.tiny import available_devices
 
 
+def require_proposers(*names: str) -> None:
+    """Skip the calling test, naming them, when any of these proposers is not registered (a plugin not installed)."""
+    from specframe.plugins import get_registry
+
+    missing = [n for n in names if n not in get_registry().proposers]
+    if missing:
+        pytest.skip(f"proposers not registered: {', '.join(missing)} (install the plugins that provide them)")
+
+
 @pytest.fixture(autouse=True)
 def _one_thread():
     threads = torch.get_num_threads()
