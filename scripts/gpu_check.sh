@@ -71,6 +71,7 @@ elif [ -n "$parts" ]; then
     else
         say "FAIL the staged GGUF parts ($(echo $parts | wc -w)) do not make the default model: $(tail -1 "$LOG")"
     fi
+    rm -f "$WORK/model.gguf"  # cached now (or useless): it must not go into the results archive
 else
     say "SKIP bench: no default model here (stage .gpu-model/part-* first, see scripts/gpu_prepare.sh)"
 fi
