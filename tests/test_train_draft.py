@@ -65,14 +65,35 @@ def test_training_improves_agreement_and_saves_only_new_weights(trained):
 def test_metrics_of_a_draft_equal_to_the_target_are_perfect():
     from specframe.shared_draft import build_shared_draft
     from specframe.training.common import Sequence
-    from specframe.training.draft import evaluate
+    from specframe.training.draft import evaluate, teacher_reference
 
     target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=3)
     vocab = torch.arange(16)
     clone = build_shared_draft(target, 3, vocab, init_layers=[0, 1, 2]).eval()
     seqs = [Sequence([1, 2, 3, 4, 5, 6], 3), Sequence([7, 8, 9], 1)]
-    m = evaluate(clone, target, vocab, seqs, pad=0)
+    m = evaluate(clone, teacher_reference(target, vocab, seqs, pad=0), vocab, seqs, pad=0)
     assert m["top1_agreement"] == 1.0 and m["alpha"] == pytest.approx(1.0, abs=1e-4) and m["positions"] == 5
+
+
+def test_metrics_of_a_reduced_vocabulary_draft_against_the_full_target():
+    """alpha = 1 - TV(p, q) over the full vocabulary, q = 0 outside the draft's; top-1 against the full argmax."""
+    from specframe.shared_draft import build_shared_draft
+    from specframe.training.common import Sequence, collate
+    from specframe.training.draft import evaluate, teacher_reference
+
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=3)
+    vocab = torch.tensor([0, 2, 3, 5, 7, 11, 13])
+    draft = build_shared_draft(target, 1, vocab, init_layers=[1]).eval()
+    seqs = [Sequence([1, 2, 3, 4, 5, 6, 9], 2), Sequence([7, 8, 9, 10], 1), Sequence([3, 3, 3], 1)]
+    m = evaluate(draft, teacher_reference(target, vocab, seqs, pad=0, batch_size=2), vocab, seqs, pad=0)
+    ids, attn, mask = collate(seqs, 0)  # the same numbers, directly and in one batch
+    with torch.no_grad():
+        p = target(input_ids=ids, attention_mask=attn).logits[mask].float().softmax(-1)
+        q = torch.zeros_like(p)
+        q[:, vocab] = draft(input_ids=ids, attention_mask=attn).logits[mask].float().softmax(-1)
+    assert m["positions"] == int(mask.sum()) == 10
+    assert m["alpha"] == pytest.approx(float((1 - 0.5 * (p - q).abs().sum(-1)).mean()), abs=1e-5)
+    assert m["top1_agreement"] == pytest.approx(float((q.argmax(-1) == p.argmax(-1)).float().mean()))
 
 
 def test_trained_draft_is_exact_under_greedy_and_reduced_vocabulary(trained):

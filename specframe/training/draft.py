@@ -55,20 +55,41 @@ class DraftTrainConfig(TrainRunConfig):
             raise ConfigError(f"train.init_layers must list {self.layers} layers, got {self.init_layers}")
 
 
+@dataclass
+class TeacherReference:
+    """The frozen float32 target on the held-out split, computed once per run: per batch of `batch_size`
+    sequences, the target's greedy token over its full vocabulary and its probabilities (temperature 1) on
+    the draft's vocabulary. That is all `evaluate` needs: with q = 0 outside the draft's vocabulary,
+    alpha = 1 - TV(p, q) = sum over the draft's vocabulary of min(p, q)."""
+
+    batch_size: int
+    greedy: list[torch.Tensor]  # per batch: [positions] long
+    p_in_vocab: list[torch.Tensor]  # per batch: [positions, len(vocab_ids)] float32
+
+
 @torch.no_grad()
-def evaluate(draft, target, vocab_ids, seqs, pad: int, batch_size: int = 8) -> dict:
-    """Top-1 agreement and alpha = 1 - TV(p, q) (temperature 1) at held-out response positions."""
-    agree = total = 0
-    alpha_sum = 0.0
+def teacher_reference(target, vocab_ids, seqs, pad: int, batch_size: int = 8) -> TeacherReference:
+    ref = TeacherReference(batch_size, [], [])
     for i in range(0, len(seqs), batch_size):
         ids, attn, mask = collate(seqs[i : i + batch_size], pad)
-        p_logits = target(input_ids=ids, attention_mask=attn).logits[mask].float()
-        q_small = draft(input_ids=ids, attention_mask=attn).logits[mask].float()
-        q = torch.zeros_like(p_logits)
-        q[:, vocab_ids] = q_small.softmax(-1)
-        p = p_logits.softmax(-1)
-        agree += int((vocab_ids[q_small.argmax(-1)] == p_logits.argmax(-1)).sum())
-        alpha_sum += float((1 - 0.5 * (p - q).abs().sum(-1)).sum())
+        logits = target(input_ids=ids, attention_mask=attn).logits[mask].float()
+        ref.greedy.append(logits.argmax(-1))
+        ref.p_in_vocab.append(logits.softmax(-1)[:, vocab_ids])
+    return ref
+
+
+@torch.no_grad()
+def evaluate(draft, reference: TeacherReference, vocab_ids, seqs, pad: int) -> dict:
+    """Top-1 agreement and alpha = 1 - TV(p, q) (temperature 1) at held-out response positions, against the
+    target's full vocabulary (`reference`: `teacher_reference` over the same `seqs`)."""
+    agree = total = 0
+    alpha_sum = 0.0
+    size = reference.batch_size
+    for b, i in enumerate(range(0, len(seqs), size)):
+        ids, attn, mask = collate(seqs[i : i + size], pad)
+        q = draft(input_ids=ids, attention_mask=attn).logits[mask].float().softmax(-1)
+        agree += int((vocab_ids[q.argmax(-1)] == reference.greedy[b]).sum())
+        alpha_sum += float(torch.minimum(reference.p_in_vocab[b], q).sum())
         total += int(mask.sum())
     return {"top1_agreement": agree / max(1, total), "alpha": alpha_sum / max(1, total), "positions": total}
 
@@ -111,7 +132,8 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
     schedule = warmup_cosine(optimizer, total_steps, start_epoch * steps_per_epoch)
 
     teacher_head = target.get_output_embeddings().weight.detach()[vocab_ids].float()  # [K, hidden]
-    metrics = evaluate(draft.eval(), target, vocab_ids, held_seqs, pad) if start_epoch == 0 else history[-1]
+    reference = teacher_reference(target, vocab_ids, held_seqs, pad)  # float32, once: the target is frozen
+    metrics = evaluate(draft.eval(), reference, vocab_ids, held_seqs, pad) if start_epoch == 0 else history[-1]
     if start_epoch == 0:
         log(f"before training: held-out top-1 agreement {metrics['top1_agreement']:.3f}, alpha {metrics['alpha']:.3f}")
         history.append({"epoch": 0, **metrics})
@@ -131,7 +153,7 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
             loss = (p_log.exp() * (p_log - q_log)).sum(-1).mean()  # KL(p || q)
             running = optimizer_step(loss, params, optimizer, schedule, running)
             bar.set_postfix(kl=f"{running:.3f}", lr=f"{schedule.get_last_lr()[0]:.1e}")
-        metrics = evaluate(draft.eval(), target, vocab_ids, held_seqs, pad)
+        metrics = evaluate(draft.eval(), reference, vocab_ids, held_seqs, pad)
         history.append({"epoch": epoch + 1, "train_kl": running, "seconds": time.perf_counter() - t0, **metrics})
         log(
             f"epoch {epoch + 1}: train KL {running:.3f}; held-out top-1 agreement {metrics['top1_agreement']:.3f}, "
