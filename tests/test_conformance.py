@@ -1,5 +1,7 @@
 """The conformance suite over every registered proposer and both exact tree modes, and its power."""
 
+import types
+
 import pytest
 import torch
 
@@ -78,18 +80,61 @@ def test_rollback_check_catches_a_wrong_kept_cache(monkeypatch, dtype):
     assert not rollback.passed, rollback.detail
 
 
-def test_greedy_check_allows_near_ties_only_in_16_bit_dtypes():
+class FixedLogits(torch.nn.Module):
+    """A stand-in target whose logits at every position are one fixed row (greedy_mismatch's only input)."""
+
+    def __init__(self, row, dtype):
+        super().__init__()
+        self.row, self.dtype, self.device = torch.tensor(row, dtype=dtype), dtype, torch.device("cpu")
+
+    def forward(self, input_ids):
+        return types.SimpleNamespace(logits=self.row.expand(1, input_ids.shape[1], -1))
+
+
+def test_greedy_mismatch_allows_rounding_near_ties_only_in_16_bit_dtypes():
+    # bfloat16 tolerance for a row of scale 4: 4 * 2^-7 * 4 = 0.125 per logit, so a gap up to 0.25 is a near-tie
+    row = [4.0, 3.8, 3.5, -4.0]
+    bf16 = FixedLogits(row, torch.bfloat16)
+    assert conformance.rounding_tolerance(torch.bfloat16, bf16.row) == 0.125
+    assert conformance.greedy_mismatch(bf16, [0], [0, 1, 0]) == (None, 1, "")  # gap 0.2: rounding
+    bad, near, why = conformance.greedy_mismatch(bf16, [0], [0, 1, 2])  # gap 0.5: a wrong token
+    assert (bad, near) == (2, 1) and "token 2 is 2, the target's argmax is 0" in why
+    f32 = FixedLogits(row, torch.float32)
+    assert conformance.greedy_mismatch(f32, [0], [0, 0]) == (None, 0, "")
+    assert conformance.greedy_mismatch(f32, [0], [0, 1])[0] == 1  # float32: the argmax or nothing
+    tie = FixedLogits([1.0, 1.0, 0.0], torch.float32)
+    assert conformance.greedy_mismatch(tie, [0], [1])[0] == 0  # even an exact tie the argmax does not pick
+
+
+def test_greedy_mismatch_on_a_real_tiny_target():
     from specframe.testing.tiny import tiny_llama
 
-    for dtype, allowed in ((torch.float32, 0.0), (torch.bfloat16, 4 * 2**-7 * 5.0)):
-        assert conformance.near_tie_tolerance(dtype, 5.0) == allowed
     model = tiny_llama(8, seed=0)
     out = conformance.reference_greedy(model, [1, 2, 3], 6)
     assert conformance.greedy_mismatch(model, [1, 2, 3], out) == (None, 0, "")
     logits = model(input_ids=torch.tensor([[1, 2, 3] + out[:2]])).logits[0, -1]
-    wrong = int(logits.argsort(descending=True)[1])  # the runner-up at position 2: a real mismatch in float32
+    wrong = int(logits.argsort(descending=True)[1])  # the runner-up at position 2
     bad, near, why = conformance.greedy_mismatch(model, [1, 2, 3], out[:2] + [wrong] + out[3:])
     assert (bad, near) == (2, 0) and f"token 2 is {wrong}" in why
+
+
+def test_greedy_check_fails_on_too_many_near_ties_or_a_short_output(monkeypatch):
+    monkeypatch.setattr(conformance, "greedy_mismatch", lambda model, prompt, out: (None, 3, ""))
+    r = conformance.check_greedy(TreeTestProposer, "cpu", dtype="bfloat16")  # 9 of 96: allowed
+    assert r.passed and "9 near-tie(s)" in r.detail
+    monkeypatch.setattr(conformance, "greedy_mismatch", lambda model, prompt, out: (None, 4, ""))
+    r = conformance.check_greedy(TreeTestProposer, "cpu", dtype="bfloat16")  # 12 of 96: too many
+    assert not r.passed and "12 of 96 tokens were near-ties" in r.detail
+    real_generate = decoder_module.SpeculativeDecoder.generate
+
+    def one_short(self, *args, **kwargs):
+        res = real_generate(self, *args, **kwargs)
+        res.token_ids = res.token_ids[:-1]
+        return res
+
+    monkeypatch.setattr(decoder_module.SpeculativeDecoder, "generate", one_short)
+    r = conformance.check_greedy(TreeTestProposer, "cpu")
+    assert not r.passed and "31 tokens, asked for 32" in r.detail
 
 
 def test_bad_conformance_dtype_or_device_is_named():

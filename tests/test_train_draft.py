@@ -94,6 +94,8 @@ def test_metrics_of_a_reduced_vocabulary_draft_against_the_full_target():
     assert m["positions"] == int(mask.sum()) == 10
     assert m["alpha"] == pytest.approx(float((1 - 0.5 * (p - q).abs().sum(-1)).mean()), abs=1e-5)
     assert m["top1_agreement"] == pytest.approx(float((q.argmax(-1) == p.argmax(-1)).float().mean()))
+    with pytest.raises(ValueError, match="batch 0"):  # a reference made from other sequences
+        evaluate(draft, teacher_reference(target, vocab, seqs[1:], pad=0, batch_size=2), vocab, seqs[:2], pad=0)
 
 
 def test_trained_draft_is_exact_under_greedy_and_reduced_vocabulary(trained):

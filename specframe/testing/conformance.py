@@ -3,10 +3,10 @@
 Checks, on tiny random-weight Llama models (no downloads), per device and dtype:
 - greedy: token-identical to the target's own greedy decoding (recomputed from scratch, no cache). In
   bfloat16/float16 a from-scratch forward and a cached multi-token one round differently, so there each
-  emitted token must be the argmax of the from-scratch logits on its own prefix or within the dtype's
-  rounding tolerance of it (`near_tie_tolerance`), and near-ties may take at most 1 token in 10;
+  emitted token must be the argmax of the from-scratch logits on its own prefix or within twice the
+  dtype's rounding tolerance of it (`rounding_tolerance`), and near-ties may take at most 1 token in 10;
 - rollback: after every verification the kept KV cache gives the logits a from-scratch forward gives (to
-  1e-4 in float32, to the rounding tolerance in 16-bit dtypes);
+  1e-4 in float32, to the step's rounding tolerance in 16-bit dtypes);
 - sampling: chi-square goodness of fit of sampled 3-token continuations against the target distribution
   enumerated exactly on an 8-token vocabulary, for several sampling settings;
 - power (suite-level): deliberately broken rules (testing/broken.py) must each be rejected by that test.
@@ -120,12 +120,12 @@ def check_device(name: str) -> None:
         raise BadInputError(f"conformance device {name!r}: only cpu and cuda are supported")
 
 
-def near_tie_tolerance(dtype: torch.dtype, logit_scale: float) -> float:
-    """How far apart two computations of one logit may round: 0 in float32 (exact identity is required),
-    4 units in the last place at the logit's scale in 16-bit dtypes (bfloat16: 0.03125 x max(1, |logit|))."""
-    if dtype == torch.float32:
-        return 0.0
-    return 4 * torch.finfo(dtype).eps * max(1.0, abs(logit_scale))
+def rounding_tolerance(dtype: torch.dtype, logits: torch.Tensor) -> float:
+    """How far two computations of one logit row (a from-scratch forward and a cached, multi-token one) may
+    differ in a 16-bit dtype: 4 x eps x max(1, max |logit|) (bfloat16: 0.03125 x the row's scale; 4 to 8
+    units in the last place of its largest logits). Measured on the tiny targets: at most about half of it.
+    An empirical bound for these tiny models, not a general one (deep models drift further in bfloat16)."""
+    return 4 * torch.finfo(dtype).eps * max(1.0, float(logits.float().abs().max()))
 
 
 @torch.inference_mode()
@@ -197,8 +197,10 @@ def sample_counts(decoder: SpeculativeDecoder, params: SamplingParams, n: int, s
 def greedy_mismatch(model: torch.nn.Module, prompt: list[int], out: list[int]) -> tuple[int | None, int, str]:
     """Compare each emitted token with the argmax of a from-scratch forward on its own prefix.
 
-    Returns (first position that is neither the argmax nor a near-tie of it, or None; how many positions
-    were near-ties rather than the argmax; a description of the first bad position)."""
+    In float32 every token must be the argmax. In 16-bit dtypes a token whose logit is within twice the
+    rounding tolerance of the top one (each of the two logits may be off by it) counts as a near-tie.
+    Returns (first position that is neither, or None; how many positions were near-ties rather than the
+    argmax; a description of the first bad position)."""
     ids = torch.tensor(prompt + out, device=model.device)
     logits = model(input_ids=ids[None]).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(out)].float()
     near = 0
@@ -208,7 +210,7 @@ def greedy_mismatch(model: torch.nn.Module, prompt: list[int], out: list[int]) -
         if token == best:
             continue
         gap = float(row[best] - row[token])
-        if gap <= near_tie_tolerance(model.dtype, float(row[best])):
+        if model.dtype != torch.float32 and gap <= 2 * rounding_tolerance(model.dtype, row):
             near += 1
             continue
         return i, near, f"token {i} is {token}, the target's argmax is {best} (logit gap {gap:.3g})"
@@ -223,6 +225,9 @@ def check_greedy(proposer_cls: type[Proposer], device: str, config: Any = None, 
     for prompt in prompts:
         res = decoder.generate(prompt, max_new_tokens=32, temperature=0.0)
         accepted += res.stats["accepted_tokens"]
+        if len(res.token_ids) != 32:
+            return CheckResult("greedy", device, False, f"prompt {prompt[:5]}...: {len(res.token_ids)} tokens, "
+                               "asked for 32 (no EOS on the tiny target)", None, time.perf_counter() - t0, dtype)
         bad, near, why = greedy_mismatch(decoder.model, prompt, res.token_ids)
         near_ties += near
         if bad is not None:
@@ -251,7 +256,7 @@ class RollbackProbe(Proposer):
         self.hidden_state_layers = inner.hidden_state_layers
         self.decoder: SpeculativeDecoder | None = None
         self.max_diff = 0.0
-        self.tolerance = 1e-4  # float32; 16-bit dtypes: the rounding tolerance at the logits' scale
+        self.worst = 0.0  # max over steps of |logit diff| / that step's tolerance: must stay below 1
         self.checks = 0
 
     def begin(self, prompt: torch.Tensor, hidden_states: dict[int, torch.Tensor]) -> None:
@@ -269,9 +274,10 @@ class RollbackProbe(Proposer):
         pos = torch.tensor([[past]], device=state.tokens.device)
         cached = model(input_ids=state.tokens[-1:][None], position_ids=pos, cache=cache).logits[0, -1]
         scratch = model(input_ids=state.tokens[None]).logits[0, -1]
-        self.max_diff = max(self.max_diff, float((cached.float() - scratch.float()).abs().max()))
-        if model.dtype != torch.float32:
-            self.tolerance = max(self.tolerance, near_tie_tolerance(model.dtype, float(scratch.float().abs().max())))
+        diff = float((cached.float() - scratch.float()).abs().max())
+        tolerance = 1e-4 if model.dtype == torch.float32 else rounding_tolerance(model.dtype, scratch)
+        self.max_diff = max(self.max_diff, diff)
+        self.worst = max(self.worst, diff / tolerance)
         self.checks += 1
         return self.inner.propose(state)
 
@@ -288,10 +294,11 @@ def check_rollback(
     for seed, temperature in itertools.product(range(4), (0.0, 1.0)):
         res = decoder.generate([1, 2, 3, 4], max_new_tokens=20, temperature=temperature, seed=seed)
         accepted += res.stats["accepted_tokens"]
-    ok = probe.max_diff < probe.tolerance and probe.checks > 0
+    ok = probe.worst < 1 and probe.checks > 0
+    bound = "1e-4" if dtype == "float32" else "its step's rounding tolerance"
     detail = (
         f"{probe.checks} steps ({accepted} draft tokens accepted), max |logit diff| {probe.max_diff:.2e}"
-        f" (tolerance {probe.tolerance:.1e})"
+        f" (at most {probe.worst:.2f}x {bound})"
     )
     return CheckResult("rollback", device, ok, detail, seconds=time.perf_counter() - t0, dtype=dtype)
 

@@ -85,8 +85,13 @@ def evaluate(draft, reference: TeacherReference, vocab_ids, seqs, pad: int) -> d
     agree = total = 0
     alpha_sum = 0.0
     size = reference.batch_size
+    batches = -(-len(seqs) // size)
+    if len(reference.greedy) != batches:
+        raise ValueError(f"the reference holds {len(reference.greedy)} batches, these sequences make {batches}")
     for b, i in enumerate(range(0, len(seqs), size)):
         ids, attn, mask = collate(seqs[i : i + size], pad)
+        if int(mask.sum()) != len(reference.greedy[b]):
+            raise ValueError(f"batch {b}: {int(mask.sum())} positions, the reference has {len(reference.greedy[b])}")
         q = draft(input_ids=ids, attention_mask=attn).logits[mask].float().softmax(-1)
         agree += int((vocab_ids[q.argmax(-1)] == reference.greedy[b]).sum())
         alpha_sum += float(torch.minimum(reference.p_in_vocab[b], q).sum())
@@ -132,7 +137,8 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
     schedule = warmup_cosine(optimizer, total_steps, start_epoch * steps_per_epoch)
 
     teacher_head = target.get_output_embeddings().weight.detach()[vocab_ids].float()  # [K, hidden]
-    reference = teacher_reference(target, vocab_ids, held_seqs, pad)  # float32, once: the target is frozen
+    # float32, once per run (the target is frozen); not needed when resuming a run that already finished
+    reference = teacher_reference(target, vocab_ids, held_seqs, pad) if start_epoch < cfg.epochs else None
     metrics = evaluate(draft.eval(), reference, vocab_ids, held_seqs, pad) if start_epoch == 0 else history[-1]
     if start_epoch == 0:
         log(f"before training: held-out top-1 agreement {metrics['top1_agreement']:.3f}, alpha {metrics['alpha']:.3f}")
