@@ -28,7 +28,7 @@ import torch
 
 from specframe.acceptance import TreeAcceptance
 from specframe.decoder import SpeculativeDecoder, target_info
-from specframe.errors import BadInputError
+from specframe.models import resolve_device, resolve_dtype
 from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer
 from specframe.sampling import SamplingParams, sampling_probs
 from specframe.testing.tiny import available_devices, tiny_llama
@@ -38,7 +38,6 @@ SAMPLES = 4000  # generate calls per chi-square test
 SAMPLING_VOCAB = 8  # tiny vocabulary: 8^3 = 512 continuations to enumerate exactly
 CONTINUATION = 3  # tokens per sampled continuation
 PROMPT = [1, 2, 3]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SETTINGS: dict[str, SamplingParams] = {
     "temperature=1": SamplingParams(1.0, 0, 1.0),
     "temperature=0.7,top_p=0.9": SamplingParams(0.7, 0, 0.9),
@@ -60,6 +59,12 @@ class CheckResult:
     def where(self) -> str:
         return self.device if self.dtype == "float32" else f"{self.device} {self.dtype}"
 
+    def line(self, seconds: bool = False) -> str:
+        """One report line: PASS/FAIL, the check, where it ran, its p-value and detail (and time)."""
+        p = f"  p={self.p_value:.3g}" if self.p_value is not None else ""
+        took = f" ({self.seconds:.1f}s)" if seconds else ""
+        return f"  {'PASS' if self.passed else 'FAIL'}  {self.check} [{self.where}]{p}  {self.detail}{took}"
+
 
 @dataclass
 class Report:
@@ -72,11 +77,7 @@ class Report:
 
     def summary(self) -> str:
         lines = [f"conformance of proposer '{self.proposer}':"]
-        for r in self.results:
-            p = f"  p={r.p_value:.3g}" if r.p_value is not None else ""
-            lines.append(
-                f"  {'PASS' if r.passed else 'FAIL'}  {r.check} [{r.where}]{p}  {r.detail} ({r.seconds:.1f}s)"
-            )
+        lines += [r.line(seconds=True) for r in self.results]
         n_ok = sum(r.passed for r in self.results)
         lines.append(f"{n_ok} passed, {len(self.results) - n_ok} failed")
         return "\n".join(lines)
@@ -98,26 +99,9 @@ def make_decoder(
     dtype: str = "float32",
 ) -> SpeculativeDecoder:
     """A tiny random target and the proposer's random-weight build for it."""
-    target = tiny_llama(vocab_size, seed=seed, device=device, dtype=torch_dtype(dtype))
+    target = tiny_llama(vocab_size, seed=seed, device=device, dtype=resolve_dtype(dtype, torch.device(device)))
     proposer = proposer_cls.random(target_info(target), config, seed=seed + 1)
     return SpeculativeDecoder(target, proposer, acceptance=acceptance)
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise BadInputError(f"conformance dtype must be one of {', '.join(DTYPES)}, got {name!r}")
-    return DTYPES[name]
-
-
-def check_device(name: str) -> None:
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise BadInputError(f"conformance device {name!r} is not a device name ({e})") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise BadInputError(f"conformance device {name!r}: CUDA is not available on this machine")
-    if device.type not in ("cpu", "cuda"):
-        raise BadInputError(f"conformance device {name!r}: only cpu and cuda are supported")
 
 
 def rounding_tolerance(dtype: torch.dtype, logits: torch.Tensor) -> float:
@@ -222,26 +206,28 @@ def check_greedy(proposer_cls: type[Proposer], device: str, config: Any = None, 
     decoder = make_decoder(proposer_cls, device, vocab_size=SAMPLING_VOCAB, config=config, dtype=dtype)
     prompts = [[1, 2, 3], [7], [(5 * i + 3) % SAMPLING_VOCAB for i in range(40)]]
     accepted = near_ties = 0
+
+    def result(passed: bool, detail: str) -> CheckResult:
+        return CheckResult("greedy", device, passed, detail, None, time.perf_counter() - t0, dtype)
+
     for prompt in prompts:
         res = decoder.generate(prompt, max_new_tokens=32, temperature=0.0)
         accepted += res.stats["accepted_tokens"]
         if len(res.token_ids) != 32:
-            return CheckResult("greedy", device, False, f"prompt {prompt[:5]}...: {len(res.token_ids)} tokens, "
-                               "asked for 32 (no EOS on the tiny target)", None, time.perf_counter() - t0, dtype)
+            return result(False, f"prompt {prompt[:5]}...: {len(res.token_ids)} tokens, asked for 32 (no EOS on "
+                          "the tiny target)")
         bad, near, why = greedy_mismatch(decoder.model, prompt, res.token_ids)
         near_ties += near
         if bad is not None:
             if dtype == "float32":  # show both sequences: the reference is well defined up to the difference
                 why += f": {res.token_ids} vs {reference_greedy(decoder.model, prompt, 32)}"
-            return CheckResult("greedy", device, False, f"prompt {prompt[:5]}...: {why}", None,
-                               time.perf_counter() - t0, dtype)
+            return result(False, f"prompt {prompt[:5]}...: {why}")
     total = 32 * len(prompts)
     if near_ties * 10 > total:
-        return CheckResult("greedy", device, False, f"{near_ties} of {total} tokens were near-ties, not the argmax: "
-                           "more than rounding explains", None, time.perf_counter() - t0, dtype)
+        return result(False, f"{near_ties} of {total} tokens were near-ties, not the argmax: more than rounding "
+                      "explains")
     same = "identical" if near_ties == 0 else f"identical but {near_ties} near-tie(s) within rounding"
-    detail = f"{len(prompts)} prompts x 32 tokens {same} ({accepted} draft tokens accepted)"
-    return CheckResult("greedy", device, True, detail, None, time.perf_counter() - t0, dtype)
+    return result(True, f"{len(prompts)} prompts x 32 tokens {same} ({accepted} draft tokens accepted)")
 
 
 class RollbackProbe(Proposer):
@@ -368,7 +354,7 @@ def check_power(
         )
         results.append(res)
         if log:
-            log(f"  {'PASS' if caught else 'FAIL'}  {res.check} [{res.where}] p={res.p_value:.3g}  {res.detail}")
+            log(res.line())
     return results
 
 
@@ -383,15 +369,16 @@ def run_suite(
 ) -> Report:
     """Run every check for one proposer class (built with random weights) on each device, in each dtype
     (default float32)."""
-    for dtype in dtypes or ["float32"]:  # a bad name fails before anything runs
-        torch_dtype(dtype)
-    for device in devices or []:
-        check_device(device)
+    # Bad names fail before anything runs, with the model loader's errors; dtypes reported by canonical name.
+    devices = devices or available_devices()
+    for device in devices:
+        resolve_device(device)
+    dtypes = [str(resolve_dtype(t, torch.device("cpu"))).removeprefix("torch.") for t in dtypes or ["float32"]]
     report = Report(proposer_cls.name)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: threads only add synchronisation cost
     try:
-        for device, dtype in itertools.product(devices or available_devices(), dtypes or ["float32"]):
+        for device, dtype in itertools.product(devices, dtypes):
             checks: list[Callable[[], CheckResult]] = [
                 lambda d=device, t=dtype: check_greedy(proposer_cls, d, config, t),
                 lambda d=device, t=dtype: check_rollback(proposer_cls, d, config, t),
@@ -404,8 +391,7 @@ def run_suite(
                 r = check()
                 report.results.append(r)
                 if log:
-                    p = f" p={r.p_value:.3g}" if r.p_value is not None else ""
-                    log(f"  {'PASS' if r.passed else 'FAIL'}  {r.check} [{r.where}]{p}  {r.detail}")
+                    log(r.line())
             if power if power is not None else not quick:
                 report.results += check_power(device, log=log, dtype=dtype)
     finally:
