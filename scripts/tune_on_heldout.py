@@ -3,6 +3,8 @@
     python scripts/tune_on_heldout.py --proposer medusa --grid tree_nodes=8,12,16,24,32 [--prompts 10]
     python scripts/tune_on_heldout.py --proposer eagle --grid total_tokens=8,12,16,24 --grid depth=4,6
     python scripts/tune_on_heldout.py --proposer union --grid "members=[eagle]|[ngram]|[eagle,ngram]"
+    python scripts/tune_on_heldout.py --proposer draft --setting "num_speculative_tokens=1" \
+        --setting "num_speculative_tokens=4 confidence_threshold=0.5"
 
 Prompts are the held-out split (5%, by id, the trainers' split) of the self-distillation data. Each setting
 decodes every prompt greedily (128 new tokens), settings interleaved per prompt in rotating order with plain
@@ -29,6 +31,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--proposer", required=True)
     ap.add_argument("--grid", action="append", default=[], help="KEY=V1,V2,... or KEY=V1|V2|... (proposer options)")
+    ap.add_argument("--setting", action="append", default=[], help='one more setting: "KEY=V KEY=V ..."')
     ap.add_argument("--data", default="runs/distill/smollm2-135m-instruct.jsonl")
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -41,7 +44,10 @@ def main() -> None:
     keys = [g.split("=", 1)[0] for g in args.grid]
     # Values are comma-separated, or |-separated when a value holds commas (members=[eagle]|[eagle,ngram]).
     values = [g.split("=", 1)[1].split("|" if "|" in g else ",") for g in args.grid]
-    settings = [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*values)]
+    settings = [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*values)] if args.grid else []
+    settings += [dict(kv.split("=", 1) for kv in s.split()) for s in args.setting]
+    if not settings:
+        ap.error("give at least one --grid or --setting")
     base = SpeculativeDecoder.from_config(load_config(overrides=["proposer.name=none"]))
     info = target_info(base.model, base.tokenizer, name=load_config().target.model)
     cls = get_registry().get(args.proposer).cls

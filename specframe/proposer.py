@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from specframe.errors import ProposerError
+from specframe.errors import ConfigError, ProposerError
 from specframe.sampling import SamplingParams
 
 
@@ -142,6 +142,14 @@ class Proposer(ABC):
     @abstractmethod
     def accepted(self, result: Acceptance) -> None:
         """Learn what was kept, and roll back any state built on rejected nodes."""
+
+
+def check_confidence_threshold(value: Any, what: str = "proposer.confidence_threshold") -> None:
+    """Raise ConfigError unless `value` (named `what` in the message) is None or a number in [0, 1)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ConfigError(f"{what} must be a number in [0, 1), got {value!r}")
 
 
 def validate_proposal(p: Proposal, vocab_size: int, max_depth: int, who: str) -> list[int]:

@@ -127,6 +127,12 @@ def saved_gamma(path: str | Path) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
 
+def saved_threshold(path: str | Path) -> object:
+    """The confidence threshold saved with a shared draft (`confidence_threshold` in draft_config.json), or
+    None; the proposer validates it."""
+    return json.loads((Path(path) / "draft_config.json").read_text()).get("confidence_threshold")
+
+
 class CastEmbedding(torch.nn.Module):
     """The target's embedding module, shared by reference (not a submodule, so converting the draft never
     converts the target), with its output cast to the draft's dtype."""

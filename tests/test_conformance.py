@@ -158,6 +158,24 @@ def test_broken_rules_are_caught(case, device):
     assert r.p_value < conformance.ALPHA, f"broken rule '{name}' was not caught: {r.detail} p={r.p_value}"
 
 
+def test_sampling_check_drafts_two_deep():
+    """The counted continuation follows a lead token, so the first speculative step may draft two deep."""
+    decoder = conformance.make_decoder(DraftProposer, "cpu", conformance.SAMPLING_VOCAB,
+                                       config=DraftConfig(num_speculative_tokens=3))
+    seen = []
+    propose = decoder.proposer.propose
+
+    def spy(state):
+        proposal = propose(state)
+        seen.append((state.max_depth, len(proposal)))
+        return proposal
+
+    decoder.proposer.propose = spy
+    counts = conformance.sample_counts(decoder, conformance.SETTINGS["temperature=1"], 20)
+    assert int(counts.sum()) == 20 and counts.numel() == conformance.SAMPLING_VOCAB**conformance.CONTINUATION
+    assert (2, 2) in seen and max(depth for depth, _ in seen) == 2
+
+
 def test_chi_square_flags_impossible_outcome():
     probs = torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64)
     assert conformance.chi_square(torch.tensor([50, 49, 1]), probs)[2] == 0.0

@@ -16,7 +16,7 @@ import torch
 from specframe.errors import BadInputError, ConfigError
 from specframe.kv_cache import new_cache
 from specframe.models import check_proposer_dtype, proposer_dtype
-from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo
+from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo, check_confidence_threshold
 from specframe.sampling import sampling_probs
 from specframe.training.draft import DraftTrainConfig
 
@@ -33,6 +33,10 @@ class DraftConfig:
     # Draft the draft's argmax (q one-hot) instead of sampling from q. Exact either way; under sampling,
     # greedy drafts are accepted with probability p(x) rather than min(1, p/q).
     greedy: bool = False
+    # Stop the chain (after its first token, always drafted) where its cumulative draft probability (the
+    # product of each drafted token's probability under the draft) would fall below this. 0 = off, always γ
+    # tokens. None: the value saved with a trained draft, else 0. Exactness does not depend on it.
+    confidence_threshold: float | None = None
     # Draft weights' dtype: auto (the target's, but bfloat16 for a float32 target on a CPU with native bf16
     # matmuls; see specframe.models.proposer_dtype), float32, bfloat16 or float16.
     dtype: str = "auto"
@@ -41,6 +45,7 @@ class DraftConfig:
         gamma = self.num_speculative_tokens
         if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1):
             raise ConfigError(f"proposer.num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        check_confidence_threshold(self.confidence_threshold)
         check_proposer_dtype(self.dtype)
 
 
@@ -63,9 +68,15 @@ class DraftProposer(Proposer):
         tokenizer=None,
         vocab_ids: torch.Tensor | None = None,
         saved_gamma: int | None = None,
+        saved_threshold: float | None = None,
     ) -> None:
         super().__init__(config, target)
         self.gamma = config.num_speculative_tokens or saved_gamma or DEFAULT_GAMMA  # tokens drafted per step
+        threshold = config.confidence_threshold
+        if threshold is None:
+            threshold = saved_threshold
+            check_confidence_threshold(threshold, "the confidence_threshold saved with the draft")
+        self.threshold = float(threshold or 0.0)  # minimum cumulative draft probability of a drafted chain
         if vocab_ids is None:
             check_same_vocabulary(model, tokenizer, target)
         self.model = model
@@ -73,13 +84,13 @@ class DraftProposer(Proposer):
         self.width = min(model.get_output_embeddings().weight.shape[0], target.vocab_size)
         self.cache = None
         self.cached = 0  # how many leading tokens of the sequence the draft's cache holds
-        self.drafted = 0  # chain length of the last proposal
+        self.fed_drafts = 0  # drafted tokens of the last proposal that were fed into the draft's cache
 
     @classmethod
     def from_config(cls, config: DraftConfig, target: TargetInfo) -> DraftProposer:
         from specframe.artifacts import shipped_draft
         from specframe.models import load_model
-        from specframe.shared_draft import is_shared_draft, load_shared_draft, saved_gamma
+        from specframe.shared_draft import is_shared_draft, load_shared_draft, saved_gamma, saved_threshold
 
         path = config.model or shipped_draft(target.name)
         dtype = proposer_dtype(config.dtype, target.dtype, target.device)
@@ -90,7 +101,10 @@ class DraftProposer(Proposer):
             )
         if is_shared_draft(path):
             model, vocab_ids = load_shared_draft(path, target.model, dtype)
-            return cls(config, target, model, vocab_ids=vocab_ids, saved_gamma=saved_gamma(path))
+            return cls(
+                config, target, model, vocab_ids=vocab_ids, saved_gamma=saved_gamma(path),
+                saved_threshold=saved_threshold(path),
+            )
         loaded = load_model(path, dtype=dtype, device=str(target.device), quiet=True)
         return cls(config, target, loaded.model, loaded.tokenizer)
 
@@ -130,23 +144,37 @@ class DraftProposer(Proposer):
             logits = torch.cat([logits, logits.new_full((self.target.vocab_size - self.width,), float("-inf"))])
         return logits
 
+    @torch.no_grad()
     def propose(self, state: DecodeState) -> Proposal:
         gamma = min(self.gamma, state.max_depth)
-        self.drafted = gamma
+        self.fed_drafts = 0
         if gamma == 0:
             return Proposal.empty(state.tokens.device)
         greedy = self.config.greedy or state.sampling.greedy
         logits = self._next_logits(state.tokens[self.cached :])
         tokens, qs = [], []
+        confidence = 1.0  # the chain's cumulative draft probability
         for i in range(gamma):
+            if self.threshold > 0 and i > 0:  # the first token is always drafted
+                # Decided before the token is drawn, from its distribution alone: a sampled token kept only
+                # when its own probability is high would no longer be a draw from q, and the acceptance
+                # rule would be biased (specframe.testing.broken.KeepIfLikelyDraft).
+                dist = torch.softmax(logits, -1) if greedy else sampling_probs(logits, state.sampling)
+                best = float(dist.max())
+                if confidence * best < self.threshold:
+                    break
             if greedy:
                 x = logits.argmax().view(1)
+                if self.threshold > 0:
+                    confidence *= float(torch.softmax(logits, -1)[x])
             else:
                 x, q = self.draw(logits, state)
+                confidence *= float(q[x])
                 qs.append(q)
             tokens.append(x)
             if i < gamma - 1:
                 logits = self._next_logits(x)
+                self.fed_drafts += 1
         drafted = torch.cat(tokens)
         return Proposal.chain(drafted, None if greedy else torch.stack(qs), deterministic=greedy)
 
@@ -156,12 +184,11 @@ class DraftProposer(Proposer):
         return torch.multinomial(q, 1, generator=state.generator), q
 
     def accepted(self, result: Acceptance) -> None:
-        # The cache holds the sequence up to the root plus drafts 1..γ-1; keep the root and the accepted drafts.
-        fed_drafts = self.drafted - 1
-        keep = min(len(result.accepted_nodes), fed_drafts)
-        if fed_drafts > keep:
-            self.cache.crop(-(fed_drafts - keep))
-            self.cached -= fed_drafts - keep
+        # The cache holds the sequence up to the root plus the fed drafts; keep the root and the accepted drafts.
+        keep = min(len(result.accepted_nodes), self.fed_drafts)
+        if self.fed_drafts > keep:
+            self.cache.crop(-(self.fed_drafts - keep))
+            self.cached -= self.fed_drafts - keep
 
 
 def check_same_vocabulary(model: torch.nn.Module, tokenizer, target: TargetInfo) -> None:

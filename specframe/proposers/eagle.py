@@ -28,6 +28,7 @@ Saved drafter (a folder, see docs/eagle.md):
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 from specframe.cpu_kernels import few_rows_linear, use_fast_cpu_kernels
 from specframe.errors import ConfigError, ModelLoadError
 from specframe.models import check_proposer_dtype, proposer_dtype
-from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo
+from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo, check_confidence_threshold
 from specframe.training.eagle import EagleTrainConfig
 
 FORMAT = "specframe-eagle"
@@ -75,6 +76,11 @@ class EagleConfig:
     total_tokens: int | None = None
     # True: EAGLE-2 dynamic tree; False: one greedy chain of `depth` tokens.
     tree: bool = True
+    # Drop draft nodes whose cumulative draft probability (product along the path) is below this, and stop
+    # expanding when no frontier node reaches it: the tree grows where the drafter is sure and shrinks (to its
+    # best first token, always kept) where it is not; depth/top_k/total_tokens stay the caps. 0 = off.
+    # None: the value saved with the drafter, else 0. Exactness does not depend on it.
+    confidence_threshold: float | None = None
     # Drafter weights' dtype: auto (the target's, but bfloat16 for a float32 target on a CPU with native bf16
     # matmuls: 2-3x faster drafting, exactness untouched; see specframe.models.proposer_dtype), float32,
     # bfloat16 or float16.
@@ -89,6 +95,7 @@ class EagleConfig:
                 raise ConfigError(f"proposer.{key} must be an integer >= 1, got {value!r}")
         if not isinstance(self.tree, bool):
             raise ConfigError(f"proposer.tree must be true or false, got {self.tree!r}")
+        check_confidence_threshold(self.confidence_threshold)
         check_proposer_dtype(self.dtype)
 
 
@@ -274,6 +281,12 @@ class EagleProposer(Proposer):
         self.depth = config.depth if config.depth is not None else shape["depth"]
         self.top_k = config.top_k if config.top_k is not None else shape["top_k"]
         self.total_tokens = config.total_tokens if config.total_tokens is not None else shape["total_tokens"]
+        threshold = config.confidence_threshold
+        if threshold is None:
+            threshold = shape.get("confidence_threshold")
+            check_confidence_threshold(threshold, "the confidence_threshold saved with the drafter")
+        # Nodes need a cumulative log-probability >= this (-inf: no threshold).
+        self.min_score = math.log(threshold) if threshold else -math.inf
         self.drafter = drafter.eval().requires_grad_(False)
         use_fast_cpu_kernels(self.drafter)  # float32 CPU only: the faster layout for a proposal's few rows
         self.vocab_ids = vocab_ids.to(target.device)  # target ids of the drafter's logit columns
@@ -392,14 +405,18 @@ class EagleProposer(Proposer):
         base = self.committed  # position of the root; a node at depth d sits at base + d
         logp = torch.log_softmax(self.drafter.logits(root_feat), -1)
         vals, idx = logp.topk(k)
-        tok: list[int] = self.vocab_ids[idx].tolist()
-        parent: list[int] = [-1] * k
-        score: list[float] = vals.tolist()
-        level: list[int] = [1] * k
+        # The best first token always; the others when they reach the threshold (all of them without one).
+        sure = [i for i, v in enumerate(vals.tolist()) if i == 0 or v >= self.min_score]
+        tok: list[int] = self.vocab_ids[idx[sure]].tolist()
+        parent: list[int] = [-1] * len(sure)
+        score: list[float] = vals[sure].tolist()
+        level: list[int] = [1] * len(sure)
         entry: dict[int, int] = {}  # node -> its entry index among the tree pairs fed to the drafter
-        frontier = list(range(k))
+        frontier = list(range(len(sure)))
         pred = {-1: root_feat}  # node -> predicted feature at its position
         for d in range(2, depth + 1):
+            if not frontier:
+                break
             # Feed each frontier node x as the pair (f̂ at its parent, x) at position base + d - 2.
             fed = len(entry)
             allowed = torch.zeros(len(frontier), fed + len(frontier), dtype=torch.bool)
@@ -422,6 +439,8 @@ class EagleProposer(Proposer):
             new = []
             for i, x in enumerate(frontier):
                 for v, j in zip(vals[i].tolist(), self.vocab_ids[idx[i]].tolist(), strict=True):
+                    if v < self.min_score:
+                        break  # vals are sorted: the rest are below the threshold too
                     new.append(len(tok))
                     tok.append(j)
                     parent.append(x)

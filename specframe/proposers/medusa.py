@@ -31,7 +31,7 @@ from torch import nn
 from specframe.cpu_kernels import few_rows_linear
 from specframe.errors import ConfigError, ModelLoadError
 from specframe.models import check_proposer_dtype, proposer_dtype
-from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo
+from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo, check_confidence_threshold
 from specframe.training.medusa import MedusaTrainConfig
 
 FORMAT = "specframe-medusa-heads"
@@ -58,6 +58,10 @@ class MedusaConfig:
     tree: list[list[int]] | None = None
     # Rebuild the tree with this many nodes from the path statistics saved with the heads; None = as saved.
     tree_nodes: int | None = None
+    # Drop tree nodes whose path probability (the product of each head's probability for the node's token along
+    # the path) is below this: the tree shrinks, to head 1's best token (always kept), where the heads are
+    # unsure. 0 = off. None: the value saved with the heads, else 0. Exactness does not depend on it.
+    confidence_threshold: float | None = None
     # Heads' dtype: auto (the target's, but bfloat16 for a float32 target on a CPU with native bf16 matmuls;
     # see specframe.models.proposer_dtype), float32, bfloat16 or float16.
     dtype: str = "auto"
@@ -69,6 +73,7 @@ class MedusaConfig:
             raise ConfigError(f"proposer.tree_nodes must be >= 1, got {self.tree_nodes}")
         if self.tree is not None and self.tree_nodes is not None:
             raise ConfigError("proposer.tree and proposer.tree_nodes are exclusive: give one")
+        check_confidence_threshold(self.confidence_threshold)
         check_proposer_dtype(self.dtype)
 
 
@@ -218,6 +223,7 @@ class MedusaProposer(Proposer):
         heads: MedusaHeads,
         vocab_ids: torch.Tensor,
         tree: list[tuple[int, ...]],
+        saved_threshold: float | None = None,
     ) -> None:
         super().__init__(config, target)
         dtype = proposer_dtype(config.dtype, target.dtype, target.device)
@@ -240,6 +246,11 @@ class MedusaProposer(Proposer):
         self.top = max(p[-1] for p in tree) + 1  # candidates needed per head
         self.used_heads = len(tree[-1])
         self.feature: torch.Tensor | None = None  # h at the position that produced the current root
+        threshold = config.confidence_threshold
+        if threshold is None:
+            threshold = saved_threshold
+            check_confidence_threshold(threshold, "the confidence_threshold saved with the heads")
+        self.threshold = float(threshold or 0.0)  # minimum path probability of a proposed node
 
     @classmethod
     def train(cls, config: MedusaTrainConfig, target: torch.nn.Module, tokenizer, resume: bool = False) -> dict:
@@ -269,7 +280,7 @@ class MedusaProposer(Proposer):
             tree = best_tree(meta["path_counts"], config.tree_nodes)
         else:
             tree = [tuple(c) for c in meta.get("tree") or DEFAULT_TREE if len(c) <= heads.num_heads]
-        return cls(config, target, heads, vocab_ids, tree)
+        return cls(config, target, heads, vocab_ids, tree, meta.get("confidence_threshold"))
 
     @classmethod
     def random(cls, target: TargetInfo, config: MedusaConfig | None = None, seed: int = 0) -> MedusaProposer:
@@ -302,5 +313,23 @@ class MedusaProposer(Proposer):
         top = logits.topk(self.top, dim=-1).indices  # [depth, top] positions in the reduced vocabulary
         cand = self.vocab_ids[top]
         tokens = cand[self.node_head[:n], self.node_rank[:n]]
-        det = torch.ones(n, dtype=torch.bool, device=tokens.device)
-        return Proposal(tokens, self.parents[:n].clone(), det)
+        parents = self.parents[:n].clone()
+        if self.threshold > 0:
+            tokens, parents = self._confident(logits, top, tokens, parents, depth)
+        det = torch.ones(tokens.numel(), dtype=torch.bool, device=tokens.device)
+        return Proposal(tokens, parents, det)
+
+    def _confident(self, logits, top, tokens, parents, depth):
+        """Keep head 1's best token and the nodes whose path probability reaches the threshold (a set closed
+        under ancestors, since a path's probability only falls as it deepens), re-indexing their parents."""
+        n = tokens.numel()
+        probs = logits.float().softmax(-1).gather(1, top)  # [depth, top] each head's candidate probabilities
+        path = probs[self.node_head[:n], self.node_rank[:n]]
+        for d in range(1, depth):  # nodes are sorted by depth; multiply in each parent's path probability
+            lo, hi = self.depth_ends[d], self.depth_ends[d + 1]
+            path[lo:hi] = path[lo:hi] * path[parents[lo:hi]]
+        keep = (path >= self.threshold) | ((self.node_head[:n] == 0) & (self.node_rank[:n] == 0))  # + head 1's best
+        new_index = torch.cumsum(keep, 0) - 1
+        kept_parents = parents[keep]
+        kept_parents = torch.where(kept_parents >= 0, new_index[kept_parents.clamp_min(0)], kept_parents)
+        return tokens[keep], kept_parents

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from specframe.acceptance import TreeAcceptance
-from specframe.proposer import DecodeState
+from specframe.proposer import DecodeState, Proposal
 from specframe.proposers.draft import DraftProposer
 from specframe.sampling import SamplingParams, sample
 
@@ -51,6 +51,41 @@ class UntransformedQDraft(DraftProposer):
     def draw(self, logits: torch.Tensor, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
         x, _ = super().draw(logits, state)
         return x, logits.float().softmax(-1)
+
+
+class StaleQDraft(DraftProposer):
+    """Reports the first drafted position's q for every position of its chain: right at depth 1, wrong past
+    it, so only a statistical check that drafts two deep can catch it."""
+
+    def propose(self, state: DecodeState) -> Proposal:
+        proposal = super().propose(state)
+        if proposal.draft_probs is not None and len(proposal) > 1:
+            proposal.draft_probs = proposal.draft_probs[:1].expand_as(proposal.draft_probs).clone()
+        return proposal
+
+
+class KeepIfLikelyDraft(DraftProposer):
+    """Applies the confidence threshold after drawing: a sampled token is kept only when its own probability
+    keeps the chain above the threshold, so the kept tokens are not draws from the q they report."""
+
+    def propose(self, state: DecodeState) -> Proposal:
+        gamma = min(self.gamma, state.max_depth)
+        self.fed_drafts = 0
+        if gamma == 0:
+            return Proposal.empty(state.tokens.device)
+        logits = self._next_logits(state.tokens[self.cached :])
+        tokens, qs, confidence = [], [], 1.0
+        for i in range(gamma):
+            x, q = self.draw(logits, state)
+            confidence *= float(q[x])
+            if i > 0 and confidence < self.threshold:
+                break
+            tokens.append(x)
+            qs.append(q)
+            if i < gamma - 1:
+                logits = self._next_logits(x)
+                self.fed_drafts += 1
+        return Proposal.chain(torch.cat(tokens), torch.stack(qs), deterministic=False)
 
 
 BROKEN_ACCEPTANCE = {

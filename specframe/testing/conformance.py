@@ -36,7 +36,11 @@ from specframe.testing.tiny import available_devices, tiny_llama
 ALPHA = 1e-3  # a check fails when its p-value is below this
 SAMPLES = 4000  # generate calls per chi-square test
 SAMPLING_VOCAB = 8  # tiny vocabulary: 8^3 = 512 continuations to enumerate exactly
-CONTINUATION = 3  # tokens per sampled continuation
+CONTINUATION = 3  # tokens per counted continuation
+# Tokens sampled before the counted ones and summed out. The first new token comes from the prompt's own
+# forward, with no draft; one lead token lets the first speculative step draft CONTINUATION - 1 = 2 deep
+# (and take its bonus token at depth 3), so the statistics reach acceptance past the first draft position.
+LEAD = 1
 PROMPT = [1, 2, 3]
 SETTINGS: dict[str, SamplingParams] = {
     "temperature=1": SamplingParams(1.0, 0, 1.0),
@@ -156,19 +160,22 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 
 
 
 def sample_counts(decoder: SpeculativeDecoder, params: SamplingParams, n: int, seed: int = 0) -> torch.Tensor:
+    """How often each continuation (the CONTINUATION tokens after the LEAD ones, flattened base-V) came out."""
     vocab = decoder.info.vocab_size
     counts = torch.zeros(vocab**CONTINUATION, dtype=torch.long)
     for i in range(n):
         res = decoder.generate(
             PROMPT,
-            max_new_tokens=CONTINUATION,
+            max_new_tokens=LEAD + CONTINUATION,
             temperature=params.temperature,
             top_k=params.top_k,
             top_p=params.top_p,
             seed=seed + i,
         )
+        if len(res.token_ids) != LEAD + CONTINUATION:
+            raise AssertionError(f"expected {LEAD + CONTINUATION} sampled tokens, got {res.token_ids}")
         index = 0
-        for t in res.token_ids:
+        for t in res.token_ids[LEAD:]:
             index = index * vocab + t
         counts[index] += 1
     return counts
@@ -305,7 +312,9 @@ def check_sampling(
     t0 = time.perf_counter()
     params = SETTINGS[setting]
     decoder = make_decoder(proposer_cls, device, SAMPLING_VOCAB, config=config, acceptance=acceptance, dtype=dtype)
-    probs = exact_distribution(decoder.model, PROMPT, CONTINUATION, params)
+    vocab = decoder.info.vocab_size
+    probs = exact_distribution(decoder.model, PROMPT, LEAD + CONTINUATION, params)
+    probs = probs.reshape(vocab**LEAD, vocab**CONTINUATION).sum(0)  # the lead tokens summed out
     counts = sample_counts(decoder, params, samples)
     stat, df, p = chi_square(counts, probs)
     detail = f"{setting}: chi2={stat:.1f} df={df}, {samples} samples"
@@ -318,8 +327,10 @@ def power_cases() -> list[tuple[str, type[Proposer], Any, TreeAcceptance | None,
     from specframe.testing.broken import (
         BonusFromParent,
         InvertedRatio,
+        KeepIfLikelyDraft,
         ResampleFromTarget,
         ResidualNotNormalised,
+        StaleQDraft,
         UntransformedQDraft,
     )
     from specframe.testing.tree_proposer import TreeConfig, TreeTestProposer
@@ -337,6 +348,14 @@ def power_cases() -> list[tuple[str, type[Proposer], Any, TreeAcceptance | None,
             "temperature=1",
         ),
         ("q_not_transformed", UntransformedQDraft, chain, None, "temperature=0.7,top_p=0.9"),
+        ("stale_q_past_depth_1", StaleQDraft, chain, None, "temperature=1"),
+        (
+            "keep_if_likely",
+            KeepIfLikelyDraft,
+            DraftConfig(num_speculative_tokens=3, confidence_threshold=0.3),
+            None,
+            "temperature=1",
+        ),
     ]
 
 
