@@ -6,6 +6,7 @@ stays exact (the conformance suite; its power checks include `keep_if_likely`, t
 drawing a sampled token), and saved values and bad values behave.
 """
 
+import copy
 import json
 import math
 
@@ -121,12 +122,13 @@ def test_eagle_high_threshold_drafts_the_best_token_alone_and_stays_exact():
     assert set(rec) <= {0, 1} and 1 in rec  # 0 only where the engine's budget allows no draft
 
 
+@pytest.mark.parametrize("tree", [None, [[1], [2], [1, 0], [2, 1], [1, 0, 0]]], ids=["default", "without-0"])
 @pytest.mark.parametrize("threshold", [0.005, 0.02, 0.1])
-def test_medusa_threshold_keeps_the_nodes_whose_path_probability_reaches_it(threshold):
+def test_medusa_threshold_keeps_the_nodes_whose_path_probability_reaches_it(threshold, tree):
     target = target16()
-    full = MedusaProposer.random(target_info(target), MedusaConfig(dtype="float32"), seed=2)
-    cut = MedusaProposer.random(target_info(target), MedusaConfig(dtype="float32", confidence_threshold=threshold),
-                                 seed=2)
+    full = MedusaProposer.random(target_info(target), MedusaConfig(dtype="float32", tree=tree), seed=2)
+    cut = MedusaProposer.random(target_info(target), MedusaConfig(dtype="float32", tree=tree,
+                                                                  confidence_threshold=threshold), seed=2)
     for tokens in PROMPTS:
         feature = torch.randn(tokens.numel() - 1, 32, generator=torch.Generator().manual_seed(int(tokens.sum())))
         for p in (full, cut):
@@ -143,8 +145,8 @@ def test_medusa_threshold_keeps_the_nodes_whose_path_probability_reaches_it(thre
             own = float(head_probs[depth - 1][token])
             probs.append(own * (probs[parent] if parent >= 0 else 1.0))
         expected = [path for i, (path, pr) in enumerate(zip(as_paths(whole), probs, strict=True))
-                    if i == 0 or pr >= threshold]  # node 0: head 1's best token, always kept
-        assert as_paths(kept) == expected
+                    if i == 0 or pr >= threshold]  # node 0, the tree's first, always kept
+        assert as_paths(kept) == expected and len(kept) >= 1
         assert all(-1 <= q < i for i, q in enumerate(kept.parents.tolist()))
 
 
@@ -176,28 +178,63 @@ def test_draft_greedy_chain_stops_where_its_confidence_falls_below_the_threshold
         chain, confs = greedy_chain_with_confidence(ref, tokens, 4)
         n = max(1, sum(1 for c in confs if c >= threshold))  # confidences only fall; the first token always
         assert proposal.tokens.tolist() == chain[:n]
-        assert p.fed_drafts == min(n, 3)  # fed: every kept token but a full chain's last
+        # Fed: every kept token but a full chain's last, or a first token already below the threshold.
+        assert p.fed_drafts == (3 if n == 4 else n if confs[n - 1] >= threshold else n - 1)
         lengths.append(n)
     if threshold == 0.7:
         assert min(lengths) < 4
 
 
-@pytest.mark.parametrize("config", [DraftConfig(num_speculative_tokens=3, confidence_threshold=0.3),
-                                    DraftConfig(num_speculative_tokens=3, greedy=True, confidence_threshold=0.5)],
-                         ids=["sampled", "greedy"])
-def test_draft_cache_after_short_chains_equals_a_fresh_draft(config):
-    """With chains of varying length, the draft's cache keeps exactly the accepted sequence's keys."""
+class CheckedDraft(DraftProposer):
+    """Before each proposal, checks that its cache plus the uncached tokens gives a fresh draft's logits."""
+
+    lengths: list
+
+    def propose(self, state):
+        fresh = new_cache(self.model)
+        ref = self.model(input_ids=state.tokens[None], cache=fresh, use_cache=True).logits[0, -1]
+        mine = self.model(input_ids=state.tokens[None, self.cached :], cache=copy.deepcopy(self.cache),
+                          use_cache=True).logits[0, -1]
+        torch.testing.assert_close(mine, ref, atol=1e-5, rtol=1e-5)
+        proposal = super().propose(state)
+        self.lengths.append((state.max_depth, len(proposal), self.fed_drafts))
+        return proposal
+
+
+@pytest.mark.parametrize("greedy, threshold", [(False, 0.05), (True, 0.1)], ids=["sampled", "greedy"])
+def test_draft_cache_is_right_after_cut_and_full_chains(greedy, threshold):
+    """Chains cut short and chains of full length both leave the draft's cache holding exactly the sequence."""
     target = target16()
-    p = DraftProposer.random(target_info(target), config, seed=5)
-    res = SpeculativeDecoder(target, p).generate([1, 2, 3], max_new_tokens=30, temperature=1.0, seed=3)
-    seq = torch.tensor([1, 2, 3] + res.token_ids + [0])  # one more token: something past the cache to feed
-    fresh = DraftProposer.random(target_info(target), DraftConfig(num_speculative_tokens=3), seed=5)
-    assert 0 < p.cached <= seq.numel()
-    cache = new_cache(fresh.model)
-    fresh.model(input_ids=seq[None, : p.cached], cache=cache, use_cache=True)
-    mine = p.model(input_ids=seq[None, p.cached :], cache=p.cache, use_cache=True)
-    again = fresh.model(input_ids=seq[None, p.cached :], cache=cache, use_cache=True)
-    torch.testing.assert_close(mine.logits, again.logits, atol=1e-5, rtol=1e-5)
+    config = DraftConfig(num_speculative_tokens=3, greedy=greedy, confidence_threshold=threshold, dtype="float32")
+    p = CheckedDraft.random(target_info(target), config, seed=5)
+    p.lengths = []
+    SpeculativeDecoder(target, p).generate([1, 2, 3], max_new_tokens=40, temperature=1.0, seed=3)
+    full = [fed for depth, n, fed in p.lengths if depth >= 3 and n == 3]
+    cut = [fed for depth, n, fed in p.lengths if depth >= 3 and n < 3]
+    assert full and cut, p.lengths
+    assert set(full) == {2}  # a full chain feeds all but its last token
+    # A cut chain fed its last token unless its own confidence was already below the threshold.
+    assert all(fed in (n - 1, n) for depth, n, fed in p.lengths if depth >= 3 and n < 3)
+
+
+@torch.no_grad()
+def test_sampled_chain_with_a_threshold_is_a_prefix_of_the_same_seed_chain():
+    target = target16()
+    info = target_info(target)
+    cut_somewhere = False
+    for seed, tokens in enumerate(PROMPTS):
+        chains = []
+        for threshold in (0.0, 0.2):
+            config = DraftConfig(num_speculative_tokens=4, confidence_threshold=threshold)
+            p = DraftProposer.random(info, config, seed=6)
+            p.begin(tokens[:-1], {})
+            state = state_after(tokens, temperature=1.0)
+            state.generator.manual_seed(seed)
+            chains.append(p.propose(state).tokens.tolist())
+        whole, cut = chains
+        assert len(whole) == 4 and 1 <= len(cut) and cut == whole[: len(cut)]
+        cut_somewhere |= len(cut) < 4
+    assert cut_somewhere
 
 
 @pytest.mark.parametrize("make", [DraftConfig, EagleConfig, MedusaConfig])
@@ -248,3 +285,16 @@ def test_saved_thresholds_are_the_default_and_the_config_overrides_them(tmp_path
                          saved_threshold=0.4).threshold == 0.0
     with pytest.raises(ConfigError, match="the confidence_threshold saved with the draft must be a number"):
         DraftProposer(DraftConfig(), info, draft.model, None, saved_threshold="high")
+
+
+def test_saved_medusa_threshold_is_loaded_and_a_bad_one_names_the_file(tmp_path):
+    from specframe.proposers.medusa import save_heads
+
+    target = target16()
+    info = target_info(target)
+    heads = MedusaProposer.random(info, MedusaConfig(dtype="float32"), seed=0)
+    save_heads(heads.heads, heads.vocab_ids, target, tmp_path / "ok", heads.tree, {"confidence_threshold": 0.2})
+    assert MedusaProposer.from_config(MedusaConfig(model=str(tmp_path / "ok")), info).threshold == 0.2
+    save_heads(heads.heads, heads.vocab_ids, target, tmp_path / "bad", heads.tree, {"confidence_threshold": 1.5})
+    with pytest.raises(ConfigError, match="confidence_threshold in .*bad/medusa_config.json must be a number"):
+        MedusaProposer.from_config(MedusaConfig(model=str(tmp_path / "bad")), info)

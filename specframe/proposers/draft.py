@@ -33,9 +33,11 @@ class DraftConfig:
     # Draft the draft's argmax (q one-hot) instead of sampling from q. Exact either way; under sampling,
     # greedy drafts are accepted with probability p(x) rather than min(1, p/q).
     greedy: bool = False
-    # Stop the chain (after its first token, always drafted) where its cumulative draft probability (the
-    # product of each drafted token's probability under the draft) would fall below this. 0 = off, always γ
-    # tokens. None: the value saved with a trained draft, else 0. Exactness does not depend on it.
+    # Draft the next token (after the first, always drafted) only while the chain's cumulative draft
+    # probability (the product of its tokens' draft probabilities) times the next token's best probability
+    # reaches this; for a greedy chain, the chain is then exactly the tokens whose cumulative probability
+    # reaches it. 0 = off, always γ tokens. None: the value saved with a trained draft, else 0. Exactness
+    # does not depend on it.
     confidence_threshold: float | None = None
     # Draft weights' dtype: auto (the target's, but bfloat16 for a float32 target on a CPU with native bf16
     # matmuls; see specframe.models.proposer_dtype), float32, bfloat16 or float16.
@@ -100,6 +102,7 @@ class DraftProposer(Proposer):
                 "(alias, directory, hub id or .gguf) or train one with `specframe train --proposer draft`"
             )
         if is_shared_draft(path):
+            check_confidence_threshold(saved_threshold(path), f"confidence_threshold in {path}/draft_config.json")
             model, vocab_ids = load_shared_draft(path, target.model, dtype)
             return cls(
                 config, target, model, vocab_ids=vocab_ids, saved_gamma=saved_gamma(path),
@@ -172,9 +175,10 @@ class DraftProposer(Proposer):
                 confidence *= float(q[x])
                 qs.append(q)
             tokens.append(x)
-            if i < gamma - 1:
-                logits = self._next_logits(x)
-                self.fed_drafts += 1
+            if i == gamma - 1 or confidence < self.threshold:  # no next token could reach the threshold
+                break
+            logits = self._next_logits(x)
+            self.fed_drafts += 1
         drafted = torch.cat(tokens)
         return Proposal.chain(drafted, None if greedy else torch.stack(qs), deterministic=greedy)
 

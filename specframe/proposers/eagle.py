@@ -313,6 +313,8 @@ class EagleProposer(Proposer):
         drafter, vocab_ids, meta = load_drafter(
             path, target.model, proposer_dtype(config.dtype, target.dtype, target.device)
         )
+        saved = (meta.get("tree_shape") or {}).get("confidence_threshold")
+        check_confidence_threshold(saved, f"tree_shape.confidence_threshold in {path}/eagle_config.json")
         return cls(config, target, drafter, vocab_ids, meta.get("tree_shape"))
 
     @classmethod
@@ -412,7 +414,7 @@ class EagleProposer(Proposer):
         score: list[float] = vals[sure].tolist()
         level: list[int] = [1] * len(sure)
         entry: dict[int, int] = {}  # node -> its entry index among the tree pairs fed to the drafter
-        frontier = list(range(len(sure)))
+        frontier = [i for i in range(len(sure)) if score[i] >= self.min_score]  # not a forced first token
         pred = {-1: root_feat}  # node -> predicted feature at its position
         for d in range(2, depth + 1):
             if not frontier:

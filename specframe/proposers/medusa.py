@@ -59,8 +59,9 @@ class MedusaConfig:
     # Rebuild the tree with this many nodes from the path statistics saved with the heads; None = as saved.
     tree_nodes: int | None = None
     # Drop tree nodes whose path probability (the product of each head's probability for the node's token along
-    # the path) is below this: the tree shrinks, to head 1's best token (always kept), where the heads are
-    # unsure. 0 = off. None: the value saved with the heads, else 0. Exactness does not depend on it.
+    # the path) is below this: the tree shrinks, to its first node (always kept; head 1's best token unless
+    # the tree lacks [0]), where the heads are unsure. 0 = off. None: the value saved with the heads, else 0.
+    # Exactness does not depend on it.
     confidence_threshold: float | None = None
     # Heads' dtype: auto (the target's, but bfloat16 for a float32 target on a CPU with native bf16 matmuls;
     # see specframe.models.proposer_dtype), float32, bfloat16 or float16.
@@ -280,7 +281,9 @@ class MedusaProposer(Proposer):
             tree = best_tree(meta["path_counts"], config.tree_nodes)
         else:
             tree = [tuple(c) for c in meta.get("tree") or DEFAULT_TREE if len(c) <= heads.num_heads]
-        return cls(config, target, heads, vocab_ids, tree, meta.get("confidence_threshold"))
+        saved = meta.get("confidence_threshold")
+        check_confidence_threshold(saved, f"confidence_threshold in {path}/medusa_config.json")
+        return cls(config, target, heads, vocab_ids, tree, saved)
 
     @classmethod
     def random(cls, target: TargetInfo, config: MedusaConfig | None = None, seed: int = 0) -> MedusaProposer:
@@ -320,7 +323,7 @@ class MedusaProposer(Proposer):
         return Proposal(tokens, parents, det)
 
     def _confident(self, logits, top, tokens, parents, depth):
-        """Keep head 1's best token and the nodes whose path probability reaches the threshold (a set closed
+        """Keep the tree's first node and the nodes whose path probability reaches the threshold (a set closed
         under ancestors, since a path's probability only falls as it deepens), re-indexing their parents."""
         n = tokens.numel()
         probs = logits.float().softmax(-1).gather(1, top)  # [depth, top] each head's candidate probabilities
@@ -328,7 +331,8 @@ class MedusaProposer(Proposer):
         for d in range(1, depth):  # nodes are sorted by depth; multiply in each parent's path probability
             lo, hi = self.depth_ends[d], self.depth_ends[d + 1]
             path[lo:hi] = path[lo:hi] * path[parents[lo:hi]]
-        keep = (path >= self.threshold) | ((self.node_head[:n] == 0) & (self.node_rank[:n] == 0))  # + head 1's best
+        keep = path >= self.threshold
+        keep[0] = True  # the tree's first node: its best-ranked depth-1 choice ((0,), head 1's best, by default)
         new_index = torch.cumsum(keep, 0) - 1
         kept_parents = parents[keep]
         kept_parents = torch.where(kept_parents >= 0, new_index[kept_parents.clamp_min(0)], kept_parents)

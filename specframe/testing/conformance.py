@@ -35,7 +35,7 @@ from specframe.testing.tiny import available_devices, tiny_llama
 
 ALPHA = 1e-3  # a check fails when its p-value is below this
 SAMPLES = 4000  # generate calls per chi-square test
-SAMPLING_VOCAB = 8  # tiny vocabulary: 8^3 = 512 continuations to enumerate exactly
+SAMPLING_VOCAB = 8  # tiny vocabulary: 8^4 = 4,096 sequences to enumerate exactly, 8^3 = 512 counted
 CONTINUATION = 3  # tokens per counted continuation
 # Tokens sampled before the counted ones and summed out. The first new token comes from the prompt's own
 # forward, with no draft; one lead token lets the first speculative step draft CONTINUATION - 1 = 2 deep
