@@ -152,6 +152,15 @@ def check_confidence_threshold(value: Any, what: str = "proposer.confidence_thre
         raise ConfigError(f"{what} must be a number in [0, 1), got {value!r}")
 
 
+def resolve_confidence_threshold(configured: float | None, saved: Any, what: str) -> float:
+    """The threshold in force: the configured one, else the artifact's saved one (checked, named `what` in
+    the error), else 0 (off)."""
+    if configured is None:
+        check_confidence_threshold(saved, what)
+        configured = saved
+    return float(configured or 0.0)
+
+
 def validate_proposal(p: Proposal, vocab_size: int, max_depth: int, who: str) -> list[int]:
     """Raise ProposerError naming `who` unless `p` is a well-formed proposal; return its nodes' depths."""
 

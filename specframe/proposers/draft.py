@@ -16,7 +16,15 @@ import torch
 from specframe.errors import BadInputError, ConfigError
 from specframe.kv_cache import new_cache
 from specframe.models import check_proposer_dtype, proposer_dtype
-from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo, check_confidence_threshold
+from specframe.proposer import (
+    Acceptance,
+    DecodeState,
+    Proposal,
+    Proposer,
+    TargetInfo,
+    check_confidence_threshold,
+    resolve_confidence_threshold,
+)
 from specframe.sampling import sampling_probs
 from specframe.training.draft import DraftTrainConfig
 
@@ -74,11 +82,9 @@ class DraftProposer(Proposer):
     ) -> None:
         super().__init__(config, target)
         self.gamma = config.num_speculative_tokens or saved_gamma or DEFAULT_GAMMA  # tokens drafted per step
-        threshold = config.confidence_threshold
-        if threshold is None:
-            threshold = saved_threshold
-            check_confidence_threshold(threshold, "the confidence_threshold saved with the draft")
-        self.threshold = float(threshold or 0.0)  # minimum cumulative draft probability of a drafted chain
+        self.threshold = resolve_confidence_threshold(
+            config.confidence_threshold, saved_threshold, "the confidence_threshold saved with the draft"
+        )  # minimum cumulative draft probability of a drafted chain
         if vocab_ids is None:
             check_same_vocabulary(model, tokenizer, target)
         self.model = model
@@ -102,11 +108,11 @@ class DraftProposer(Proposer):
                 "(alias, directory, hub id or .gguf) or train one with `specframe train --proposer draft`"
             )
         if is_shared_draft(path):
-            check_confidence_threshold(saved_threshold(path), f"confidence_threshold in {path}/draft_config.json")
+            threshold = saved_threshold(path)
+            check_confidence_threshold(threshold, f"confidence_threshold in {path}/draft_config.json")
             model, vocab_ids = load_shared_draft(path, target.model, dtype)
             return cls(
-                config, target, model, vocab_ids=vocab_ids, saved_gamma=saved_gamma(path),
-                saved_threshold=saved_threshold(path),
+                config, target, model, vocab_ids=vocab_ids, saved_gamma=saved_gamma(path), saved_threshold=threshold
             )
         loaded = load_model(path, dtype=dtype, device=str(target.device), quiet=True)
         return cls(config, target, loaded.model, loaded.tokenizer)
@@ -158,18 +164,18 @@ class DraftProposer(Proposer):
         tokens, qs = [], []
         confidence = 1.0  # the chain's cumulative draft probability
         for i in range(gamma):
-            if self.threshold > 0 and i > 0:  # the first token is always drafted
+            if self.threshold > 0:
                 # Decided before the token is drawn, from its distribution alone: a sampled token kept only
                 # when its own probability is high would no longer be a draw from q, and the acceptance
                 # rule would be biased (specframe.testing.broken.KeepIfLikelyDraft).
                 dist = torch.softmax(logits, -1) if greedy else sampling_probs(logits, state.sampling)
                 best = float(dist.max())
-                if confidence * best < self.threshold:
+                if i > 0 and confidence * best < self.threshold:  # the first token is always drafted
                     break
             if greedy:
                 x = logits.argmax().view(1)
                 if self.threshold > 0:
-                    confidence *= float(torch.softmax(logits, -1)[x])
+                    confidence *= best  # the argmax's own probability
             else:
                 x, q = self.draw(logits, state)
                 confidence *= float(q[x])

@@ -40,7 +40,15 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 from specframe.cpu_kernels import few_rows_linear, use_fast_cpu_kernels
 from specframe.errors import ConfigError, ModelLoadError
 from specframe.models import check_proposer_dtype, proposer_dtype
-from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo, check_confidence_threshold
+from specframe.proposer import (
+    Acceptance,
+    DecodeState,
+    Proposal,
+    Proposer,
+    TargetInfo,
+    check_confidence_threshold,
+    resolve_confidence_threshold,
+)
 from specframe.training.eagle import EagleTrainConfig
 
 FORMAT = "specframe-eagle"
@@ -281,10 +289,10 @@ class EagleProposer(Proposer):
         self.depth = config.depth if config.depth is not None else shape["depth"]
         self.top_k = config.top_k if config.top_k is not None else shape["top_k"]
         self.total_tokens = config.total_tokens if config.total_tokens is not None else shape["total_tokens"]
-        threshold = config.confidence_threshold
-        if threshold is None:
-            threshold = shape.get("confidence_threshold")
-            check_confidence_threshold(threshold, "the confidence_threshold saved with the drafter")
+        threshold = resolve_confidence_threshold(
+            config.confidence_threshold, shape.get("confidence_threshold"),
+            "the confidence_threshold saved with the drafter",
+        )
         # Nodes need a cumulative log-probability >= this (-inf: no threshold).
         self.min_score = math.log(threshold) if threshold else -math.inf
         self.drafter = drafter.eval().requires_grad_(False)

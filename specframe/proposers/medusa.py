@@ -31,7 +31,15 @@ from torch import nn
 from specframe.cpu_kernels import few_rows_linear
 from specframe.errors import ConfigError, ModelLoadError
 from specframe.models import check_proposer_dtype, proposer_dtype
-from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo, check_confidence_threshold
+from specframe.proposer import (
+    Acceptance,
+    DecodeState,
+    Proposal,
+    Proposer,
+    TargetInfo,
+    check_confidence_threshold,
+    resolve_confidence_threshold,
+)
 from specframe.training.medusa import MedusaTrainConfig
 
 FORMAT = "specframe-medusa-heads"
@@ -247,11 +255,9 @@ class MedusaProposer(Proposer):
         self.top = max(p[-1] for p in tree) + 1  # candidates needed per head
         self.used_heads = len(tree[-1])
         self.feature: torch.Tensor | None = None  # h at the position that produced the current root
-        threshold = config.confidence_threshold
-        if threshold is None:
-            threshold = saved_threshold
-            check_confidence_threshold(threshold, "the confidence_threshold saved with the heads")
-        self.threshold = float(threshold or 0.0)  # minimum path probability of a proposed node
+        self.threshold = resolve_confidence_threshold(
+            config.confidence_threshold, saved_threshold, "the confidence_threshold saved with the heads"
+        )  # minimum path probability of a proposed node
 
     @classmethod
     def train(cls, config: MedusaTrainConfig, target: torch.nn.Module, tokenizer, resume: bool = False) -> dict:
