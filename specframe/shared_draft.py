@@ -122,9 +122,13 @@ def save_shared_draft(
 
 
 def saved_gamma(path: str | Path) -> int | None:
-    """The γ saved with a shared draft (`num_speculative_tokens` in draft_config.json), or None."""
-    value = json.loads((Path(path) / "draft_config.json").read_text()).get("num_speculative_tokens")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+    """The γ saved with a shared draft (`num_speculative_tokens` in draft_config.json), or None; a value that
+    is not an integer >= 1 is an error naming the file (never silently replaced by the default)."""
+    file = Path(path) / "draft_config.json"
+    value = json.loads(file.read_text()).get("num_speculative_tokens")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ModelLoadError(f"num_speculative_tokens in {file} must be an integer >= 1 or null, got {value!r}")
+    return value
 
 
 def saved_threshold(path: str | Path) -> object:

@@ -29,6 +29,19 @@ class TestEagleChainConformance(ProposerConformance):
     proposer_config = CHAIN
 
 
+class FusedEagle(EagleProposer):
+    """An EAGLE proposer whose random drafter fuses target layers 0 and 1 (EAGLE-3's multi-layer features)."""
+
+    @classmethod
+    def random(cls, target, config=None, seed=0):
+        return EagleProposer.random(target, config, seed, fuse_layers=(0, 1))
+
+
+class TestEagleFusedConformance(ProposerConformance):
+    proposer_class = FusedEagle
+    proposer_config = TREE
+
+
 # ---------------------------------------------------------------------------------------------- helpers
 
 
@@ -37,12 +50,12 @@ def target16():
 
 
 @torch.no_grad()
-def fresh_proposal(target, config, seed, tokens, max_depth=100):
+def fresh_proposal(target, config, seed, tokens, max_depth=100, fuse_layers=()):
     """A new proposer begun on tokens[:-1] (target features from scratch), proposing after `tokens`."""
-    p = EagleProposer.random(target_info(target), config, seed=seed)
+    p = EagleProposer.random(target_info(target), config, seed=seed, fuse_layers=fuse_layers)
     prefix = tokens[:-1]
     out = target(input_ids=prefix[None], output_hidden_states=True)
-    p.begin(prefix, {-1: out.hidden_states[-1][0]})
+    p.begin(prefix, {layer: out.hidden_states[layer][0] for layer in p.hidden_state_layers})
     state = DecodeState(tokens, prefix.numel(), SamplingParams(), torch.Generator(), max_depth=max_depth)
     return p, p.propose(state)
 
@@ -74,11 +87,13 @@ class Recorder(Proposer):
 # ---------------------------------------------------------------------------------------------- runtime
 
 
+@pytest.mark.parametrize("fuse_layers", [(), (0, 2)], ids=["last-layer", "fused"])
 @pytest.mark.parametrize("config", [TREE, CHAIN], ids=["tree", "chain"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_cache_after_steps_equals_a_fresh_proposer(config, temperature):
+def test_cache_after_steps_equals_a_fresh_proposer(config, temperature, fuse_layers):
     target = target16()
-    rec = Recorder(EagleProposer.random(target_info(target), config, seed=3))
+    rec = Recorder(EagleProposer.random(target_info(target), config, seed=3, fuse_layers=fuse_layers))
+    rec.hidden_state_layers = rec.inner.hidden_state_layers
     dec = SpeculativeDecoder(target, rec)
     dec.generate([1, 2, 3, 4, 5], max_new_tokens=24, temperature=temperature, seed=0)
     assert len(rec.steps) >= 4
@@ -87,7 +102,7 @@ def test_cache_after_steps_equals_a_fresh_proposer(config, temperature):
             assert len(proposal) == 0
             continue
         assert committed == tokens.numel() - 1 and cached == committed  # drafted nodes were cropped away
-        _, again = fresh_proposal(target, config, 3, tokens, max_depth)
+        _, again = fresh_proposal(target, config, 3, tokens, max_depth, fuse_layers)
         assert again.tokens.tolist() == proposal.tokens.tolist()
         assert again.parents.tolist() == proposal.parents.tolist()
 
@@ -100,17 +115,24 @@ def path_of(proposal, i):
     return path[::-1]
 
 
+@pytest.mark.parametrize("fuse_layers", [(), (1, 0)], ids=["last-layer", "fused"])
 @torch.no_grad()
-def test_tree_scores_equal_sequential_recomputation():
+def test_tree_scores_equal_sequential_recomputation(fuse_layers):
     """Each node's cumulative log-probability, computed with the 4-D tree mask, equals feeding its path
-    to the drafter as a plain sequence from scratch: the mask and the positions are right."""
+    to the drafter as a plain sequence from scratch: the mask and the positions are right. A fusing drafter
+    reads fused features at the real positions and its own predicted features at drafted ones."""
     target = target16()
     tokens = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
     config = EagleConfig(depth=4, top_k=3, total_tokens=12, dtype="float32")  # compared at 1e-4
-    p, proposal = fresh_proposal(target, config, 5, tokens)
+    p, proposal = fresh_proposal(target, config, 5, tokens, fuse_layers=fuse_layers)
     assert len(proposal) == 12 and max(proposal.depths()) >= 3
     d = p.drafter
-    feats = target(input_ids=tokens[None, :-1], output_hidden_states=True).hidden_states[-1][0]
+    hs = target(input_ids=tokens[None, :-1], output_hidden_states=True).hidden_states
+    feats = hs[-1][0]
+    if fuse_layers:
+        fused = d.fused(feats, torch.cat([hs[layer][0] for layer in fuse_layers], -1))
+        assert not torch.allclose(fused, feats)  # the extra layers change the input
+        feats = fused
     vocab = {t: i for i, t in enumerate(p.vocab_ids.tolist())}
     for node in range(len(proposal)):
         f, nxt = feats, tokens[1:]
@@ -249,6 +271,11 @@ def test_tree_shape_saved_with_the_drafter_is_the_default(trained, tmp_path):
     assert (p.depth, p.top_k, p.total_tokens) == (2, 3, 5)
     _, proposal = fresh_proposal(target, EagleConfig(depth=2, top_k=3, total_tokens=3), 1, torch.tensor([1, 2]))
     assert len(proposal) == 3 and max(proposal.depths()) <= 2
+    for key, bad in (("depth", 0), ("top_k", "3"), ("total_tokens", 2.5)):  # malformed saved shapes are named
+        meta["tree_shape"] = {"depth": 2, "top_k": 3, "total_tokens": 3, key: bad}
+        (tuned / "eagle_config.json").write_text(json.dumps(meta))
+        with pytest.raises(ModelLoadError, match=f"tree_shape.{key} in .*eagle_config.json must be an integer"):
+            EagleProposer.from_config(EagleConfig(model=str(tuned)), info)
 
 
 def test_resume_continues_after_the_last_epoch(trained):
@@ -281,6 +308,108 @@ def test_self_fed_step_training_and_last_layer_init(tmp_path):
     hist = metrics["history"]
     assert hist[-1]["top1_step2"] > hist[0]["top1_step2"] + 0.05, hist
     assert not (tmp_path / "features").exists()  # features_cache="" caches nothing
+
+
+def test_fused_drafter_trains_saves_version_2_and_round_trips(tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    torch.set_num_threads(1)
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
+    write_distill_data(tmp_path / "d.jsonl", target, n=80, response_length=10)
+    cfg = EagleTrainConfig(
+        data=str(tmp_path / "d.jsonl"),
+        out=str(tmp_path / "fused"),
+        features_cache=str(tmp_path / "features"),
+        vocab_size=12,
+        epochs=3,
+        lr=1e-2,
+        batch_size=4,
+        heldout_fraction=0.25,
+        fuse_layers=[1, 0],
+    )
+    logs = []
+    metrics = train_eagle(cfg, target, None, log=logs.append)
+    hist = metrics["history"]
+    assert hist[-1]["top1"] > hist[0]["top1"] + 0.1, hist
+    assert any("fusing target layers [1, 0]" in m for m in logs)
+    weights = load_file(f"{cfg.out}/model.safetensors")
+    assert {"fuse.weight", "fuse_norms.0.weight", "fuse_norms.1.weight"} <= set(weights)
+    assert weights["fuse.weight"].shape == (32, 64) and bool(weights["fuse.weight"].abs().sum() > 0)  # trained
+    meta = json.loads(open(f"{cfg.out}/eagle_config.json").read())
+    assert meta["version"] == 2 and meta["fuse_layers"] == [1, 0]
+
+    info = target_info(target)
+    proposer = EagleProposer.from_config(EagleConfig(model=cfg.out, depth=3, dtype="float32"), info)
+    assert proposer.hidden_state_layers == (1, 0, -1)
+    own = proposer.drafter.own_state_dict()
+    assert set(own) == set(weights) and all(torch.equal(own[k], weights[k].float()) for k in weights)
+    dec = SpeculativeDecoder(target, proposer)
+    for prompt in ([1, 2, 3], [4, 5, 9, 11]):
+        assert dec.generate(prompt, max_new_tokens=16).token_ids == reference_greedy(target, prompt, 16)
+
+    def tampered(name, **changes):
+        folder = tmp_path / name
+        shutil.copytree(cfg.out, folder, ignore=shutil.ignore_patterns("checkpoint"))
+        edited = {**meta, **changes}
+        edited = {k: v for k, v in edited.items() if v is not None}
+        (folder / "eagle_config.json").write_text(json.dumps(edited))
+        return str(folder)
+
+    with pytest.raises(ModelLoadError, match="fuse_layers must list target layers 0..1"):
+        load_drafter(tampered("bad-layer", fuse_layers=[1, 2]), target)
+    with pytest.raises(ModelLoadError, match="has weights its config does not use.*fuse"):
+        load_drafter(tampered("no-layers", fuse_layers=None, version=1), target)
+    with pytest.raises(ModelLoadError, match="version 3; this specframe reads versions 1 and 2"):
+        load_drafter(tampered("future", version=3), target)
+    with pytest.raises(ModelLoadError, match=r"inconsistent: version 1 with fuse_layers \[1, 0\]"):
+        load_drafter(tampered("old-version", version=1), target)
+
+    # The runtime reads the same fused features as training: the engine's hidden states (through pick_hidden)
+    # give the drafter the prediction that the trainer's pass over the cached extra layers gives.
+    from specframe.data import read_distill
+    from specframe.decoder import pick_hidden
+    from specframe.training.eagle import collate_features, drafter_passes
+    from specframe.training.features import extract_features
+
+    seq = extract_features(
+        target, read_distill(cfg.data)[:4], dtype=torch.float32, quiet=True, extra_layers=cfg.fuse_layers
+    )[0]
+    k = seq.ids.numel() - 1
+    feats, ids, _, extra = collate_features([seq])
+    with torch.no_grad():
+        want = drafter_passes(proposer.drafter, feats, ids, extra=extra)[0][0, k - 1]
+        prefix = seq.ids[:k]
+        out = target(input_ids=prefix[None], output_hidden_states=True)
+        proposer.begin(prefix, pick_hidden(out, proposer.hidden_state_layers, slice(None)))
+    proposer.propose(DecodeState(seq.ids, k, SamplingParams(), torch.Generator(), max_depth=3))
+    # (the cache holds bfloat16 hidden states, the engine float32 ones: equal up to bfloat16 rounding)
+    torch.testing.assert_close(proposer.root_feat, want, atol=1e-2, rtol=1e-2)
+    swapped = torch.cat([extra[..., 32:], extra[..., :32]], -1)  # the layers in the wrong order: far off
+    with torch.no_grad():
+        wrong = drafter_passes(proposer.drafter, feats, ids, extra=swapped)[0][0, k - 1]
+    assert float((wrong - want).abs().max()) > 0.1
+
+    # Resuming needs the same layers (the checkpoint records them).
+    with pytest.raises(ConfigError, match=r"train.fuse_layers \[0, 1\] differs from \[1, 0\] of the checkpoint"):
+        train_eagle(EagleTrainConfig(**{**cfg.__dict__, "fuse_layers": [0, 1]}), target, None, resume=True)
+    state_file = Path(cfg.out) / "checkpoint" / "state.json"  # a checkpoint that does not record its layers:
+    state = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({k: v for k, v in state.items() if k != "fuse_layers"}))
+    with pytest.raises(ConfigError, match="checkpoint in .* was saved with other parameters \\('fuse.weight'"):
+        train_eagle(EagleTrainConfig(**{**cfg.__dict__, "fuse_layers": []}), target, None, resume=True)
+
+
+def test_fuse_layers_must_exist_in_the_target(tmp_path):
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
+    write_distill_data(tmp_path / "d.jsonl", target, n=20, response_length=6)
+    cfg = EagleTrainConfig(data=str(tmp_path / "d.jsonl"), out=str(tmp_path / "e"), fuse_layers=[0, 2])
+    with pytest.raises(ConfigError, match=r"train.fuse_layers must list target layers 0..1.*got 2"):
+        train_eagle(cfg, target, None, log=lambda m: None)
+    assert not (tmp_path / "e").exists()
+    with pytest.raises(ConfigError, match="train.fuse_layers must be a list"):
+        EagleTrainConfig(fuse_layers=3)
 
 
 # ---------------------------------------------------------------------------------------------- errors

@@ -25,3 +25,30 @@ def test_features_are_the_targets_last_hidden_state_cached_and_order_independent
     other = tiny_llama(vocab_size=16, hidden_size=32, seed=3)
     extract_features(other, examples, dtype=torch.float32, cache_dir=tmp_path / "f", quiet=True)
     assert len(list((tmp_path / "f").iterdir())) == 2  # another target never reuses the file
+
+
+def test_extra_layers_are_those_hidden_states_cached_under_their_own_key(tmp_path):
+    import pytest
+
+    from specframe.errors import ConfigError
+
+    target = tiny_llama(vocab_size=16, hidden_size=32, num_layers=3)
+    write_distill_data(tmp_path / "d.jsonl", target, n=8)
+    examples = read_distill(tmp_path / "d.jsonl")
+    plain = extract_features(target, examples, dtype=torch.float32, cache_dir=tmp_path / "f", quiet=True)
+    assert all(s.extra is None for s in plain)
+    fused = extract_features(
+        target, examples, dtype=torch.float32, cache_dir=tmp_path / "f", quiet=True, extra_layers=[2, 0]
+    )
+    assert len(list((tmp_path / "f").iterdir())) == 2  # other layers: another file; the plain one untouched
+    for s in fused[:3]:
+        with torch.no_grad():
+            hs = target(input_ids=s.ids[None], output_hidden_states=True).hidden_states
+        expected = torch.cat([hs[2][0], hs[0][0]], -1)  # in the order asked, side by side
+        torch.testing.assert_close(s.extra.float(), expected.to(torch.bfloat16).float())
+        torch.testing.assert_close(s.features.float(), hs[-1][0].to(torch.bfloat16).float())
+    again = extract_features(target, examples, dtype=torch.float32, cache_dir=tmp_path / "f", extra_layers=[2, 0])
+    assert all(torch.equal(a.extra, b.extra) for a, b in zip(fused, again, strict=True))  # read back from the cache
+    for bad in ([3], [-1], [1, 1]):  # layer 3 of 3 (the normed last) is the feature itself
+        with pytest.raises(ConfigError, match="extra_layers"):
+            extract_features(target, examples, extra_layers=bad)

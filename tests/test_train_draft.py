@@ -154,6 +154,10 @@ def test_gamma_comes_from_the_config_else_the_draft_folder_else_four(trained):
     proposer.propose = lambda state: proposal_lengths.append(len(p := propose(state))) or p
     SpeculativeDecoder(target, proposer).generate([1, 2, 3], max_new_tokens=12)
     assert proposal_lengths and max(proposal_lengths) == 2
+    for bad in (0, "2", 1.5, True):  # a malformed saved γ is named, never silently replaced by the default
+        meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "num_speculative_tokens": bad}))
+        with pytest.raises(ModelLoadError, match="num_speculative_tokens in .*draft_config.json must be an integer"):
+            DraftProposer.from_config(DraftConfig(model=cfg.out, num_speculative_tokens=3), info)
 
 
 def test_draft_for_another_target_is_refused(trained):

@@ -8,7 +8,9 @@ reads). The drafter reads, at position j, the pair (f_j, embedding of token j+1)
     f̂_{j+1} = RMSNorm(h_j)                starts as a copy of the target's final norm
     draft logits = f̂_{j+1} @ W[vocab_ids].T   the target's own LM-head rows, on a reduced vocabulary
 
-E and W are the target's embedding and LM head, shared at load time and never stored. At runtime the
+E and W are the target's embedding and LM head, shared at load time and never stored. A drafter with
+`fuse_layers` (EAGLE-3's multi-layer features) replaces f_j, wherever the target's hidden states are known,
+by f_j + fuse(normed outputs of those target layers) (`EagleDrafter.fused`). At runtime the
 drafter's committed cache covers every position whose real feature and next token are known; drafted nodes
 are fed with the drafter's own predicted features and cropped away after every proposal.
 
@@ -19,10 +21,12 @@ verified. Every node is a deterministic choice (q one-hot), so the engine's acce
 output distribution exactly the target's under greedy and sampled decoding alike.
 
 Saved drafter (a folder, see docs/eagle.md):
-    eagle_config.json   {"format": "specframe-eagle", "version": 1, "llama_config": {...}, "target": {...},
-                         "metrics": {...}, "train_config": {...}}
+    eagle_config.json   {"format": "specframe-eagle", "version": 1 or 2, "llama_config": {...}, "target": {...},
+                         "fuse_layers": [...] (version 2 only), "metrics": {...}, "train_config": {...},
+                         "tree_shape": {...} (optional)}
     eagle_vocab.json    [token ids of the draft's output rows]
-    model.safetensors   fc.weight, fc.bias, layer.*, norm.weight (float16)
+    model.safetensors   fc.weight, fc.bias, layer.*, norm.weight (float16); with fused layers (version 2,
+                        "fuse_layers": [...] in eagle_config.json) also fuse.weight, fuse_norms.*
 """
 
 from __future__ import annotations
@@ -50,11 +54,14 @@ from specframe.proposer import (
     resolve_confidence_threshold,
 )
 from specframe.training.eagle import EagleTrainConfig
+from specframe.training.features import check_extra_layers
 
 FORMAT = "specframe-eagle"
 # Tree shape when neither the config nor the drafter's folder (`tree_shape` in eagle_config.json) gives one.
 DEFAULT_TREE_SHAPE = {"depth": 5, "top_k": 6, "total_tokens": 24}
 
+# Weight names the drafter stores (everything else is the target's or recomputed).
+OWN_PREFIXES = ("fc.", "layer.", "norm.", "fuse.", "fuse_norms.")
 # Target config keys the drafter's decoder layer copies (so it has the target's layer shape and rotary).
 _LAYER_KEYS = (
     "hidden_size",
@@ -122,12 +129,23 @@ def drafter_config(target_config, vocab_size: int) -> LlamaConfig:
 
 
 class EagleDrafter(torch.nn.Module):
-    """fc + one decoder layer + norm. The target's embedding and head rows are attached, not owned."""
+    """fc + one decoder layer + norm. The target's embedding and head rows are attached, not owned.
 
-    def __init__(self, config: LlamaConfig) -> None:
+    With `fuse_layers` (EAGLE-3's multi-layer features), the feature of a position whose target hidden states
+    are known is fused: f + fuse([RMSNorm_1(h_l1); ...; RMSNorm_n(h_ln)]) over those target layers' outputs,
+    `fuse` starting at zero (so a fresh fused drafter starts as the unfused one). Drafted positions have only
+    the drafter's predicted feature, which is used as it is."""
+
+    def __init__(self, config: LlamaConfig, fuse_layers: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.config = config
         h = config.hidden_size
+        self.fuse_layers = tuple(fuse_layers)
+        if self.fuse_layers:
+            n = len(self.fuse_layers)
+            self.fuse_norms = torch.nn.ModuleList(LlamaRMSNorm(h, eps=config.rms_norm_eps) for _ in range(n))
+            self.fuse = torch.nn.Linear(n * h, h, bias=False)
+            torch.nn.init.zeros_(self.fuse.weight)
         self.fc = torch.nn.Linear(2 * h, h, bias=True)
         self.layer = LlamaDecoderLayer(config, layer_idx=0)
         self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
@@ -144,7 +162,18 @@ class EagleDrafter(torch.nn.Module):
 
     def own_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights the drafter adds to the target (no embedding, no head, no rotary buffers)."""
-        return {k: v for k, v in self.state_dict().items() if k.startswith(("fc.", "layer.", "norm."))}
+        return {k: v for k, v in self.state_dict().items() if k.startswith(OWN_PREFIXES)}
+
+    def fused(self, feats: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+        """The drafter's input feature at positions with known target hidden states: `feats` [..., H] (the last
+        layer's), `extra` [..., n * H] (the `fuse_layers` outputs side by side; None without fusion)."""
+        if not self.fuse_layers:
+            return feats
+        h = self.config.hidden_size
+        dtype = self.fuse.weight.dtype
+        # Normalised in float32: a raw residual stream may exceed float16's range before its norm.
+        normed = [norm(extra[..., i * h : (i + 1) * h].float()).to(dtype) for i, norm in enumerate(self.fuse_norms)]
+        return feats.to(dtype) + self.fuse(torch.cat(normed, -1))
 
     def forward(
         self,
@@ -175,10 +204,15 @@ class EagleDrafter(torch.nn.Module):
         return few_rows_linear(feats, self.head).float()  # a proposal's few rows: the faster CPU layout
 
 
-def build_drafter(target: torch.nn.Module, vocab_ids: torch.Tensor, init_from_last_layer: bool = False) -> EagleDrafter:
-    """A fresh drafter for `target`, in float32 on the target's device; optionally initialised from the
-    target's last decoder layer and final norm (Llama-architecture targets)."""
-    drafter = EagleDrafter(drafter_config(target.config, len(vocab_ids)))
+def build_drafter(
+    target: torch.nn.Module,
+    vocab_ids: torch.Tensor,
+    init_from_last_layer: bool = False,
+    fuse_layers: tuple[int, ...] = (),
+) -> EagleDrafter:
+    """A fresh drafter for `target`, in float32 on the target's device, fusing `fuse_layers` into its input
+    features; optionally initialised from the target's last decoder layer and final norm (Llama targets)."""
+    drafter = EagleDrafter(drafter_config(target.config, len(vocab_ids)), fuse_layers)
     if init_from_last_layer:
         inner = getattr(target, "model", None)
         layers = getattr(inner, "layers", None)
@@ -218,8 +252,9 @@ def save_drafter(
     cfg = {k: v for k, v in drafter.config.to_dict().items() if k != "transformers_version"}
     meta = {
         "format": FORMAT,
-        "version": 1,
+        "version": 2 if drafter.fuse_layers else 1,  # 2: has fused layers (unfused drafters stay version 1)
         "llama_config": cfg,
+        **({"fuse_layers": list(drafter.fuse_layers)} if drafter.fuse_layers else {}),
         "target": target_fingerprint(target),
         "metrics": metrics,
         **(extra or {}),
@@ -244,17 +279,35 @@ def load_drafter(path: str | Path, target: torch.nn.Module, dtype: torch.dtype |
         raise ModelLoadError(f"EAGLE drafter '{p}' is unreadable: {e}") from e
     if meta.get("format") != FORMAT:
         raise ModelLoadError(f"'{meta_file}' is not a {FORMAT} file (format {meta.get('format')!r})")
+    if meta.get("version") not in (1, 2):
+        raise ModelLoadError(
+            f"'{meta_file}' is {FORMAT} version {meta.get('version')!r}; this specframe reads versions 1 and 2"
+        )
     have = check_target_fingerprint(meta["target"], target, f"EAGLE drafter '{p}'")
+    fuse_layers = meta.get("fuse_layers", [])
+    try:
+        if not isinstance(fuse_layers, list):
+            raise ConfigError(f"fuse_layers must be a list, got {fuse_layers!r}")
+        check_extra_layers(fuse_layers, target.config.num_hidden_layers, "fuse_layers")
+    except ConfigError as e:
+        raise ModelLoadError(f"EAGLE drafter '{p}': {e}") from e
+    if bool(fuse_layers) != (meta["version"] == 2):  # version 2 means exactly: fused layers
+        raise ModelLoadError(
+            f"EAGLE drafter '{p}' is inconsistent: version {meta['version']} with fuse_layers {fuse_layers}"
+        )
     cfg = LlamaConfig(**meta["llama_config"])
     cfg._attn_implementation = "sdpa"
     if cfg.hidden_size != have["hidden_size"] or cfg.vocab_size != len(vocab_ids):
         raise ModelLoadError(f"EAGLE drafter '{p}' is inconsistent: hidden {cfg.hidden_size}, {len(vocab_ids)} ids")
     if len(vocab_ids) and (int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= have["vocab_size"]):
         raise ModelLoadError(f"EAGLE drafter '{p}' lists token ids outside the target's vocabulary")
-    drafter = EagleDrafter(cfg)
+    drafter = EagleDrafter(cfg, tuple(fuse_layers))
     missing = set(drafter.own_state_dict()) - set(state)
     if missing:
         raise ModelLoadError(f"EAGLE drafter '{p}' is missing weights: {sorted(missing)[:3]}")
+    unknown = set(state) - set(drafter.own_state_dict())
+    if unknown:
+        raise ModelLoadError(f"EAGLE drafter '{p}' has weights its config does not use: {sorted(unknown)[:3]}")
     drafter.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     w = target.get_output_embeddings().weight
     drafter = drafter.to(device=w.device, dtype=dtype or w.dtype).attach(target, vocab_ids)
@@ -290,12 +343,15 @@ class EagleProposer(Proposer):
         self.top_k = config.top_k if config.top_k is not None else shape["top_k"]
         self.total_tokens = config.total_tokens if config.total_tokens is not None else shape["total_tokens"]
         threshold = resolve_confidence_threshold(
-            config.confidence_threshold, shape.get("confidence_threshold"),
+            config.confidence_threshold,
+            shape.get("confidence_threshold"),
             "the confidence_threshold saved with the drafter",
         )
         # Nodes need a cumulative log-probability >= this (-inf: no threshold).
         self.min_score = math.log(threshold) if threshold else -math.inf
         self.drafter = drafter.eval().requires_grad_(False)
+        # The target layers the drafter reads: its fused layers (if any), then the last one (the feature).
+        self.hidden_state_layers = (*drafter.fuse_layers, -1)
         use_fast_cpu_kernels(self.drafter)  # float32 CPU only: the faster layout for a proposal's few rows
         self.vocab_ids = vocab_ids.to(target.device)  # target ids of the drafter's logit columns
         self.dtype = drafter.fc.weight.dtype
@@ -321,19 +377,29 @@ class EagleProposer(Proposer):
         drafter, vocab_ids, meta = load_drafter(
             path, target.model, proposer_dtype(config.dtype, target.dtype, target.device)
         )
-        saved = (meta.get("tree_shape") or {}).get("confidence_threshold")
-        check_confidence_threshold(saved, f"tree_shape.confidence_threshold in {path}/eagle_config.json")
+        shape = meta.get("tree_shape") or {}
+        where = f"in {path}/eagle_config.json"
+        if not isinstance(shape, dict):
+            raise ModelLoadError(f"tree_shape {where} must be an object, got {shape!r}")
+        for key in ("depth", "top_k", "total_tokens"):
+            value = shape.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ModelLoadError(f"tree_shape.{key} {where} must be an integer >= 1, got {value!r}")
+        check_confidence_threshold(shape.get("confidence_threshold"), f"tree_shape.confidence_threshold {where}")
         return cls(config, target, drafter, vocab_ids, meta.get("tree_shape"))
 
     @classmethod
-    def random(cls, target: TargetInfo, config: EagleConfig | None = None, seed: int = 0) -> EagleProposer:
-        """Random weights for any target; the reduced vocabulary is a seeded random 3/4 of the target's."""
+    def random(
+        cls, target: TargetInfo, config: EagleConfig | None = None, seed: int = 0, fuse_layers: tuple[int, ...] = ()
+    ) -> EagleProposer:
+        """Random weights for any target, fusing `fuse_layers` (random fusion weights too); the reduced vocabulary
+        is a seeded random 3/4 of the target's."""
         config = config or EagleConfig()
         v = target.vocab_size
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             vocab_ids = torch.randperm(v)[: max(1, v - v // 4)].sort().values
-            drafter = EagleDrafter(drafter_config(target.model.config, len(vocab_ids)))
+            drafter = EagleDrafter(drafter_config(target.model.config, len(vocab_ids)), fuse_layers)
             for p in drafter.parameters():  # wide init: peaky, varied draft scores
                 if p.dim() == 2:
                     torch.nn.init.normal_(p, std=0.5)
@@ -343,23 +409,32 @@ class EagleProposer(Proposer):
 
     # ------------------------------------------------------------------ state
 
+    def _features(self, hidden_states: dict[int, torch.Tensor], rows: int) -> torch.Tensor:
+        """The drafter's input features ([rows, H]) from the target's hidden states at real positions."""
+        missing = [layer for layer in self.hidden_state_layers if layer not in hidden_states]
+        if missing:
+            raise ValueError(f"eagle needs the target's hidden states of layers {list(self.hidden_state_layers)}")
+        for layer in self.hidden_state_layers:
+            if hidden_states[layer].shape[0] != rows:
+                raise ValueError(f"expected {rows} rows of layer {layer}, got {hidden_states[layer].shape[0]}")
+        extra = None
+        if self.drafter.fuse_layers:
+            extra = torch.cat([hidden_states[layer] for layer in self.drafter.fuse_layers], -1)
+        return self.drafter.fused(hidden_states[-1].to(self.dtype), extra).to(self.dtype)
+
     @torch.no_grad()
     def begin(self, prompt: torch.Tensor, hidden_states: dict[int, torch.Tensor]) -> None:
-        feats = hidden_states.get(-1)
-        if feats is None or feats.shape[0] != prompt.numel():
-            raise ValueError("eagle needs the target's last hidden states over the whole prompt (layer -1)")
+        feats = self._features(hidden_states, prompt.numel())
         self.cache = DynamicCache(config=self.drafter.config)
         self.committed = 0
         self.root_feat = None
-        self.pending_feats = feats.to(self.dtype)
+        self.pending_feats = feats
         self.pending_next = prompt[1:].to(self.target.device).long()  # the root completes it at `propose`
 
     @torch.no_grad()
     def accepted(self, result: Acceptance) -> None:
-        feats = result.hidden_states[-1].to(self.dtype)  # rows: the root, then each accepted node
+        feats = self._features(result.hidden_states, len(result.accepted_tokens) + 1)  # the root, then each node
         nxt = torch.tensor(result.accepted_tokens + [result.next_token], device=self.target.device)
-        if feats.shape[0] != nxt.numel():
-            raise ValueError(f"expected {nxt.numel()} feature rows, got {feats.shape[0]}")
         self.pending_feats = torch.cat([self.pending_feats, feats])
         self.pending_next = torch.cat([self.pending_next, nxt])
 

@@ -127,6 +127,12 @@ def load_checkpoint(
     folder: Path, named_params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer
 ) -> dict:
     weights = load_file(folder / "model.safetensors")
+    if set(weights) != set(named_params):
+        differ = sorted(set(weights) ^ set(named_params))
+        raise ConfigError(
+            f"the checkpoint in {folder} was saved with other parameters ({differ[0]!r} and {len(differ) - 1} "
+            "more differ): resume with the options it was trained with, or train into a new out folder"
+        )
     with torch.no_grad():
         for k, p in named_params.items():
             p.copy_(weights[k])

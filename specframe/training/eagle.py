@@ -10,6 +10,10 @@ with p = softmax of the target's LM-head rows (the reduced vocabulary) on the re
 the predicted one. Optionally (`step2_weight` > 0) a second, self-fed pass trains the drafter on its own
 predicted features, as it is used at depth >= 2 of a draft tree (costs about one more forward/backward).
 
+With `fuse_layers` (EAGLE-3's multi-layer features) the input feature at real positions is fused with those
+target layers' outputs (`EagleDrafter.fused`); the regression target stays the next last-layer feature, and
+the self-fed step feeds the predicted feature as it is, as drafting does.
+
 Reported per epoch on held-out prompts, against the target's next token over its full vocabulary:
 `top1` (step 1, teacher-forced), `top1_step2` (the drafter fed its own predicted feature for one step, which
 is what deeper tree levels rely on) and `feature_l1` (mean absolute feature error at step 1).
@@ -17,9 +21,10 @@ is what deeper tree levels rely on) and `feature_l1` (mean absolute feature erro
 
 from __future__ import annotations
 
+import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -50,6 +55,12 @@ class EagleTrainConfig(TrainRunConfig):
     # Start the decoder layer and norm as copies of the target's last layer and final norm (default: a fresh
     # layer, as EAGLE; the target's last layer expects its residual stream, not features + embeddings).
     init_from_last_layer: bool = False
+    # EAGLE-3's multi-layer features: target layers (hidden-state indices: 0 = embeddings, i = the output of
+    # decoder layer i) whose outputs are fused into the drafter's input feature wherever the target's hidden
+    # states are known, e.g. [2, 15, 27] for a 30-layer target (the shipped drafter's). [] = EAGLE-1's
+    # last-layer feature only. Their hidden states are cached next to the features in a file of its own
+    # (len(fuse_layers) + 1 times the plain feature cache's size).
+    fuse_layers: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -60,22 +71,29 @@ class EagleTrainConfig(TrainRunConfig):
                 raise ConfigError(f"train.{key} must be >= 0, got {getattr(self, key)}")
         if self.feature_weight == 0 and self.token_weight == 0:
             raise ConfigError("train.feature_weight and train.token_weight cannot both be 0")
+        if not isinstance(self.fuse_layers, list | tuple):
+            raise ConfigError(f"train.fuse_layers must be a list of target layers, got {self.fuse_layers!r}")
+        self.fuse_layers = list(self.fuse_layers)
 
 
-def collate_features(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(features [B, T, H] float32, ids [B, T], loss [B, T-1]): loss[b, j] = the output at input position j
-    (predicting f_{j+1}) counts, i.e. f_{j+1} predicts a response token and lies inside the sequence."""
+def collate_features(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(features [B, T, H] float32, ids [B, T], loss [B, T-1], extra layers [B, T, n*H] float32 or None):
+    loss[b, j] = the output at input position j (predicting f_{j+1}) counts, i.e. f_{j+1} predicts a response
+    token and lies inside the sequence."""
     width = max(s.ids.numel() for s in batch)
     hidden = batch[0].features.shape[1]
     feats = torch.zeros(len(batch), width, hidden)
+    extra = None if batch[0].extra is None else torch.zeros(len(batch), width, batch[0].extra.shape[1])
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     loss = torch.zeros(len(batch), width - 1, dtype=torch.bool)
     for i, s in enumerate(batch):
         n = s.ids.numel()
         feats[i, :n] = s.features.float()
+        if extra is not None:
+            extra[i, :n] = s.extra.float()
         ids[i, :n] = s.ids
         loss[i, max(0, s.first_target - 2) : n - 1] = True
-    return feats, ids, loss
+    return feats, ids, loss, extra
 
 
 def step2_mask(n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -87,14 +105,17 @@ def step2_mask(n: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
-def drafter_passes(drafter, feats, ids, noise: float = 0.0, step2: bool = False, generator=None):
-    """Predicted features of the teacher-forced pass ([B, T-1, H]) and, with `step2`, of the self-fed pass
-    ([B, T-2, H]: input i is the pair (f̂_{i+1}, t_{i+2}) at position i+1)."""
+def drafter_passes(drafter, feats, ids, noise: float = 0.0, step2: bool = False, generator=None, extra=None):
+    """Predicted features of the teacher-forced pass ([B, T-1, H]; input j is the pair (f_j, t_{j+1}), f_j
+    fused with the `extra` layers for a fusing drafter) and, with `step2`, of the self-fed pass ([B, T-2, H]:
+    input i is the pair (f̂_{i+1}, t_{i+2}) at position i+1)."""
     from transformers import DynamicCache
 
     b, t, _ = feats.shape
     device = drafter.fc.weight.device
     inp = feats[:, :-1].to(device)
+    if drafter.fuse_layers:
+        inp = drafter.fused(inp, extra[:, :-1].to(device))
     if noise > 0:
         inp = inp + (torch.rand(inp.shape, generator=generator) * 2 - 1).to(device) * noise
     with torch.no_grad():
@@ -121,8 +142,8 @@ def evaluate(
     l1 = 0.0
     vocab_ids = vocab_ids.to(full_head.device)
     for i in range(0, len(seqs), batch_size):
-        feats, ids, loss = collate_features(seqs[i : i + batch_size])
-        out1, out2 = drafter_passes(drafter, feats, ids, step2=True)
+        feats, ids, loss, extra = collate_features(seqs[i : i + batch_size])
+        out1, out2 = drafter_passes(drafter, feats, ids, step2=True, extra=extra)
         feats, loss = feats.to(out1.device), loss.to(out1.device)
         m2 = loss[:, 1:]
         if i not in memo:  # the target's next token at each counted position, steps 1 and 2
@@ -159,18 +180,19 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
 
     from specframe.proposers.eagle import build_drafter, save_drafter
     from specframe.training.common import resume_from, save_checkpoint, start_run, warmup_cosine
-    from specframe.training.features import split_features
+    from specframe.training.features import check_extra_layers, split_features
 
     out = Path(cfg.out)
+    check_extra_layers(cfg.fuse_layers, target.config.num_hidden_layers, "train.fuse_layers")
     train_ex, held_ex, vocab_ids = start_run(cfg, target, tokenizer)
     full_head = target.get_output_embeddings().weight.detach().float()
     vocab_size = full_head.shape[0]
-    train_feats, held_feats = split_features(cfg, target, train_ex, held_ex)
+    train_feats, held_feats = split_features(cfg, target, train_ex, held_ex, tuple(cfg.fuse_layers))
     train_seqs = [s for s in train_feats if len(s.ids) > 2]
     held_seqs = [s for s in held_feats if len(s.ids) > 2]
     if not train_seqs or not held_seqs:
         raise ConfigError(f"train.data '{cfg.data}' has no sequence longer than 2 tokens in a split")
-    drafter = build_drafter(target, vocab_ids, cfg.init_from_last_layer)
+    drafter = build_drafter(target, vocab_ids, cfg.init_from_last_layer, tuple(cfg.fuse_layers))
     params = dict(drafter.named_parameters())
     in_vocab = torch.zeros(vocab_size, dtype=torch.bool)
     in_vocab[vocab_ids] = True
@@ -179,7 +201,8 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
     tokens = sum(s.ids.numel() for s in train_seqs)
     log(
         f"eagle: drafter {sum(p.numel() for p in params.values()):,} parameters"
-        f"{' from the target last layer' if cfg.init_from_last_layer else ''}, vocabulary {len(vocab_ids)} "
+        f"{' from the target last layer' if cfg.init_from_last_layer else ''}"
+        f"{f', fusing target layers {cfg.fuse_layers}' if cfg.fuse_layers else ''}, vocabulary {len(vocab_ids)} "
         f"(covers {coverage:.1%} of held-out response tokens); {len(train_seqs)} train ({tokens} tokens) / "
         f"{len(held_seqs)} held-out sequences"
     )
@@ -189,6 +212,13 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
     batches = [order_by_len[i : i + cfg.batch_size] for i in range(0, len(order_by_len), cfg.batch_size)]
     total_steps = len(batches) * cfg.epochs
     ckpt = out / "checkpoint"
+    if resume and (ckpt / "state.json").is_file():
+        saved = json.loads((ckpt / "state.json").read_text()).get("fuse_layers", [])
+        if saved != cfg.fuse_layers:
+            raise ConfigError(
+                f"train.fuse_layers {cfg.fuse_layers} differs from {saved} of the checkpoint in {ckpt}: resume "
+                "with the same layers, or train into a new out folder"
+            )
     start_epoch, history = resume_from(ckpt, params, optimizer, resume, log)
     schedule = warmup_cosine(optimizer, total_steps, start_epoch * len(batches))
     memo: dict = {}
@@ -207,10 +237,10 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
         bar = tqdm(order, desc=f"epoch {epoch + 1}/{cfg.epochs}", file=sys.stderr, unit="batch")
         t0, running = time.perf_counter(), None
         for b in bar:
-            feats, ids, mask = collate_features([train_seqs[i] for i in batches[b]])
+            feats, ids, mask, extra = collate_features([train_seqs[i] for i in batches[b]])
             if not bool(mask.any()):
                 continue
-            out1, out2 = drafter_passes(drafter, feats, ids, cfg.noise, step2, gen)
+            out1, out2 = drafter_passes(drafter, feats, ids, cfg.noise, step2, gen, extra)
             mask = mask.to(out1.device)
             f1, t1 = losses(drafter, out1, feats[:, 1:], mask, cfg)
             loss = cfg.feature_weight * f1 + cfg.token_weight * t1
@@ -225,7 +255,8 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
             f"epoch {epoch + 1}: train loss {running:.3f}; held-out top-1 {metrics['top1']:.3f}, step-2 top-1 "
             f"{metrics['top1_step2']:.3f}, feature L1 {metrics['feature_l1']:.3f}"
         )
-        save_checkpoint(ckpt, params, optimizer, {"epoch": epoch + 1, "history": history})
+        state = {"epoch": epoch + 1, "history": history, "fuse_layers": cfg.fuse_layers}
+        save_checkpoint(ckpt, params, optimizer, state)
     final = {
         "heldout": history[-1],
         "history": history,

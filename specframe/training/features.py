@@ -2,12 +2,15 @@
 
 A *feature* is the target's last hidden state after the final norm (`hidden_states[-1]`, what its LM head
 reads) at one position. Medusa heads and the EAGLE drafter both learn from features, and the target is frozen
-while they train, so one teacher-forced pass over the data serves every epoch and every trainer.
+while they train, so one teacher-forced pass over the data serves every epoch and every trainer. A trainer
+may also ask for *extra layers* (indices into the target's `hidden_states`: 0 = embeddings, i = the output
+of decoder layer i), e.g. EAGLE's fused low/middle/high features.
 
 Cache file: `<cache_dir>/features-<key>.safetensors` holding `features` ([sum of lengths, hidden], stored in
-bfloat16), `ids` (the token ids, concatenated), and `offsets`/`first_target` per sequence. `key` hashes the
-examples' ids and tokens, the target's fingerprint, `max_length` and the extraction dtype, so changed data or
-a different target never reuses a stale file.
+bfloat16), with extra layers also `extra` ([sum of lengths, len(layers) * hidden], bfloat16, the layers
+side by side in the order asked), `ids` (the token ids, concatenated), and `lengths`/`first_target` per
+sequence. `key` hashes the examples' ids and tokens, the target's fingerprint, `max_length`, the extraction
+dtype and the extra layers, so changed data, a different target or other layers never reuse a stale file.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specframe.data import DistillExample
+from specframe.errors import ConfigError
 from specframe.shared_draft import target_fingerprint
 from specframe.training.common import collate, to_sequences
 
@@ -33,12 +37,21 @@ class FeatureSequence:
     first_target: int  # ids[first_target:] is the response
     features: torch.Tensor  # [T, hidden] bfloat16: the target's last hidden state (after the norm) per position
     id: str = ""  # the example's id (split train / held-out by it)
+    extra: torch.Tensor | None = None  # [T, len(layers) * hidden] bfloat16: the extra layers asked for, or None
 
 
-def cache_key(examples: list[DistillExample], target: torch.nn.Module, max_length: int, dtype: torch.dtype) -> str:
+def cache_key(
+    examples: list[DistillExample],
+    target: torch.nn.Module,
+    max_length: int,
+    dtype: torch.dtype,
+    extra_layers: tuple[int, ...] = (),
+) -> str:
     h = hashlib.sha256()
     h.update(json.dumps(target_fingerprint(target), sort_keys=True).encode())
     h.update(f"{max_length}:{dtype}".encode())
+    if extra_layers:  # (absent for none: files cached before extra layers existed keep their key)
+        h.update(f"extra:{list(extra_layers)}".encode())
     for e in examples:
         h.update(f"{e.id}:{e.prompt_ids}:{e.response_ids}".encode())
     return h.hexdigest()[:16]
@@ -53,12 +66,17 @@ def extract_features(
     dtype: torch.dtype = torch.bfloat16,
     cache_dir: str | Path | None = None,
     quiet: bool = False,
+    extra_layers: tuple[int, ...] | list[int] = (),
 ) -> list[FeatureSequence]:
-    """Features of every example (prompt + response, cut at `max_length`), in id order, from the cache when present.
+    """Features of every example (prompt + response, cut at `max_length`), in id order, from the cache when present;
+    with `extra_layers`, those hidden states too (`FeatureSequence.extra`).
 
     `dtype` is the precision of the teacher-forced pass: bfloat16 is about twice as fast on CPU and its
     features differ from float32's by far less than the noise the trainers add on purpose."""
     from tqdm import tqdm
+
+    extra_layers = tuple(extra_layers)
+    check_extra_layers(extra_layers, target.config.num_hidden_layers, "extra_layers")
 
     # Sorted by id, so any order of the same examples shares one cache; dropped: those with no response token.
     examples = sorted((e for e in examples if to_sequences([e], max_length)), key=lambda e: e.id)
@@ -66,35 +84,57 @@ def extract_features(
     example_ids = [e.id for e in examples]
     path = None
     if cache_dir is not None:
-        path = Path(cache_dir) / f"features-{cache_key(examples, target, max_length, dtype)}.safetensors"
+        key = cache_key(examples, target, max_length, dtype, extra_layers)
+        path = Path(cache_dir) / f"features-{key}.safetensors"
         if path.is_file():
             return _load(path, example_ids)
     model = target if target.dtype == dtype else copy.deepcopy(target).to(dtype)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))  # similar lengths: little padding
     feats: list[torch.Tensor | None] = [None] * len(seqs)
+    extra: list[torch.Tensor | None] = [None] * len(seqs)
     bar = tqdm(total=sum(len(s.ids) for s in seqs), desc="target features", unit="tok", file=sys.stderr, disable=quiet)
     for start in range(0, len(order), batch_size):
         batch = [seqs[i] for i in order[start : start + batch_size]]
         ids, attn, _ = collate(batch, pad=0)
-        hidden = model.model(input_ids=ids.to(model.device), attention_mask=attn.to(model.device)).last_hidden_state
+        device = model.device
+        want_all = bool(extra_layers)
+        out = model.model(input_ids=ids.to(device), attention_mask=attn.to(device), output_hidden_states=want_all)
+        hidden = out.last_hidden_state
+        more = torch.cat([out.hidden_states[layer] for layer in extra_layers], -1) if extra_layers else None
         for row, i in enumerate(order[start : start + batch_size]):
             feats[i] = hidden[row, : len(seqs[i].ids)].to(torch.bfloat16).cpu()
+            if more is not None:
+                extra[i] = more[row, : len(seqs[i].ids)].to(torch.bfloat16).cpu()
         bar.update(sum(len(s.ids) for s in batch))
     bar.close()
     out = [
-        FeatureSequence(torch.tensor(s.ids), s.first_target, f, i)
-        for s, f, i in zip(seqs, feats, example_ids, strict=True)
+        FeatureSequence(torch.tensor(s.ids), s.first_target, f, i, x)
+        for s, f, i, x in zip(seqs, feats, example_ids, extra, strict=True)
     ]
     if path is not None:
         _save(path, out)
     return out
 
 
-def split_features(cfg, target: torch.nn.Module, train_ex: list, held_ex: list):
+def check_extra_layers(layers, num_layers: int, what: str) -> None:
+    """Extra layers are hidden-state indices 0 .. num_layers - 1 (the last, index num_layers, is the feature)."""
+    for layer in layers:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+            raise ConfigError(
+                f"{what} must list target layers 0..{num_layers - 1} (0 = the embeddings, i = the output of "
+                f"decoder layer i; the last layer is the feature itself), got {layer!r}"
+            )
+    if len(set(layers)) != len(layers):
+        raise ConfigError(f"{what} lists a layer twice: {list(layers)}")
+
+
+def split_features(cfg, target: torch.nn.Module, train_ex: list, held_ex: list, extra_layers=()):
     """(training, held-out) feature sequences for a trainer's split, from one extraction over all of its examples,
-    so every trainer with the same data, `max_length` and target shares one cache file (`cfg.features_cache`,
-    "" = no cache)."""
-    feats = extract_features(target, train_ex + held_ex, cfg.max_length, cache_dir=cfg.features_cache or None)
+    so every trainer with the same data, `max_length`, target and extra layers shares one cache file
+    (`cfg.features_cache`, "" = no cache)."""
+    feats = extract_features(
+        target, train_ex + held_ex, cfg.max_length, cache_dir=cfg.features_cache or None, extra_layers=extra_layers
+    )
     held_ids = {e.id for e in held_ex}
     return [s for s in feats if s.id not in held_ids], [s for s in feats if s.id in held_ids]
 
@@ -108,6 +148,8 @@ def _save(path: Path, seqs: list[FeatureSequence]) -> None:
         "lengths": lengths,
         "first_target": torch.tensor([s.first_target for s in seqs]),
     }
+    if seqs and seqs[0].extra is not None:
+        tensors["extra"] = torch.cat([s.extra for s in seqs]).contiguous()
     tmp = path.with_suffix(".tmp")
     save_file(tensors, tmp)
     tmp.rename(path)  # atomic: an interrupted run never leaves a half-written cache behind
@@ -116,7 +158,9 @@ def _save(path: Path, seqs: list[FeatureSequence]) -> None:
 def _load(path: Path, ids: list[str]) -> list[FeatureSequence]:
     t = load_file(path)
     out, at = [], 0
+    extra = t.get("extra")
     for n, first, i in zip(t["lengths"].tolist(), t["first_target"].tolist(), ids, strict=True):
-        out.append(FeatureSequence(t["ids"][at : at + n], first, t["features"][at : at + n], i))
+        more = extra[at : at + n] if extra is not None else None
+        out.append(FeatureSequence(t["ids"][at : at + n], first, t["features"][at : at + n], i, more))
         at += n
     return out
