@@ -188,25 +188,23 @@ def test_max_depth_zero_keeps_the_state_consistent():
 # ---------------------------------------------------------------------------------------------- training
 
 
+def tiny_run(tmp, num_layers: int, examples: int, **options):
+    """A tiny target with self-distillation data in `tmp`, and a fast training config for it."""
+    torch.set_num_threads(1)
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=num_layers)
+    write_distill_data(tmp / "d.jsonl", target, n=examples, response_length=10)
+    settings = dict(vocab_size=12, epochs=6, lr=1e-2, batch_size=4, heldout_fraction=0.25, token_weight=1.0)
+    return target, EagleTrainConfig(
+        data=str(tmp / "d.jsonl"), features_cache=str(tmp / "features"), **{**settings, **options}
+    )
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eagle")
-    torch.set_num_threads(1)
     # One layer: its greedy continuations are predictable enough for a tiny drafter to learn in seconds
     # (a 3-layer random target is barely predictable even by a bigram table).
-    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=1)
-    write_distill_data(tmp / "d.jsonl", target, n=120, response_length=10)
-    cfg = EagleTrainConfig(
-        data=str(tmp / "d.jsonl"),
-        out=str(tmp / "eagle"),
-        features_cache=str(tmp / "features"),
-        vocab_size=12,
-        epochs=6,
-        lr=1e-2,
-        batch_size=4,
-        heldout_fraction=0.25,
-        token_weight=1.0,
-    )
+    target, cfg = tiny_run(tmp, num_layers=1, examples=120, out=str(tmp / "eagle"))
     logs = []
     metrics = train_eagle(cfg, target, None, log=logs.append)
     return target, cfg, metrics, logs
@@ -315,20 +313,8 @@ def test_fused_drafter_trains_saves_version_2_and_round_trips(tmp_path):
 
     from safetensors.torch import load_file
 
-    torch.set_num_threads(1)
-    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
-    write_distill_data(tmp_path / "d.jsonl", target, n=80, response_length=10)
-    cfg = EagleTrainConfig(
-        data=str(tmp_path / "d.jsonl"),
-        out=str(tmp_path / "fused"),
-        features_cache=str(tmp_path / "features"),
-        vocab_size=12,
-        epochs=3,
-        lr=1e-2,
-        batch_size=4,
-        heldout_fraction=0.25,
-        fuse_layers=[1, 0],
-    )
+    out = str(tmp_path / "fused")
+    target, cfg = tiny_run(tmp_path, num_layers=2, examples=80, out=out, epochs=3, fuse_layers=[1, 0])
     logs = []
     metrics = train_eagle(cfg, target, None, log=logs.append)
     hist = metrics["history"]
