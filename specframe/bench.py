@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from specframe.data import read_jsonl
-from specframe.errors import BadInputError
+from specframe.errors import BadInputError, is_count
 
 # Spec-Bench's six subtasks and the `category` values of question.jsonl that make them up.
 SUBTASKS: dict[str, tuple[str, ...]] = {
@@ -125,7 +125,7 @@ class BenchOptions:
             raise BadInputError(f"'{sorted(clash)[0]}' is a baseline: list it under --baselines")
         for name, value in (("limit", self.limit), ("max-new-tokens", self.max_new_tokens),
                             ("pld-tokens", self.pld_tokens), ("threads", self.threads)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if value is not None and not is_count(value):
                 raise BadInputError(f"--{name} must be an integer >= 1, got {value!r}")
         if not self.tie_threshold >= 0:
             raise BadInputError(f"--tie-threshold must be >= 0, got {self.tie_threshold}")

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from specframe.acceptance import TreeAcceptance
-from specframe.errors import BadInputError, ProposerError, SpecframeError
+from specframe.errors import BadInputError, ProposerError, SpecframeError, is_count
 from specframe.kv_cache import keep_positions, new_cache, tree_attention_mask
 from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo, validate_proposal
 from specframe.sampling import SamplingParams
@@ -161,7 +161,7 @@ class SpeculativeDecoder:
             self.sampling.top_p if top_p is None else top_p,
         )
         max_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+        if not is_count(max_new):
             raise BadInputError(f"max_new_tokens must be an integer >= 1, got {max_new!r}")
         stop = self.stop if stop is None else list(stop)
         seed = self.seed if seed is None else seed

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specframe.errors import ModelLoadError
+from specframe.errors import ModelLoadError, is_count
 
 FORMAT = "specframe-shared-draft"
 
@@ -126,7 +126,7 @@ def saved_gamma(path: str | Path) -> int | None:
     is not an integer >= 1 is an error naming the file (never silently replaced by the default)."""
     file = Path(path) / "draft_config.json"
     value = json.loads(file.read_text()).get("num_speculative_tokens")
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    if value is not None and not is_count(value):
         raise ModelLoadError(f"num_speculative_tokens in {file} must be an integer >= 1 or null, got {value!r}")
     return value
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specframe.errors import BadInputError, ConfigError
+from specframe.errors import BadInputError, ConfigError, is_count
 from specframe.kv_cache import new_cache
 from specframe.models import check_proposer_dtype, proposer_dtype
 from specframe.proposer import (
@@ -53,7 +53,7 @@ class DraftConfig:
 
     def __post_init__(self) -> None:
         gamma = self.num_speculative_tokens
-        if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1):
+        if gamma is not None and not is_count(gamma):
             raise ConfigError(f"proposer.num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         check_confidence_threshold(self.confidence_threshold)
         check_proposer_dtype(self.dtype)

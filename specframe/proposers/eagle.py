@@ -42,7 +42,7 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from specframe.cpu_kernels import few_rows_linear, use_fast_cpu_kernels
-from specframe.errors import ConfigError, ModelLoadError
+from specframe.errors import ConfigError, ModelLoadError, is_count
 from specframe.models import check_proposer_dtype, proposer_dtype
 from specframe.proposer import (
     Acceptance,
@@ -104,9 +104,7 @@ class EagleConfig:
     def __post_init__(self) -> None:
         for key in ("depth", "top_k", "total_tokens"):
             value = getattr(self, key)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if value is not None and not is_count(value):
                 raise ConfigError(f"proposer.{key} must be an integer >= 1, got {value!r}")
         if not isinstance(self.tree, bool):
             raise ConfigError(f"proposer.tree must be true or false, got {self.tree!r}")
@@ -383,7 +381,7 @@ class EagleProposer(Proposer):
             raise ModelLoadError(f"tree_shape {where} must be an object, got {shape!r}")
         for key in ("depth", "top_k", "total_tokens"):
             value = shape.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if value is not None and not is_count(value):
                 raise ModelLoadError(f"tree_shape.{key} {where} must be an integer >= 1, got {value!r}")
         check_confidence_threshold(shape.get("confidence_threshold"), f"tree_shape.confidence_threshold {where}")
         return cls(config, target, drafter, vocab_ids, meta.get("tree_shape"))
