@@ -298,13 +298,15 @@ def test_self_fed_step_training_and_last_layer_init(tmp_path):
         lr=1e-2,
         batch_size=4,
         heldout_fraction=0.25,
-        step2_weight=1.0,
+        self_fed_steps=2,
+        self_fed_weight=1.0,
         token_weight=1.0,
         init_from_last_layer=True,
     )
     metrics = train_eagle(cfg, target, None, log=lambda m: None)
     hist = metrics["history"]
     assert hist[-1]["top1_step2"] > hist[0]["top1_step2"] + 0.05, hist
+    assert hist[-1]["top1_step3"] > hist[0]["top1_step3"] + 0.05, hist
     assert not (tmp_path / "features").exists()  # features_cache="" caches nothing
 
 
@@ -387,6 +389,45 @@ def test_fused_drafter_trains_saves_version_2_and_round_trips(tmp_path):
         train_eagle(EagleTrainConfig(**{**cfg.__dict__, "fuse_layers": []}), target, None, resume=True)
 
 
+@pytest.mark.parametrize("fuse_layers", [(), (0, 1)])
+def test_self_fed_passes_equal_drafting_one_chain_at_a_time(fuse_layers):
+    """Training's batched self-fed passes (one causal pass over the real pairs, then pass s reading pass s-1's
+    predictions through `self_fed_mask`) give, at every position, what drafting computes: the real pairs
+    committed to a fresh cache, then a chain of the drafter's own predicted features at the next positions."""
+    from specframe.training.eagle import drafter_passes
+
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
+    drafter = EagleProposer.random(target_info(target), CHAIN, seed=3, fuse_layers=fuse_layers).drafter.float()
+    if fuse_layers:  # a fresh fuse map is zero: give it weights, so that a wrong fusion shows
+        torch.nn.init.normal_(drafter.fuse.weight, std=0.2)
+    gen = torch.Generator().manual_seed(0)
+    t = 9
+    ids = torch.randint(0, 16, (2, t), generator=gen)
+    feats = torch.randn(2, t, 32, generator=gen)
+    extra = torch.randn(2, t, 32 * len(fuse_layers), generator=gen) if fuse_layers else None
+    with torch.no_grad():
+        outs = drafter_passes(drafter, feats, ids, self_fed=3, extra=extra)
+    assert [o.shape[1] for o in outs] == [t - 1, t - 2, t - 3, t - 4]
+    from transformers import DynamicCache
+
+    for b in range(2):
+        for i in range(t - 4):
+            cache = DynamicCache(config=drafter.config)
+            real = feats[b, : i + 1]
+            if fuse_layers:
+                real = drafter.fused(real, extra[b, : i + 1])
+            with torch.no_grad():
+                pred = drafter(real[None], ids[b, 1 : i + 2][None], torch.arange(i + 1)[None], None, cache)[0, -1]
+                torch.testing.assert_close(outs[0][b, i], pred, atol=1e-5, rtol=1e-5)
+                for s in range(2, 5):  # level s: (f̂ of level s-1, t_{i+s}) at position i+s-1
+                    tok = ids[b, i + s][None, None]
+                    pred = drafter(pred[None, None], tok, torch.tensor([[i + s - 1]]), None, cache)[0, -1]
+                    torch.testing.assert_close(outs[s - 1][b, i], pred, atol=2e-4, rtol=1e-4)
+    with torch.no_grad():  # passes stop where the sequence is too short for the next one
+        short = extra[:, :3] if fuse_layers else None
+        assert len(drafter_passes(drafter, feats[:, :3], ids[:, :3], self_fed=5, extra=short)) == 2
+
+
 def test_fuse_layers_must_exist_in_the_target(tmp_path):
     target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
     write_distill_data(tmp_path / "d.jsonl", target, n=20, response_length=6)
@@ -426,10 +467,24 @@ def test_bad_proposer_options(field, value):
         EagleConfig(**{field: value})
 
 
-@pytest.mark.parametrize("field, value", [("epochs", 0), ("heldout_fraction", 1.0), ("noise", -0.1), ("lr", 0)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("epochs", 0),
+        ("heldout_fraction", 1.0),
+        ("noise", -0.1),
+        ("lr", 0),
+        ("self_fed_steps", -1),
+        ("self_fed_steps", True),
+        ("self_fed_steps", 1.5),
+        ("self_fed_weight", -0.5),
+        ("self_fed_weight", 0.0),  # with the default one self-fed step: say self_fed_steps=0 instead
+    ],
+)
 def test_bad_training_options(field, value):
     with pytest.raises(ConfigError, match=f"train.{field}"):
         EagleTrainConfig(**{field: value})
+    EagleTrainConfig(self_fed_steps=0, self_fed_weight=0.0)  # no self-fed step: its weight is unused
 
 
 def test_registered_and_configured():

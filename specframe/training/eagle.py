@@ -7,16 +7,19 @@ over them (`specframe.training.features`, computed once and cached). At each pos
     feature_weight * SmoothL1(f̂_{j+1}, f_{j+1})  +  token_weight * CE(p_{j+1}, q_{j+1})
 
 with p = softmax of the target's LM-head rows (the reduced vocabulary) on the real feature and q the same on
-the predicted one. Optionally (`step2_weight` > 0) a second, self-fed pass trains the drafter on its own
-predicted features, as it is used at depth >= 2 of a draft tree (costs about one more forward/backward).
+the predicted one. Then `self_fed_steps` self-fed passes (EAGLE-3's training-time test; default 1): pass s
+feeds the drafter its own predicted features from pass s-1, as draft-tree level s reads them, attending to the
+real pairs before it and to its own earlier self-fed pairs; each adds `self_fed_weight` times the same losses
+and costs about one more forward/backward.
 
 With `fuse_layers` (EAGLE-3's multi-layer features) the input feature at real positions is fused with those
 target layers' outputs (`EagleDrafter.fused`); the regression target stays the next last-layer feature, and
-the self-fed step feeds the predicted feature as it is, as drafting does.
+the self-fed steps feed the predicted feature as it is, as drafting does.
 
 Reported per epoch on held-out prompts, against the target's next token over its full vocabulary:
-`top1` (step 1, teacher-forced), `top1_step2` (the drafter fed its own predicted feature for one step, which
-is what deeper tree levels rely on) and `feature_l1` (mean absolute feature error at step 1).
+`top1` (step 1, teacher-forced: the first draft level), `top1_step2` and `top1_step3` (the drafter fed its own
+predicted features for one and two steps: draft levels 2 and 3, whatever `self_fed_steps` trains) and
+`feature_l1` (mean absolute feature error at step 1).
 """
 
 from __future__ import annotations
@@ -47,11 +50,15 @@ class EagleTrainConfig(TrainRunConfig):
     # Weight of the feature regression loss (SmoothL1 between predicted and real next feature).
     feature_weight: float = 1.0
     # Weight of the token loss (cross-entropy of the draft distribution against the target's, both through
-    # the target's LM-head rows). EAGLE-1 uses 0.1; 1.0 (with step2_weight 0.5) measured better held-out
-    # top-1 on SmolLM2-135M (the shipped drafter's card).
+    # the target's LM-head rows). EAGLE-1 uses 0.1; 1.0 (with one self-fed step of weight 0.5) measured better
+    # held-out top-1 on SmolLM2-135M (the shipped drafter's card).
     token_weight: float = 1.0
-    # Weight of the same losses on a second, self-fed step (0 = off; > 0 roughly doubles the cost per epoch).
-    step2_weight: float = 0.5
+    # Self-fed steps after the teacher-forced one (EAGLE-3's training-time test): step s reads the drafter's
+    # own predicted features from step s-1, as draft-tree level s does. 0 = EAGLE-1 (teacher-forced only);
+    # each step costs about one more forward/backward per batch.
+    self_fed_steps: int = 1
+    # Weight of each self-fed step's losses (relative to the teacher-forced step's).
+    self_fed_weight: float = 0.5
     # Start the decoder layer and norm as copies of the target's last layer and final norm (default: a fresh
     # layer, as EAGLE; the target's last layer expects its residual stream, not features + embeddings).
     init_from_last_layer: bool = False
@@ -66,9 +73,15 @@ class EagleTrainConfig(TrainRunConfig):
         super().__post_init__()
         if self.max_length < 3:
             raise ConfigError(f"train.max_length must be >= 3, got {self.max_length}")
-        for key in ("noise", "feature_weight", "token_weight", "step2_weight"):
+        for key in ("noise", "feature_weight", "token_weight", "self_fed_weight"):
             if not getattr(self, key) >= 0:
                 raise ConfigError(f"train.{key} must be >= 0, got {getattr(self, key)}")
+        if not (isinstance(self.self_fed_steps, int) and not isinstance(self.self_fed_steps, bool)) or (
+            self.self_fed_steps < 0
+        ):
+            raise ConfigError(f"train.self_fed_steps must be an integer >= 0, got {self.self_fed_steps!r}")
+        if self.self_fed_steps and self.self_fed_weight == 0:
+            raise ConfigError("train.self_fed_weight is 0 with self_fed_steps > 0: set self_fed_steps=0 to train none")
         if self.feature_weight == 0 and self.token_weight == 0:
             raise ConfigError("train.feature_weight and train.token_weight cannot both be 0")
         if not isinstance(self.fuse_layers, list | tuple):
@@ -96,19 +109,26 @@ def collate_features(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
     return feats, ids, loss, extra
 
 
-def step2_mask(n: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive [1, 1, n-1, 2n-1] mask of the self-fed pass: query i (position i+1) sees the real pairs at
-    positions 0..i (the first pass's n keys) and its own self-fed pair."""
-    allowed = torch.zeros(n - 1, 2 * n - 1, dtype=torch.bool)
-    allowed[:, :n] = torch.ones(n - 1, n, dtype=torch.bool).tril()
-    allowed[torch.arange(n - 1), n + torch.arange(n - 1)] = True
+def self_fed_mask(n: int, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive [1, 1, n-step+1, keys] mask of self-fed pass `step` (>= 2) over n real pairs: query i (the
+    pair at position i+step-1) sees the real pairs at positions 0..i, then its own chain of self-fed pairs,
+    entry i of each pass 2..step (the cache holds n real pairs, then n-1, n-2, ... pairs of passes 2, 3, ...),
+    as a draft-tree node sees the committed pairs and its ancestors."""
+    rows = n - step + 1
+    sizes = [n - k + 1 for k in range(1, step + 1)]  # pairs of passes 1..step in the cache
+    allowed = torch.zeros(rows, sum(sizes), dtype=torch.bool)
+    allowed[:, :n] = torch.ones(rows, n, dtype=torch.bool).tril()
+    i = torch.arange(rows)
+    for offset in torch.tensor(sizes).cumsum(0)[:-1].tolist():
+        allowed[i, offset + i] = True
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
-def drafter_passes(drafter, feats, ids, noise: float = 0.0, step2: bool = False, generator=None, extra=None):
-    """Predicted features of the teacher-forced pass ([B, T-1, H]; input j is the pair (f_j, t_{j+1}), f_j
-    fused with the `extra` layers for a fusing drafter) and, with `step2`, of the self-fed pass ([B, T-2, H]:
-    input i is the pair (f̂_{i+1}, t_{i+2}) at position i+1)."""
+def drafter_passes(drafter, feats, ids, noise: float = 0.0, self_fed: int = 0, generator=None, extra=None):
+    """Predicted features of the teacher-forced pass and of `self_fed` self-fed passes: a list whose entry s-1
+    is pass s, [B, T-s, H]. Pass 1's input j is the pair (f_j, t_{j+1}) at position j (f_j fused with the
+    `extra` layers for a fusing drafter); pass s's input i is (f̂_{i+s-1} of pass s-1, t_{i+s}) at position
+    i+s-1. Passes stop early when the sequences are too short for the next."""
     from transformers import DynamicCache
 
     b, t, _ = feats.shape
@@ -121,47 +141,43 @@ def drafter_passes(drafter, feats, ids, noise: float = 0.0, step2: bool = False,
     with torch.no_grad():
         emb = drafter.embed(ids.to(drafter.embed.weight.device)).to(device=device, dtype=torch.float32)
     pos = torch.arange(t - 1, device=device)[None].expand(b, -1)
-    cache = DynamicCache(config=drafter.config) if step2 and t > 2 else None
-    out1 = drafter(inp, None, pos, None, cache, embeds=emb[:, 1:])
-    if cache is None:
-        return out1, None
-    mask = step2_mask(t - 1, out1.dtype).to(device)
-    out2 = drafter(out1[:, :-1].detach(), None, pos[:, 1:], mask, cache, embeds=emb[:, 2:])
-    return out1, out2
+    steps = min(self_fed, t - 2)  # pass s needs t - s >= 1 inputs
+    cache = DynamicCache(config=drafter.config) if steps > 0 else None
+    outs = [drafter(inp, None, pos, None, cache, embeds=emb[:, 1:])]
+    for s in range(2, steps + 2):
+        mask = self_fed_mask(t - 1, s, outs[-1].dtype).to(device)
+        outs.append(drafter(outs[-1][:, :-1].detach(), None, pos[:, s - 1 :], mask, cache, embeds=emb[:, s:]))
+    return outs
+
+
+EVAL_LEVELS = 3  # draft levels evaluated held-out: teacher-forced, then two self-fed steps
 
 
 @torch.no_grad()
 def evaluate(
     drafter, full_head: torch.Tensor, vocab_ids: torch.Tensor, seqs, batch_size: int = 8, memo: dict | None = None
 ) -> dict:
-    """Held-out step-1 / step-2 top-1 agreement with the target's next token (argmax over its full
-    vocabulary) and the step-1 feature error. `memo` keeps the target's argmaxes between calls."""
+    """Held-out top-1 agreement with the target's next token (argmax over its full vocabulary) at draft levels
+    1..EVAL_LEVELS (level s: the drafter fed its own predicted features for s-1 steps) and the level-1 feature
+    error. `memo` keeps the target's argmaxes between calls."""
     drafter.eval()
     memo = {} if memo is None else memo
-    hits1 = hits2 = n1 = n2 = 0
+    hits, counts = [0] * EVAL_LEVELS, [0] * EVAL_LEVELS
     l1 = 0.0
     vocab_ids = vocab_ids.to(full_head.device)
     for i in range(0, len(seqs), batch_size):
         feats, ids, loss, extra = collate_features(seqs[i : i + batch_size])
-        out1, out2 = drafter_passes(drafter, feats, ids, step2=True, extra=extra)
-        feats, loss = feats.to(out1.device), loss.to(out1.device)
-        m2 = loss[:, 1:]
-        if i not in memo:  # the target's next token at each counted position, steps 1 and 2
-            memo[i] = ((feats[:, 1:][loss] @ full_head.T).argmax(-1), (feats[:, 2:][m2] @ full_head.T).argmax(-1))
-        want1, want2 = memo[i]
-        real1, pred1 = feats[:, 1:][loss], out1[loss]
-        hits1 += int((vocab_ids[drafter.logits(pred1).argmax(-1)] == want1).sum())
-        l1 += float((pred1 - real1).abs().mean(-1).sum())
-        n1 += int(loss.sum())
-        if out2 is not None:
-            hits2 += int((vocab_ids[drafter.logits(out2[m2]).argmax(-1)] == want2).sum())
-            n2 += int(m2.sum())
-    return {
-        "top1": hits1 / max(1, n1),
-        "top1_step2": hits2 / max(1, n2),
-        "feature_l1": l1 / max(1, n1),
-        "positions": n1,
-    }
+        outs = drafter_passes(drafter, feats, ids, self_fed=EVAL_LEVELS - 1, extra=extra)
+        feats, loss = feats.to(outs[0].device), loss.to(outs[0].device)
+        masks = [loss[:, s:] for s in range(len(outs))]  # level s+1 predicts f_{j+s+1} from input j
+        if i not in memo:  # the target's next token at each counted position, per level
+            memo[i] = [(feats[:, s + 1 :][m] @ full_head.T).argmax(-1) for s, m in enumerate(masks)]
+        for s, (out, m, want) in enumerate(zip(outs, masks, memo[i], strict=True)):
+            hits[s] += int((vocab_ids[drafter.logits(out[m]).argmax(-1)] == want).sum())
+            counts[s] += int(m.sum())
+        l1 += float((outs[0][masks[0]] - feats[:, 1:][masks[0]]).abs().mean(-1).sum())
+    levels = {"top1" if s == 0 else f"top1_step{s + 1}": hits[s] / max(1, counts[s]) for s in range(EVAL_LEVELS)}
+    return {**levels, "feature_l1": l1 / max(1, counts[0]), "positions": counts[0]}
 
 
 def losses(drafter, out: torch.Tensor, real: torch.Tensor, mask: torch.Tensor, cfg: EagleTrainConfig):
@@ -225,11 +241,10 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
     if start_epoch == 0:
         metrics = evaluate(drafter, full_head, vocab_ids, held_seqs, memo=memo)
         log(
-            f"before training: held-out top-1 {metrics['top1']:.3f}, step-2 top-1 {metrics['top1_step2']:.3f}, "
-            f"feature L1 {metrics['feature_l1']:.3f}"
+            f"before training: held-out top-1 {metrics['top1']:.3f}, step-2 {metrics['top1_step2']:.3f}, "
+            f"step-3 {metrics['top1_step3']:.3f}, feature L1 {metrics['feature_l1']:.3f}"
         )
         history.append({"epoch": 0, **metrics})
-    step2 = cfg.step2_weight > 0
     for epoch in range(start_epoch, cfg.epochs):
         drafter.train()
         gen = torch.Generator().manual_seed(cfg.seed + epoch)
@@ -240,20 +255,22 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
             feats, ids, mask, extra = collate_features([train_seqs[i] for i in batches[b]])
             if not bool(mask.any()):
                 continue
-            out1, out2 = drafter_passes(drafter, feats, ids, cfg.noise, step2, gen, extra)
-            mask = mask.to(out1.device)
-            f1, t1 = losses(drafter, out1, feats[:, 1:], mask, cfg)
-            loss = cfg.feature_weight * f1 + cfg.token_weight * t1
-            if out2 is not None and bool(mask[:, 1:].any()):
-                f2, t2 = losses(drafter, out2, feats[:, 2:], mask[:, 1:], cfg)
-                loss = loss + cfg.step2_weight * (cfg.feature_weight * f2 + cfg.token_weight * t2)
+            outs = drafter_passes(drafter, feats, ids, cfg.noise, cfg.self_fed_steps, gen, extra)
+            mask = mask.to(outs[0].device)
+            loss = 0.0
+            for s, predicted in enumerate(outs):  # pass s+1 predicts f_{j+s+1}
+                if bool(mask[:, s:].any()):
+                    feat_loss, token_loss = losses(drafter, predicted, feats[:, s + 1 :], mask[:, s:], cfg)
+                    loss = loss + (1.0 if s == 0 else cfg.self_fed_weight) * (
+                        cfg.feature_weight * feat_loss + cfg.token_weight * token_loss
+                    )
             running = optimizer_step(loss, params, optimizer, schedule, running)
             bar.set_postfix(loss=f"{running:.3f}", lr=f"{schedule.get_last_lr()[0]:.1e}")
         metrics = evaluate(drafter, full_head, vocab_ids, held_seqs, memo=memo)
         history.append({"epoch": epoch + 1, "train_loss": running, "seconds": time.perf_counter() - t0, **metrics})
         log(
-            f"epoch {epoch + 1}: train loss {running:.3f}; held-out top-1 {metrics['top1']:.3f}, step-2 top-1 "
-            f"{metrics['top1_step2']:.3f}, feature L1 {metrics['feature_l1']:.3f}"
+            f"epoch {epoch + 1}: train loss {running:.3f}; held-out top-1 {metrics['top1']:.3f}, step-2 "
+            f"{metrics['top1_step2']:.3f}, step-3 {metrics['top1_step3']:.3f}, feature L1 {metrics['feature_l1']:.3f}"
         )
         state = {"epoch": epoch + 1, "history": history, "fuse_layers": cfg.fuse_layers}
         save_checkpoint(ckpt, params, optimizer, state)
