@@ -1,10 +1,10 @@
 """Exceptions. The CLI maps `BadInputError` (and subclasses) to exit code 2, anything else to 1."""
 
 
-def is_count(value: object) -> bool:
-    """Whether `value` is an integer >= 1 (a bool is not one, though Python counts it as an int): the check
-    behind every "must be an integer >= 1" error."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+def is_count(value: object, minimum: int = 1) -> bool:
+    """Whether `value` is an integer >= `minimum` (a bool is not one, though Python counts it as an int): the
+    check behind every "must be an integer >= 1" (or >= 0) error."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 class SpecframeError(Exception):

@@ -278,10 +278,11 @@ def test_tree_shape_saved_with_the_drafter_is_the_default(trained, tmp_path):
 
 def test_resume_continues_after_the_last_epoch(trained):
     target, cfg, _, _ = trained
-    more = EagleTrainConfig(**{**cfg.__dict__, "epochs": cfg.epochs + 1})
+    more = EagleTrainConfig(**{**cfg.__dict__, "epochs": cfg.epochs + 1, "self_fed_steps": 2})
     logs = []
     metrics = train_eagle(more, target, None, resume=True, log=logs.append)
     assert any("resumed" in m and f"epoch {cfg.epochs}" in m for m in logs)
+    assert "resuming with self_fed_steps 2; the checkpoint trained with 1" in logs  # allowed, and said
     assert [h["epoch"] for h in metrics["history"]] == list(range(cfg.epochs + 2))
     assert not any(m.startswith("before training") for m in logs)
 
@@ -428,6 +429,21 @@ def test_self_fed_passes_equal_drafting_one_chain_at_a_time(fuse_layers):
         assert len(drafter_passes(drafter, feats[:, :3], ids[:, :3], self_fed=5, extra=short)) == 2
 
 
+def test_level_masks_count_chains_that_drafting_can_start():
+    """Level s counts input i when its prediction lies in the response (as level 1 does at i + s - 1) and its
+    chain's root, the last prompt token or later, is where drafting starts (as level 1 counts input i)."""
+    from specframe.training.eagle import level_masks
+
+    # One sequence of 7 tokens, response from token 3: level 1 counts inputs 1..5 (predicting tokens 3..7).
+    loss = torch.tensor([[False, True, True, True, True, True]])
+    m1, m2, m3 = level_masks(loss, 3)
+    assert m1.tolist() == loss.tolist()
+    assert m2.tolist() == [[False, True, True, True, True]]  # input 0 would start its chain inside the prompt
+    assert m3.tolist() == [[False, True, True, True]]
+    padded = torch.tensor([[False, True, True, False, False, False]])  # a short row in a padded batch
+    assert [m.tolist() for m in level_masks(padded, 3)[1:]] == [[[False, True, False, False, False]], [[False] * 4]]
+
+
 def test_fuse_layers_must_exist_in_the_target(tmp_path):
     target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
     write_distill_data(tmp_path / "d.jsonl", target, n=20, response_length=6)
@@ -479,11 +495,13 @@ def test_bad_proposer_options(field, value):
         ("self_fed_steps", 1.5),
         ("self_fed_weight", -0.5),
         ("self_fed_weight", 0.0),  # with the default one self-fed step: say self_fed_steps=0 instead
+        ("self_fed_steps", 511),  # more than a sequence of max_length (512) tokens allows
     ],
 )
 def test_bad_training_options(field, value):
     with pytest.raises(ConfigError, match=f"train.{field}"):
         EagleTrainConfig(**{field: value})
+    EagleTrainConfig(self_fed_steps=510)  # the most a 512-token sequence runs
     EagleTrainConfig(self_fed_steps=0, self_fed_weight=0.0)  # no self-fed step: its weight is unused
 
 

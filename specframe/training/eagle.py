@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from specframe.errors import ConfigError
+from specframe.errors import ConfigError, is_count
 from specframe.training.common import TrainRunConfig, optimizer_step
 
 
@@ -76,10 +76,11 @@ class EagleTrainConfig(TrainRunConfig):
         for key in ("noise", "feature_weight", "token_weight", "self_fed_weight"):
             if not getattr(self, key) >= 0:
                 raise ConfigError(f"train.{key} must be >= 0, got {getattr(self, key)}")
-        if not (isinstance(self.self_fed_steps, int) and not isinstance(self.self_fed_steps, bool)) or (
-            self.self_fed_steps < 0
-        ):
-            raise ConfigError(f"train.self_fed_steps must be an integer >= 0, got {self.self_fed_steps!r}")
+        if not is_count(self.self_fed_steps, minimum=0) or self.self_fed_steps > self.max_length - 2:
+            raise ConfigError(
+                f"train.self_fed_steps must be an integer from 0 to max_length - 2 = {self.max_length - 2}, "
+                f"got {self.self_fed_steps!r}"
+            )
         if self.self_fed_steps and self.self_fed_weight == 0:
             raise ConfigError("train.self_fed_weight is 0 with self_fed_steps > 0: set self_fed_steps=0 to train none")
         if self.feature_weight == 0 and self.token_weight == 0:
@@ -107,6 +108,14 @@ def collate_features(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
         ids[i, :n] = s.ids
         loss[i, max(0, s.first_target - 2) : n - 1] = True
     return feats, ids, loss, extra
+
+
+def level_masks(loss: torch.Tensor, levels: int) -> list[torch.Tensor]:
+    """Counted outputs of passes 1..levels from `collate_features`' `loss` [B, T-1]: entry s-1 is [B, T-s],
+    true where pass s's prediction (of f_{i+s}) lies in the response and its chain starts where drafting can
+    start (pass 1 counts input i there: its root is the last prompt token or later)."""
+    width = loss.shape[1]
+    return [loss] + [loss[:, s:] & loss[:, : width - s] for s in range(1, levels)]
 
 
 def self_fed_mask(n: int, step: int, dtype: torch.dtype) -> torch.Tensor:
@@ -169,15 +178,26 @@ def evaluate(
         feats, ids, loss, extra = collate_features(seqs[i : i + batch_size])
         outs = drafter_passes(drafter, feats, ids, self_fed=EVAL_LEVELS - 1, extra=extra)
         feats, loss = feats.to(outs[0].device), loss.to(outs[0].device)
-        masks = [loss[:, s:] for s in range(len(outs))]  # level s+1 predicts f_{j+s+1} from input j
+        masks = level_masks(loss, len(outs))  # level s+1 predicts f_{j+s+1} from input j
         if i not in memo:  # the target's next token at each counted position, per level
             memo[i] = [(feats[:, s + 1 :][m] @ full_head.T).argmax(-1) for s, m in enumerate(masks)]
         for s, (out, m, want) in enumerate(zip(outs, masks, memo[i], strict=True)):
             hits[s] += int((vocab_ids[drafter.logits(out[m]).argmax(-1)] == want).sum())
             counts[s] += int(m.sum())
         l1 += float((outs[0][masks[0]] - feats[:, 1:][masks[0]]).abs().mean(-1).sum())
-    levels = {"top1" if s == 0 else f"top1_step{s + 1}": hits[s] / max(1, counts[s]) for s in range(EVAL_LEVELS)}
+    # (None: no held-out sequence is long enough for that level)
+    levels = {
+        "top1" if s == 0 else f"top1_step{s + 1}": hits[s] / counts[s] if counts[s] else None
+        for s in range(EVAL_LEVELS)
+    }
     return {**levels, "feature_l1": l1 / max(1, counts[0]), "positions": counts[0]}
+
+
+def describe(metrics: dict) -> str:
+    """The held-out metrics as one log phrase."""
+    levels = [metrics.get("top1" if s == 0 else f"top1_step{s + 1}") for s in range(EVAL_LEVELS)]
+    shown = " / ".join("n/a" if v is None else f"{v:.3f}" for v in levels)
+    return f"held-out top-1 at draft levels 1-{EVAL_LEVELS} {shown}, feature L1 {metrics['feature_l1']:.3f}"
 
 
 def losses(drafter, out: torch.Tensor, real: torch.Tensor, mask: torch.Tensor, cfg: EagleTrainConfig):
@@ -229,7 +249,11 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
     total_steps = len(batches) * cfg.epochs
     ckpt = out / "checkpoint"
     if resume and (ckpt / "state.json").is_file():
-        saved = json.loads((ckpt / "state.json").read_text()).get("fuse_layers", [])
+        state = json.loads((ckpt / "state.json").read_text())
+        saved = state.get("fuse_layers", [])
+        trained_steps = state.get("self_fed_steps", 1)  # (checkpoints from before it was recorded: 1)
+        if trained_steps != cfg.self_fed_steps:  # allowed (a curriculum), but said
+            log(f"resuming with self_fed_steps {cfg.self_fed_steps}; the checkpoint trained with {trained_steps}")
         if saved != cfg.fuse_layers:
             raise ConfigError(
                 f"train.fuse_layers {cfg.fuse_layers} differs from {saved} of the checkpoint in {ckpt}: resume "
@@ -240,10 +264,7 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
     memo: dict = {}
     if start_epoch == 0:
         metrics = evaluate(drafter, full_head, vocab_ids, held_seqs, memo=memo)
-        log(
-            f"before training: held-out top-1 {metrics['top1']:.3f}, step-2 {metrics['top1_step2']:.3f}, "
-            f"step-3 {metrics['top1_step3']:.3f}, feature L1 {metrics['feature_l1']:.3f}"
-        )
+        log(f"before training: {describe(metrics)}")
         history.append({"epoch": 0, **metrics})
     for epoch in range(start_epoch, cfg.epochs):
         drafter.train()
@@ -258,9 +279,9 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
             outs = drafter_passes(drafter, feats, ids, cfg.noise, cfg.self_fed_steps, gen, extra)
             mask = mask.to(outs[0].device)
             loss = 0.0
-            for s, predicted in enumerate(outs):  # pass s+1 predicts f_{j+s+1}
-                if bool(mask[:, s:].any()):
-                    feat_loss, token_loss = losses(drafter, predicted, feats[:, s + 1 :], mask[:, s:], cfg)
+            for s, (predicted, counted) in enumerate(zip(outs, level_masks(mask, len(outs)), strict=True)):
+                if bool(counted.any()):  # pass s+1 predicts f_{j+s+1}
+                    feat_loss, token_loss = losses(drafter, predicted, feats[:, s + 1 :], counted, cfg)
                     loss = loss + (1.0 if s == 0 else cfg.self_fed_weight) * (
                         cfg.feature_weight * feat_loss + cfg.token_weight * token_loss
                     )
@@ -268,11 +289,13 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
             bar.set_postfix(loss=f"{running:.3f}", lr=f"{schedule.get_last_lr()[0]:.1e}")
         metrics = evaluate(drafter, full_head, vocab_ids, held_seqs, memo=memo)
         history.append({"epoch": epoch + 1, "train_loss": running, "seconds": time.perf_counter() - t0, **metrics})
-        log(
-            f"epoch {epoch + 1}: train loss {running:.3f}; held-out top-1 {metrics['top1']:.3f}, step-2 "
-            f"{metrics['top1_step2']:.3f}, step-3 {metrics['top1_step3']:.3f}, feature L1 {metrics['feature_l1']:.3f}"
-        )
-        state = {"epoch": epoch + 1, "history": history, "fuse_layers": cfg.fuse_layers}
+        log(f"epoch {epoch + 1}: train loss {running:.3f}; {describe(metrics)}")
+        state = {
+            "epoch": epoch + 1,
+            "history": history,
+            "fuse_layers": cfg.fuse_layers,
+            "self_fed_steps": cfg.self_fed_steps,
+        }
         save_checkpoint(ckpt, params, optimizer, state)
     final = {
         "heldout": history[-1],
