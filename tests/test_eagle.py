@@ -395,6 +395,8 @@ def test_self_fed_passes_equal_drafting_one_chain_at_a_time(fuse_layers):
     """Training's batched self-fed passes (one causal pass over the real pairs, then pass s reading pass s-1's
     predictions through `self_fed_mask`) give, at every position, what drafting computes: the real pairs
     committed to a fresh cache, then a chain of the drafter's own predicted features at the next positions."""
+    from transformers import DynamicCache
+
     from specframe.training.eagle import drafter_passes
 
     target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
@@ -409,8 +411,6 @@ def test_self_fed_passes_equal_drafting_one_chain_at_a_time(fuse_layers):
     with torch.no_grad():
         outs = drafter_passes(drafter, feats, ids, self_fed=3, extra=extra)
     assert [o.shape[1] for o in outs] == [t - 1, t - 2, t - 3, t - 4]
-    from transformers import DynamicCache
-
     for b in range(2):
         for i in range(t - 4):
             cache = DynamicCache(config=drafter.config)

@@ -115,7 +115,7 @@ def level_masks(loss: torch.Tensor, levels: int) -> list[torch.Tensor]:
     true where pass s's prediction (of f_{i+s}) lies in the response and its chain starts where drafting can
     start (pass 1 counts input i there: its root is the last prompt token or later)."""
     width = loss.shape[1]
-    return [loss] + [loss[:, s:] & loss[:, : width - s] for s in range(1, levels)]
+    return [loss[:, s:] & loss[:, : width - s] for s in range(levels)]  # (s = 0: `loss` itself)
 
 
 def self_fed_mask(n: int, step: int, dtype: torch.dtype) -> torch.Tensor:
@@ -160,6 +160,7 @@ def drafter_passes(drafter, feats, ids, noise: float = 0.0, self_fed: int = 0, g
 
 
 EVAL_LEVELS = 3  # draft levels evaluated held-out: teacher-forced, then two self-fed steps
+LEVEL_KEYS = tuple("top1" if s == 0 else f"top1_step{s + 1}" for s in range(EVAL_LEVELS))  # their metric names
 
 
 @torch.no_grad()
@@ -186,17 +187,13 @@ def evaluate(
             counts[s] += int(m.sum())
         l1 += float((outs[0][masks[0]] - feats[:, 1:][masks[0]]).abs().mean(-1).sum())
     # (None: no held-out sequence is long enough for that level)
-    levels = {
-        "top1" if s == 0 else f"top1_step{s + 1}": hits[s] / counts[s] if counts[s] else None
-        for s in range(EVAL_LEVELS)
-    }
+    levels = {key: hits[s] / counts[s] if counts[s] else None for s, key in enumerate(LEVEL_KEYS)}
     return {**levels, "feature_l1": l1 / max(1, counts[0]), "positions": counts[0]}
 
 
 def describe(metrics: dict) -> str:
     """The held-out metrics as one log phrase."""
-    levels = [metrics.get("top1" if s == 0 else f"top1_step{s + 1}") for s in range(EVAL_LEVELS)]
-    shown = " / ".join("n/a" if v is None else f"{v:.3f}" for v in levels)
+    shown = " / ".join("n/a" if metrics.get(key) is None else f"{metrics[key]:.3f}" for key in LEVEL_KEYS)
     return f"held-out top-1 at draft levels 1-{EVAL_LEVELS} {shown}, feature L1 {metrics['feature_l1']:.3f}"
 
 
