@@ -444,6 +444,43 @@ def test_level_masks_count_chains_that_drafting_can_start():
     assert [m.tolist() for m in level_masks(padded, 3)[1:]] == [[[False, True, False, False, False]], [[False] * 4]]
 
 
+def test_prompt_positions_add_the_prompt_to_the_training_loss_only():
+    """A sequence of 7 tokens whose response starts at token 3: by default inputs 1..5 count (their next
+    features are f_2..f_6; f_2, the last prompt token's, predicts response token 3); with prompt_positions
+    inputs 0..5 count. Held-out evaluation calls the default."""
+    from specframe.training.eagle import collate_features
+    from specframe.training.features import FeatureSequence
+
+    seq = FeatureSequence(torch.arange(7), 3, torch.zeros(7, 4))
+    short = FeatureSequence(torch.arange(4), 2, torch.zeros(4, 4))  # padded to 7 in the batch
+    assert collate_features([seq, short])[2].tolist() == [[False] + [True] * 5, [True] * 3 + [False] * 3]
+    assert collate_features([seq, short], prompt_positions=True)[2].tolist() == [[True] * 6, [True] * 3 + [False] * 3]
+
+
+def test_init_from_continues_a_saved_drafter(trained, tmp_path):
+    target, cfg, metrics, _ = trained
+    more = EagleTrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "more"), "epochs": 1, "init_from": cfg.out})
+    logs = []
+    again = train_eagle(more, target, None, log=logs.append)
+    assert any(f"from {cfg.out}" in m for m in logs)
+    start = again["history"][0]  # the saved (float16) drafter, evaluated before training: where the first run ended
+    assert abs(start["top1"] - metrics["heldout"]["top1"]) < 0.02, (start, metrics["heldout"])
+    assert start["top1"] > metrics["history"][0]["top1"] + 0.1  # far from a fresh drafter's
+    assert json.load(open(f"{more.out}/eagle_vocab.json")) == json.load(open(f"{cfg.out}/eagle_vocab.json"))
+
+
+def test_init_from_must_be_a_drafter_with_the_same_layers(trained, tmp_path):
+    target, cfg, _, _ = trained
+    for options, message in (
+        ({"init_from": str(tmp_path / "nowhere")}, r"train.init_from: proposer.model .*nowhere' does not exist"),
+        ({"init_from": cfg.out, "fuse_layers": [0]}, r"train.fuse_layers \[0\] differs from \[\] of the drafter"),
+    ):
+        bad = EagleTrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "bad"), **options})
+        with pytest.raises(ConfigError, match=message):
+            train_eagle(bad, target, None, log=lambda m: None)
+    assert not (tmp_path / "bad").exists()
+
+
 def test_fuse_layers_must_exist_in_the_target(tmp_path):
     target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
     write_distill_data(tmp_path / "d.jsonl", target, n=20, response_length=6)
@@ -496,11 +533,13 @@ def test_bad_proposer_options(field, value):
         ("self_fed_weight", -0.5),
         ("self_fed_weight", 0.0),  # with the default one self-fed step: say self_fed_steps=0 instead
         ("self_fed_steps", 511),  # more than a sequence of max_length (512) tokens allows
+        ("prompt_positions", "yes"),
+        ("init_from", "runs/eagle"),  # with init_from_last_layer below: two starts
     ],
 )
 def test_bad_training_options(field, value):
     with pytest.raises(ConfigError, match=f"train.{field}"):
-        EagleTrainConfig(**{field: value})
+        EagleTrainConfig(**{field: value, **({"init_from_last_layer": True} if field == "init_from" else {})})
     EagleTrainConfig(self_fed_steps=510)  # the most a 512-token sequence runs
     EagleTrainConfig(self_fed_steps=0, self_fed_weight=0.0)  # no self-fed step: its weight is unused
 
