@@ -472,7 +472,8 @@ def test_init_from_continues_a_saved_drafter(trained, tmp_path):
 def test_init_from_must_be_a_drafter_with_the_same_layers(trained, tmp_path):
     target, cfg, _, _ = trained
     for options, message in (
-        ({"init_from": str(tmp_path / "nowhere")}, r"train.init_from: proposer.model .*nowhere' does not exist"),
+        ({"init_from": str(tmp_path / "nowhere")}, r"train.init_from '.*nowhere' does not exist"),
+        ({"init_from": str(tmp_path)}, r"train.init_from '.*' holds no eagle_config.json"),
         ({"init_from": cfg.out, "fuse_layers": [0]}, r"train.fuse_layers \[0\] differs from \[\] of the drafter"),
     ):
         bad = EagleTrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "bad"), **options})

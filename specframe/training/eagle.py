@@ -225,6 +225,9 @@ def initial_drafter(cfg: EagleTrainConfig, target) -> tuple[torch.nn.Module, tor
     from specframe.errors import ModelLoadError
     from specframe.proposers.eagle import load_drafter
 
+    if not (Path(cfg.init_from) / "eagle_config.json").is_file():
+        what = "does not exist" if not Path(cfg.init_from).exists() else "holds no eagle_config.json"
+        raise ConfigError(f"train.init_from '{cfg.init_from}' {what}: give a folder written by this trainer")
     try:
         drafter, vocab_ids, _ = load_drafter(cfg.init_from, target, torch.float32)
     except ModelLoadError as e:
