@@ -260,15 +260,18 @@ def save_drafter(
     (out / "eagle_config.json").write_text(json.dumps(meta, indent=2))
 
 
-def load_drafter(path: str | Path, target: torch.nn.Module, dtype: torch.dtype | None = None):
-    """(drafter, vocab_ids, metadata) from a saved folder; refuses a drafter made for another target."""
+def load_drafter(
+    path: str | Path, target: torch.nn.Module, dtype: torch.dtype | None = None, option: str = "proposer.model"
+):
+    """(drafter, vocab_ids, metadata) from a saved folder; refuses a drafter made for another target. `option`
+    is the config key that named the folder (for the error when it is not a drafter folder)."""
     from specframe.shared_draft import check_target_fingerprint
 
     p = Path(path)
     meta_file = p / "eagle_config.json"
     if not meta_file.is_file():
-        what = "does not exist" if not p.exists() else "is not an EAGLE drafter folder (no eagle_config.json)"
-        raise ModelLoadError(f"proposer.model '{path}' {what}; train one with `specframe train --proposer eagle`")
+        what = "does not exist" if not p.exists() else "holds no eagle_config.json (not an EAGLE drafter folder)"
+        raise ModelLoadError(f"{option} '{path}' {what}; train one with `specframe train --proposer eagle`")
     try:
         meta = json.loads(meta_file.read_text())
         vocab_ids = torch.tensor(json.loads((p / "eagle_vocab.json").read_text()), dtype=torch.long)

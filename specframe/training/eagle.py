@@ -102,7 +102,9 @@ class EagleTrainConfig(TrainRunConfig):
             raise ConfigError("train.init_from and train.init_from_last_layer both choose the start: set one")
 
 
-def collate_features(batch, prompt_positions: bool = False) -> tuple:
+def collate_features(
+    batch, prompt_positions: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(features [B, T, H] float32, ids [B, T], loss [B, T-1], extra layers [B, T, n*H] float32 or None):
     loss[b, j] = the output at input position j (predicting f_{j+1}) counts, i.e. f_{j+1} lies inside the
     sequence and predicts a response token (with `prompt_positions`: any token)."""
@@ -225,13 +227,10 @@ def initial_drafter(cfg: EagleTrainConfig, target) -> tuple[torch.nn.Module, tor
     from specframe.errors import ModelLoadError
     from specframe.proposers.eagle import load_drafter
 
-    if not (Path(cfg.init_from) / "eagle_config.json").is_file():
-        what = "does not exist" if not Path(cfg.init_from).exists() else "holds no eagle_config.json"
-        raise ConfigError(f"train.init_from '{cfg.init_from}' {what}: give a folder written by this trainer")
-    try:
-        drafter, vocab_ids, _ = load_drafter(cfg.init_from, target, torch.float32)
+    try:  # (its errors name train.init_from or the folder given there)
+        drafter, vocab_ids, _ = load_drafter(cfg.init_from, target, torch.float32, option="train.init_from")
     except ModelLoadError as e:
-        raise ConfigError(f"train.init_from: {e}") from e
+        raise ConfigError(str(e)) from e
     if list(drafter.fuse_layers) != cfg.fuse_layers:
         raise ConfigError(
             f"train.fuse_layers {cfg.fuse_layers} differs from {list(drafter.fuse_layers)} of the drafter in "
