@@ -162,7 +162,29 @@ def test_resume_continues_after_the_last_epoch(trained, tmp_path):
     assert resumed["history"][3]["top1"] == metrics["history"][3]["top1"]
 
 
-@pytest.mark.parametrize("field, value", [("stage", 3), ("num_heads", 0), ("head_decay", 0.0), ("tree_nodes", 0)])
+def test_prompt_positions_add_the_prompt_to_the_training_positions_only():
+    """A sequence of 7 tokens whose response starts at token 3. By default the roots are positions 2..5 (position
+    2, the last prompt token's, produced response token 3); with prompt_positions positions 0..5. Head k's label
+    is always the token k + 1 places after the root; held-out evaluation calls the default."""
+    from specframe.training.common import Sequence, collate
+    from specframe.training.features import FeatureSequence
+    from specframe.training.medusa import stack_features
+
+    seq = FeatureSequence(torch.arange(10, 17), 3, torch.arange(7.0)[:, None].repeat(1, 4))
+    x, y = stack_features([seq], num_heads=2)
+    assert x[:, 0].tolist() == [2, 3, 4, 5] and y.tolist() == [[14, 15], [15, 16], [16, -1], [-1, -1]]
+    x, y = stack_features([seq], num_heads=2, prompt_positions=True)
+    assert x[:, 0].tolist() == [0, 1, 2, 3, 4, 5] and y[:2].tolist() == [[12, 13], [13, 14]]
+    # Medusa-2 (and the draft trainer) take their loss positions from collate: the same roots.
+    seqs = [Sequence(list(range(10, 17)), 3), Sequence([10, 11, 12, 13], 2)]
+    assert collate(seqs, 0)[2].tolist() == [[False, False] + [True] * 4 + [False], [False, True, True] + [False] * 4]
+    assert collate(seqs, 0, prompt_positions=True)[2].tolist() == [[True] * 6 + [False], [True] * 3 + [False] * 4]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("stage", 3), ("num_heads", 0), ("head_decay", 0.0), ("tree_nodes", 0), ("prompt_positions", "yes")],
+)
 def test_bad_training_options(field, value):
     with pytest.raises(ConfigError, match=f"train.{field}"):
         MedusaTrainConfig(**{field: value})
@@ -184,6 +206,7 @@ def test_medusa2_trains_lora_with_peft_and_heads_require_the_adapter(tmp_path, t
         heldout_fraction=0.2,
         tree_nodes=4,
         lora_rank=2,
+        prompt_positions=True,
     )
     metrics = train_medusa(cfg, base, None, log=lambda m: None)
     assert metrics["history"][-1]["keep_kl"] >= 0

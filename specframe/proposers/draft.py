@@ -176,8 +176,8 @@ class DraftProposer(Proposer):
                 x = logits.argmax().view(1)
                 if self.threshold > 0:
                     confidence *= best  # the argmax's own probability
-            else:
-                x, q = self.draw(logits, state)
+            else:  # (with a threshold, q is the distribution just computed to decide)
+                x, q = self.draw(logits, state, dist if self.threshold > 0 else None)
                 confidence *= float(q[x])
                 qs.append(q)
             tokens.append(x)
@@ -188,9 +188,13 @@ class DraftProposer(Proposer):
         drafted = torch.cat(tokens)
         return Proposal.chain(drafted, None if greedy else torch.stack(qs), deterministic=greedy)
 
-    def draw(self, logits: torch.Tensor, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample one draft token; return it ([1]) and q, the exact distribution it was drawn from."""
-        q = sampling_probs(logits, state.sampling)
+    def draw(
+        self, logits: torch.Tensor, state: DecodeState, q: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample one draft token; return it ([1]) and q, the exact distribution it was drawn from (`q` when the
+        caller already has `sampling_probs(logits, state.sampling)`)."""
+        if q is None:
+            q = sampling_probs(logits, state.sampling)
         return torch.multinomial(q, 1, generator=state.generator), q
 
     def accepted(self, result: Acceptance) -> None:

@@ -48,8 +48,10 @@ class BonusFromParent(TreeAcceptance):
 class UntransformedQDraft(DraftProposer):
     """Draws from T(logits) but reports q = softmax(logits): q not passed through the sampling transform."""
 
-    def draw(self, logits: torch.Tensor, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
-        x, _ = super().draw(logits, state)
+    def draw(
+        self, logits: torch.Tensor, state: DecodeState, q: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, _ = super().draw(logits, state, q)
         return x, logits.float().softmax(-1)
 
 

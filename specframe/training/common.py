@@ -90,8 +90,11 @@ def make_batches(seqs: list[Sequence], batch_size: int, seed: int) -> list[list[
     return batches
 
 
-def collate(batch: list[Sequence], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids [B, T], attention_mask [B, T], loss_mask [B, T]): loss at positions predicting the response."""
+def collate(
+    batch: list[Sequence], pad: int, prompt_positions: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids [B, T], attention_mask [B, T], loss_mask [B, T]): loss at positions predicting the response
+    (with `prompt_positions`: predicting any token of the sequence)."""
     width = max(len(s.ids) for s in batch)
     ids = torch.full((len(batch), width), pad, dtype=torch.long)
     attn = torch.zeros_like(ids)
@@ -99,7 +102,7 @@ def collate(batch: list[Sequence], pad: int) -> tuple[torch.Tensor, torch.Tensor
     for i, s in enumerate(batch):  # right padding
         ids[i, : len(s.ids)] = torch.tensor(s.ids)
         attn[i, : len(s.ids)] = 1
-        loss[i, s.first_target - 1 : len(s.ids) - 1] = True
+        loss[i, 0 if prompt_positions else s.first_target - 1 : len(s.ids) - 1] = True
     return ids, attn, loss
 
 

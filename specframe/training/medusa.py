@@ -68,6 +68,11 @@ class MedusaTrainConfig(TrainRunConfig):
     keep_weight: float = 1.0
     # Stage 2: start from these trained stage-1 heads (a folder); None = fresh heads.
     init_heads: str | None = None
+    # Also train at the positions inside the prompt (heads predicting the user's next tokens from the target's
+    # features there), not only where the root is a response token. Held-out metrics and the saved tree count
+    # response positions either way. Off: on a 766-prompt subset it raised heads 2-3 a little, not head 1
+    # (all a one-node tree uses), and doubled the epoch time (docs/medusa.md).
+    prompt_positions: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -79,6 +84,8 @@ class MedusaTrainConfig(TrainRunConfig):
             raise ConfigError(f"train.stage must be 1 (Medusa-1) or 2 (Medusa-2), got {self.stage}")
         if not 0 < self.head_decay <= 1:
             raise ConfigError(f"train.head_decay must be in (0, 1], got {self.head_decay}")
+        if not isinstance(self.prompt_positions, bool):
+            raise ConfigError(f"train.prompt_positions must be true or false, got {self.prompt_positions!r}")
 
 
 # ---------------------------------------------------------------------------------------------- trees
@@ -127,11 +134,12 @@ def head_labels(ids: torch.Tensor, first_target: int, num_heads: int) -> tuple[t
     return pos, labels
 
 
-def stack_features(seqs, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """All (feature, labels) pairs of a list of FeatureSequence: [N, H] bfloat16 and [N, K] target ids (-1 = none)."""
+def stack_features(seqs, num_heads: int, prompt_positions: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """All (feature, labels) pairs of a list of FeatureSequence: [N, H] bfloat16 and [N, K] target ids (-1 = none).
+    Positions whose next token is a response token; with `prompt_positions`, every position but the last."""
     xs, ys = [], []
     for s in seqs:
-        pos, labels = head_labels(s.ids, s.first_target, num_heads)
+        pos, labels = head_labels(s.ids, 1 if prompt_positions else s.first_target, num_heads)
         xs.append(s.features[pos])
         ys.append(labels)
     return torch.cat(xs), torch.cat(ys)
@@ -249,7 +257,7 @@ def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     from specframe.training.features import split_features
 
     train_feats, held_feats = split_features(cfg, target, train_ex, held_ex)
-    x_train, y_train = stack_features(train_feats, cfg.num_heads)
+    x_train, y_train = stack_features(train_feats, cfg.num_heads, cfg.prompt_positions)
     x_held, y_held = stack_features(held_feats, cfg.num_heads)
     log(f"{x_train.shape[0]} training positions, {x_held.shape[0]} held-out")
     lm_rows = target.get_output_embeddings().weight.detach()[vocab_ids].float()
@@ -339,7 +347,7 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
         bar = tqdm(order, desc=f"epoch {epoch + 1}/{cfg.epochs}", file=sys.stderr, unit="batch")
         t0, running = time.perf_counter(), None
         for b in bar:
-            ids, attn, mask = collate(batches[b], pad=0)
+            ids, attn, mask = collate(batches[b], pad=0, prompt_positions=cfg.prompt_positions)
             with torch.no_grad(), model.disable_adapter():
                 p_log = target(input_ids=ids, attention_mask=attn).logits[mask].float().log_softmax(-1)
             feat = base.model(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, T, H] adapted
@@ -347,7 +355,9 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
             keep = (p_log.exp() * (p_log - q_log)).sum(-1).mean()
             labels = torch.cat(
                 [
-                    head_labels(ids[i, : int(attn[i].sum())], s.first_target, cfg.num_heads)[1]
+                    head_labels(
+                        ids[i, : int(attn[i].sum())], 1 if cfg.prompt_positions else s.first_target, cfg.num_heads
+                    )[1]
                     for i, s in enumerate(batches[b])
                 ]
             )
