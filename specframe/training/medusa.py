@@ -122,10 +122,13 @@ def vocab_index(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return index
 
 
-def head_labels(ids: torch.Tensor, first_target: int, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(positions [N], labels [N, K]): position t produced response token t+1; head k's label is token t+1+k."""
+def head_labels(
+    ids: torch.Tensor, first_target: int, num_heads: int, prompt_positions: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions [N], labels [N, K]): position t produced response token t+1 (with `prompt_positions`, any
+    token t+1, prompt positions included); head k's label is token t+1+k."""
     n = ids.numel()
-    pos = torch.arange(max(0, first_target - 1), n - 1)
+    pos = torch.arange(0 if prompt_positions else max(0, first_target - 1), n - 1)
     labels = torch.full((pos.numel(), num_heads), -1, dtype=torch.long)
     for k in range(1, num_heads + 1):
         at = pos + 1 + k
@@ -139,7 +142,7 @@ def stack_features(seqs, num_heads: int, prompt_positions: bool = False) -> tupl
     Positions whose next token is a response token; with `prompt_positions`, every position but the last."""
     xs, ys = [], []
     for s in seqs:
-        pos, labels = head_labels(s.ids, 1 if prompt_positions else s.first_target, num_heads)
+        pos, labels = head_labels(s.ids, s.first_target, num_heads, prompt_positions)
         xs.append(s.features[pos])
         ys.append(labels)
     return torch.cat(xs), torch.cat(ys)
@@ -355,9 +358,7 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
             keep = (p_log.exp() * (p_log - q_log)).sum(-1).mean()
             labels = torch.cat(
                 [
-                    head_labels(
-                        ids[i, : int(attn[i].sum())], 1 if cfg.prompt_positions else s.first_target, cfg.num_heads
-                    )[1]
+                    head_labels(ids[i, : int(attn[i].sum())], s.first_target, cfg.num_heads, cfg.prompt_positions)[1]
                     for i, s in enumerate(batches[b])
                 ]
             )
