@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer prompts")
     dist.add_argument("--temperature", type=float, default=0.0, help="0 = greedy responses")
     dist.add_argument("--seed", type=int, default=0)
+    dist.add_argument(
+        "--tag",
+        default="",
+        help="write ids '<prompt id>#TAG': a further pass (e.g. sampled) over prompts already in --out",
+    )
     dist.set_defaults(run=cmd_data_distill)
 
     b = sub.add_parser("bench", help="Spec-Bench style speed/acceptance benchmark (writes JSON, Markdown, PNG)")
@@ -254,6 +259,7 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         temperature=args.temperature,
         seed=args.seed,
+        tag=args.tag,
     )
     print(f"added {added} responses to {args.out}", file=sys.stderr)
     return 0

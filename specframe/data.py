@@ -2,10 +2,15 @@
 
 Format (one JSON object per line, UTF-8; every trainer reads it through `read_distill`):
 
-    {"id": str, "source": str, "prompt_ids": [int, ...], "response_ids": [int, ...], "finished": bool}
+    {"id": str, "source": str, "prompt_ids": [int, ...], "response_ids": [int, ...], "finished": bool,
+     "prompt_id": str}
 
 `prompt_ids` is the chat-templated prompt exactly as specframe feeds it; `response_ids` the target's greedy
-(or sampled) continuation, EOS included when it was reached (`finished`). The file is appended one batch at
+(or sampled) continuation, EOS included when it was reached (`finished`). `id` names the response and
+`prompt_id` the prompt it answers: they are equal, except that a pass run with a tag (`distill --tag s1`, e.g.
+a second, sampled response to every prompt in the same file) writes `id` = "<prompt id>#s1". Trainers split
+held-out data by `prompt_id`, so all responses to one prompt fall on the same side. `prompt_id` may be
+absent (files written before it existed): it is then `id`. The file is appended one batch at
 a time, so an interrupted run resumes where it stopped: ids already present are skipped.
 Spec-Bench is for measurement only; prompts that look like Spec-Bench questions are refused.
 """
@@ -13,6 +18,7 @@ Spec-Bench is for measurement only; prompts that look like Spec-Bench questions 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -33,6 +39,10 @@ class DistillExample:
     prompt_ids: list[int]
     response_ids: list[int]
     finished: bool
+    prompt_id: str = ""  # the prompt this responds to ("" in the constructor: the same as `id`)
+
+    def __post_init__(self) -> None:
+        self.prompt_id = self.prompt_id or self.id
 
 
 def read_jsonl(path: str | Path, what: str, hint: str = "") -> Iterator[tuple[int, dict]]:
@@ -67,20 +77,31 @@ def read_prompts(path: str | Path) -> list[dict]:
 
 def read_distill(path: str | Path) -> list[DistillExample]:
     out = []
+    line_of: dict[str, int] = {}  # id -> the line it is on: ids name responses, so each appears once
     for number, row in read_jsonl(path, "distillation data", " (make it with `specframe data distill`)"):
         try:
-            out.append(
-                DistillExample(
-                    str(row["id"]),
-                    row.get("source", ""),
-                    row["prompt_ids"],
-                    row["response_ids"],
-                    bool(row.get("finished", False)),
-                )
+            example = DistillExample(
+                str(row["id"]),
+                row.get("source", ""),
+                row["prompt_ids"],
+                row["response_ids"],
+                bool(row.get("finished", False)),
+                str(row.get("prompt_id", "")),
             )
         except KeyError as e:
             raise BadInputError(f"distillation data '{path}' line {number}: missing {e}") from e
+        if example.id in line_of:
+            raise BadInputError(
+                f"distillation data '{path}' line {number}: id '{example.id}' is already on line "
+                f"{line_of[example.id]} (a further response to a prompt needs its own id: `distill --tag`)"
+            )
+        line_of[example.id] = number
+        out.append(example)
     return out
+
+
+def response_id(prompt_id: str, tag: str) -> str:
+    return f"{prompt_id}#{tag}" if tag else prompt_id
 
 
 def batches(items: list, size: int) -> Iterator[list]:
@@ -100,16 +121,22 @@ def distill(
     temperature: float = 0.0,
     seed: int = 0,
     quiet: bool = False,
+    tag: str = "",
 ) -> int:
-    """Append the target's responses for every prompt not yet in `out_path`; return how many were added."""
+    """Append the target's responses for every prompt not yet in `out_path`; return how many were added.
+
+    With a `tag`, responses get the id "<prompt id>#<tag>", so one file can hold several responses per prompt
+    (e.g. a greedy pass and a sampled one): a pass is resumed by its own ids."""
     from tqdm import tqdm
 
+    if tag and not re.fullmatch(r"[A-Za-z0-9_-]+", tag):
+        raise BadInputError(f"distill tag must be letters, digits, '-' or '_', got {tag!r}")
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = {e.id for e in read_distill(out)} if out.exists() else set()
     todo = []
     for row in prompts:
-        if str(row["id"]) in done:
+        if response_id(str(row["id"]), tag) in done:
             continue
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, tokenize=True
@@ -143,15 +170,12 @@ def distill(
                 top_k=None,
                 pad_token_id=pad,
             )[:, width:].tolist()
-            for (id_, source, ids), resp in zip(batch, gen, strict=True):
+            for (prompt_id, source, ids), resp in zip(batch, gen, strict=True):
                 finished = eos in resp
                 resp = resp[: resp.index(eos) + 1] if finished else resp
-                f.write(
-                    json.dumps(
-                        {"id": id_, "source": source, "prompt_ids": ids, "response_ids": resp, "finished": finished}
-                    )
-                    + "\n"
-                )
+                row = {"id": response_id(prompt_id, tag), "source": source, "prompt_ids": ids}
+                row |= {"response_ids": resp, "finished": finished, "prompt_id": prompt_id}
+                f.write(json.dumps(row) + "\n")
             f.flush()
             added += len(batch)
             bar.update(len(batch))

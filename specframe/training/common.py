@@ -35,7 +35,7 @@ class TrainRunConfig:
     # Output vocabulary: the most frequent response tokens (rows of the target's LM head). Smaller is cheaper;
     # tokens outside it are never drafted (q = 0; exactness is unaffected).
     vocab_size: int = 8192
-    # Fraction of prompts held out for the reported metrics (split by id: stable across runs and resumes).
+    # Fraction of prompts held out for the reported metrics (split by prompt id: stable across runs and resumes).
     heldout_fraction: float = 0.05
     # Seed for the split, initialisation and batching order.
     seed: int = 0
@@ -70,11 +70,12 @@ def to_sequences(examples: list[DistillExample], max_length: int) -> list[Sequen
 
 
 def split_heldout(examples: list[DistillExample], fraction: float, seed: int = 0):
-    """Deterministic split by id, so the held-out set is the same across runs and resumes."""
+    """Deterministic split by prompt id, so the held-out set is the same across runs and resumes, and every
+    response to one prompt (several `distill --tag` passes) falls on the same side."""
     import hashlib
 
     def bucket(e: DistillExample) -> float:
-        h = hashlib.sha256(f"{seed}:{e.id}".encode()).digest()
+        h = hashlib.sha256(f"{seed}:{e.prompt_id}".encode()).digest()
         return int.from_bytes(h[:8], "big") / 2**64
 
     train = [e for e in examples if bucket(e) >= fraction]

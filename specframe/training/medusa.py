@@ -9,7 +9,7 @@ keep its own outputs, so the loss adds KL(p_original || p_adapted) over the full
 position. The verified model is then the *adapted* one: generation must load the adapter
 (`target.adapter=<out>/adapter`), and exactness holds with respect to that model, not the original.
 
-Reported on held-out prompts (a fixed split by id): each head's top-1 and top-5 accuracy, and *path
+Reported on held-out prompts (a fixed split by prompt id): each head's top-1 and top-5 accuracy, and *path
 statistics*: for every tree path (r1, ..., rd), how many positions had the true tokens at exactly those ranks
 of heads 1..d. Greedy verification accepts a node exactly when its path matches, so the expected accepted
 length of a tree is 1 + sum over its nodes of count / positions; `best_tree` picks the nodes with the highest

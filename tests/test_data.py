@@ -1,0 +1,79 @@
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from specframe.data import distill, read_distill
+from specframe.errors import BadInputError
+from specframe.testing.conformance import reference_greedy
+from specframe.testing.tiny import tiny_llama
+from specframe.training.common import split_heldout
+
+PROMPTS = [{"id": f"q{i}", "source": "test", "prompt": " ".join("abcdef"[(i + j) % 6] for j in range(2 + i % 4))}
+           for i in range(12)]
+
+
+@pytest.fixture
+def tokenizer(tiny_dirs):
+    tok = AutoTokenizer.from_pretrained(tiny_dirs["target"])
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}a{% endif %}"
+    )
+    return tok
+
+
+def run(model, tokenizer, out, **options):
+    return distill(model, tokenizer, PROMPTS, out, max_new_tokens=4, batch_size=5, quiet=True, **options)
+
+
+def test_greedy_pass_is_the_target_greedy_response_and_resumes(tokenizer, tmp_path):
+    model = tiny_llama(vocab_size=8, seed=0)
+    out = tmp_path / "d.jsonl"
+    assert run(model, tokenizer, out) == len(PROMPTS)
+    rows = read_distill(out)
+    assert sorted(r.id for r in rows) == sorted(p["id"] for p in PROMPTS)
+    for r in rows:
+        assert r.prompt_id == r.id
+        # batched, left-padded generation gives what one unpadded sequence gives
+        greedy = reference_greedy(model, r.prompt_ids, 4)
+        assert r.response_ids == (greedy[: greedy.index(1) + 1] if 1 in greedy else greedy)
+        assert r.finished == (1 in greedy)
+    assert run(model, tokenizer, out) == 0  # resumed: every prompt is done
+
+
+def test_a_tagged_pass_adds_second_responses_kept_with_their_prompt_in_the_split(tokenizer, tmp_path):
+    model = tiny_llama(vocab_size=8, seed=0)
+    out = tmp_path / "d.jsonl"
+    run(model, tokenizer, out)
+    assert run(model, tokenizer, out, temperature=1.0, seed=3, tag="s1") == len(PROMPTS)
+    assert run(model, tokenizer, out, temperature=1.0, seed=3, tag="s1") == 0
+    rows = read_distill(out)
+    assert len(rows) == 2 * len(PROMPTS)
+    tagged = [r for r in rows if r.id.endswith("#s1")]
+    assert sorted(r.prompt_id + "#s1" for r in tagged) == sorted(r.id for r in tagged)
+    assert {r.prompt_id for r in tagged} == {p["id"] for p in PROMPTS}
+    train, held = split_heldout(rows, 0.3)
+    assert held and train
+    assert not {r.prompt_id for r in train} & {r.prompt_id for r in held}
+    # the untagged responses split exactly as they do without the tagged ones
+    plain = [r for r in rows if r.id == r.prompt_id]
+    assert [r.id for r in split_heldout(plain, 0.3)[1]] == [r.id for r in held if r.id == r.prompt_id]
+
+
+def test_rows_without_prompt_id_answer_the_prompt_named_by_their_id(tmp_path):
+    row = {"id": "x", "source": "s", "prompt_ids": [1], "response_ids": [2], "finished": True}
+    (tmp_path / "d.jsonl").write_text(json.dumps(row) + "\n")
+    assert read_distill(tmp_path / "d.jsonl")[0].prompt_id == "x"
+
+
+def test_an_id_twice_is_refused_naming_both_lines(tmp_path):
+    row = {"id": "x", "source": "s", "prompt_ids": [1], "response_ids": [2], "finished": True}
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (row, row | {"id": "y"}, row)))
+    with pytest.raises(BadInputError, match="line 3: id 'x' is already on line 1"):
+        read_distill(tmp_path / "d.jsonl")
+
+
+@pytest.mark.parametrize("tag", ["a b", "s#1", "é"])
+def test_bad_tag_is_refused(tokenizer, tmp_path, tag):
+    with pytest.raises(BadInputError, match="tag"):
+        run(tiny_llama(vocab_size=8, seed=0), tokenizer, tmp_path / "d.jsonl", tag=tag)
