@@ -238,9 +238,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_data_distill(args: argparse.Namespace) -> int:
-    from specframe.data import DEFAULT_PROMPTS, distill, read_prompts
+    from specframe.data import DEFAULT_PROMPTS, check_tag, distill, read_prompts
     from specframe.models import load_model
 
+    check_tag(args.tag)  # (distill checks it too; here it fails before the model loads)
     for name in ("limit", "batch_size", "max_new_tokens", "max_prompt_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:

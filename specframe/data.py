@@ -100,6 +100,11 @@ def read_distill(path: str | Path) -> list[DistillExample]:
     return out
 
 
+def check_tag(tag: str) -> None:
+    if tag and not re.fullmatch(r"[A-Za-z0-9_-]+", tag):
+        raise BadInputError(f"distill tag must be letters, digits, '-' or '_', got {tag!r}")
+
+
 def response_id(prompt_id: str, tag: str) -> str:
     return f"{prompt_id}#{tag}" if tag else prompt_id
 
@@ -129,8 +134,7 @@ def distill(
     (e.g. a greedy pass and a sampled one): a pass is resumed by its own ids."""
     from tqdm import tqdm
 
-    if tag and not re.fullmatch(r"[A-Za-z0-9_-]+", tag):
-        raise BadInputError(f"distill tag must be letters, digits, '-' or '_', got {tag!r}")
+    check_tag(tag)
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = {e.id for e in read_distill(out)} if out.exists() else set()
@@ -173,8 +177,14 @@ def distill(
             for (prompt_id, source, ids), resp in zip(batch, gen, strict=True):
                 finished = eos in resp
                 resp = resp[: resp.index(eos) + 1] if finished else resp
-                row = {"id": response_id(prompt_id, tag), "source": source, "prompt_ids": ids}
-                row |= {"response_ids": resp, "finished": finished, "prompt_id": prompt_id}
+                row = {
+                    "id": response_id(prompt_id, tag),
+                    "source": source,
+                    "prompt_ids": ids,
+                    "response_ids": resp,
+                    "finished": finished,
+                    "prompt_id": prompt_id,
+                }
                 f.write(json.dumps(row) + "\n")
             f.flush()
             added += len(batch)

@@ -77,3 +77,12 @@ def test_an_id_twice_is_refused_naming_both_lines(tmp_path):
 def test_bad_tag_is_refused(tokenizer, tmp_path, tag):
     with pytest.raises(BadInputError, match="tag"):
         run(tiny_llama(vocab_size=8, seed=0), tokenizer, tmp_path / "d.jsonl", tag=tag)
+
+
+def test_cli_refuses_a_bad_tag_before_loading_the_target(capsys, tmp_path):
+    from specframe.cli import main
+
+    code = main(["data", "distill", "--out", str(tmp_path / "d.jsonl"), "--target", str(tmp_path / "absent"),
+                 "--prompts", str(tmp_path / "absent.jsonl"), "--tag", "a b"])
+    err = capsys.readouterr().err
+    assert code == 2 and "distill tag" in err and "absent" not in err
