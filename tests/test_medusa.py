@@ -162,6 +162,27 @@ def test_resume_continues_after_the_last_epoch(trained, tmp_path):
     assert resumed["history"][3]["top1"] == metrics["history"][3]["top1"]
 
 
+def test_init_heads_continues_stage1_from_trained_heads(trained, tmp_path):
+    # With a learning rate too small to move anything, training further (e.g. on new data) starts where the
+    # heads ended, keeps their vocabulary (not the 16 tokens its own vocab_size would choose) and saves them
+    # unchanged.
+    from dataclasses import replace
+
+    from safetensors.torch import load_file
+
+    target, cfg, metrics = trained
+    more = replace(cfg, out=str(tmp_path / "more"), init_heads=cfg.out, vocab_size=16, epochs=1, lr=1e-12)
+    again = train_medusa(more, target, None, log=lambda m: None)
+    assert again["history"][0]["top1"] == pytest.approx(metrics["history"][-1]["top1"], abs=0.02)
+    assert again["history"][0]["top1"][0] > metrics["history"][0]["top1"][0] + 0.1  # (not a fresh start)
+    before, after = load_file(f"{cfg.out}/model.safetensors"), load_file(f"{more.out}/model.safetensors")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    vocab = json.loads(open(f"{more.out}/medusa_vocab.json").read())
+    assert vocab == json.loads(open(f"{cfg.out}/medusa_vocab.json").read()) and len(vocab) == 12
+    with pytest.raises(ConfigError, match="has 3 heads of 1 blocks; the config asks for 2 of 1"):
+        train_medusa(replace(more, num_heads=2), target, None, log=lambda m: None)
+
+
 def test_prompt_positions_add_the_prompt_to_the_training_positions_only():
     """A sequence of 7 tokens whose response starts at token 3. By default the roots are positions 2..5 (position
     2, the last prompt token's, produced response token 3); with prompt_positions positions 0..5. Head k's label

@@ -180,3 +180,45 @@ def test_resume_continues_after_the_last_epoch(trained, tmp_path):
 def test_bad_training_options(field, value):
     with pytest.raises(ConfigError, match=f"train.{field}"):
         DraftTrainConfig(**{field: value})
+
+
+def test_init_from_continues_from_a_trained_draft(trained, tmp_path):
+    # With a learning rate too small to move anything, the continued run starts (epoch 0) where the trained
+    # draft ended, saves its weights unchanged, and keeps its vocabulary, not the one its own config would
+    # choose (vocab_size=16).
+    import json
+
+    target, cfg, metrics = trained
+    more = DraftTrainConfig(
+        **{**cfg.__dict__, "out": str(tmp_path / "more"), "init_from": cfg.out, "vocab_size": 16, "epochs": 1,
+           "lr": 1e-12}
+    )
+    logs = []
+    again = train_draft(more, target, None, log=logs.append)
+    before, after = again["history"][0], metrics["history"][-1]
+    assert before["top1_agreement"] == pytest.approx(after["top1_agreement"], abs=0.02)  # (saved in float16)
+    assert before["alpha"] == pytest.approx(after["alpha"], abs=0.01)
+    from safetensors.torch import load_file
+
+    trained_w, continued_w = load_file(f"{cfg.out}/model.safetensors"), load_file(f"{more.out}/model.safetensors")
+    assert continued_w.keys() == trained_w.keys()
+    assert all(torch.equal(continued_w[k], trained_w[k]) for k in trained_w)
+    layer0 = {k: v.half() for k, v in target.model.layers[0].state_dict().items()}  # (a fresh start's weights)
+    assert not all(torch.equal(trained_w[f"model.layers.0.{k}"], v) for k, v in layer0.items())
+    vocab = json.loads((tmp_path / "more" / "draft_vocab.json").read_text())
+    assert vocab == json.loads((tmp_path / "draft" / "draft_vocab.json").read_text()) and len(vocab) == 10
+    assert any(f"from the draft in '{cfg.out}'" in m for m in logs)
+
+
+def test_init_from_refuses_what_it_cannot_continue(trained, tmp_path):
+    target, cfg, _ = trained
+    base = {**cfg.__dict__, "out": str(tmp_path / "more"), "epochs": 1}
+    with pytest.raises(ConfigError, match="not a trained shared draft"):
+        train_draft(DraftTrainConfig(**{**base, "init_from": str(tmp_path)}), target, None, log=lambda m: None)
+    with pytest.raises(ConfigError, match="has 1 layers; the config asks for train.layers=2"):
+        train_draft(DraftTrainConfig(**{**base, "init_from": cfg.out, "layers": 2}), target, None, log=lambda m: None)
+    other = tiny_llama(vocab_size=16, seed=5, hidden_size=32, num_layers=3)
+    with pytest.raises(ConfigError, match="train.init_from: .*another target"):
+        train_draft(DraftTrainConfig(**{**base, "init_from": cfg.out}), other, None, log=lambda m: None)
+    with pytest.raises(ConfigError, match="train.init_from and train.init_layers"):
+        DraftTrainConfig(init_from=cfg.out, init_layers=[0, 1])

@@ -11,6 +11,7 @@ draft token), over the full vocabulary (q = 0 outside the draft's).
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -19,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from specframe.errors import ConfigError
-from specframe.shared_draft import build_shared_draft, save_shared_draft
+from specframe.errors import ConfigError, ModelLoadError
+from specframe.shared_draft import build_shared_draft, is_shared_draft, load_shared_draft, save_shared_draft
 from specframe.training.common import (
     Sequence,
     TrainRunConfig,
@@ -46,6 +47,9 @@ class DraftTrainConfig(TrainRunConfig):
     layers: int = 2
     # Target layers the draft's layers start from (default: the first `layers`).
     init_layers: list[int] = field(default_factory=list)
+    # Continue from this trained shared draft (a folder): its layers, final norm and vocabulary, which must
+    # have `layers` layers and be made for this target. "" = start from the target layers above.
+    init_from: str = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -53,6 +57,8 @@ class DraftTrainConfig(TrainRunConfig):
             raise ConfigError(f"train.layers must be >= 1, got {self.layers}")
         if self.init_layers and len(self.init_layers) != self.layers:
             raise ConfigError(f"train.init_layers must list {self.layers} layers, got {self.init_layers}")
+        if self.init_from and self.init_layers:
+            raise ConfigError("train.init_from and train.init_layers both choose the start: set one")
 
 
 @dataclass
@@ -99,6 +105,25 @@ def evaluate(draft, reference: TeacherReference, vocab_ids, seqs, pad: int) -> d
     return {"top1_agreement": agree / max(1, total), "alpha": alpha_sum / max(1, total), "positions": total}
 
 
+def initial_draft(cfg: DraftTrainConfig, target) -> tuple[torch.nn.Module, torch.Tensor, list[int]]:
+    """(draft, vocab_ids, its target init layers) loaded from `cfg.init_from`, which must be a shared draft
+    for `target` with `cfg.layers` layers."""
+    folder = Path(cfg.init_from)
+    if not is_shared_draft(folder):
+        raise ConfigError(f"train.init_from '{folder}' is not a trained shared draft (no draft_config.json of one)")
+    try:
+        draft, vocab_ids = load_shared_draft(folder, target)
+    except ModelLoadError as e:
+        raise ConfigError(f"train.init_from: {e}") from e
+    have = len(draft.model.layers)
+    if have != cfg.layers:
+        raise ConfigError(
+            f"train.init_from '{folder}' has {have} layers; the config asks for train.layers={cfg.layers}"
+        )
+    init = json.loads((folder / "draft_config.json").read_text()).get("init_layers") or list(range(have))
+    return draft, vocab_ids.cpu(), init
+
+
 def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, log=print) -> dict:
     """Train and save a shared draft for `target` (a float32 model); returns the held-out metrics."""
     from tqdm import tqdm
@@ -106,8 +131,11 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
     out = Path(cfg.out)
     train_ex, held_ex, vocab_ids = start_run(cfg, target, tokenizer)
     vocab_size = target.get_output_embeddings().weight.shape[0]
-    init = cfg.init_layers or list(range(cfg.layers))
-    draft = build_shared_draft(target, cfg.layers, vocab_ids, init_layers=init)
+    if cfg.init_from:  # (loaded and checked before the features are extracted)
+        draft, vocab_ids, init = initial_draft(cfg, target)
+    else:
+        init = cfg.init_layers or list(range(cfg.layers))
+        draft = build_shared_draft(target, cfg.layers, vocab_ids, init_layers=init)
     draft.train()
     params = {k: p for k, p in draft.named_parameters() if k.startswith(("model.layers.", "model.norm."))}
     for k, p in draft.named_parameters():
@@ -123,8 +151,9 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
     coverage = sum(int(in_vocab[torch.tensor(e.response_ids)].sum()) for e in held_ex if e.response_ids) / max(
         1, sum(len(e.response_ids) for e in held_ex)
     )
+    start = f"the draft in '{cfg.init_from}'" if cfg.init_from else f"target layers {init}"
     log(
-        f"draft: {cfg.layers} layers from target layers {init}, vocabulary {len(vocab_ids)} "
+        f"draft: {cfg.layers} layers from {start}, vocabulary {len(vocab_ids)} "
         f"(covers {coverage:.1%} of held-out response tokens); {len(train_seqs)} train / {len(held_seqs)} "
         "held-out sequences"
     )

@@ -66,7 +66,8 @@ class MedusaTrainConfig(TrainRunConfig):
     lora_modules: tuple[str, ...] = ("q_proj", "v_proj")
     # Stage 2: weight of KL(p_original || p_adapted), which keeps the adapted target's outputs.
     keep_weight: float = 1.0
-    # Stage 2: start from these trained stage-1 heads (a folder); None = fresh heads.
+    # Start from these trained heads (a folder; their vocabulary too): in stage 1 to train them further, e.g.
+    # on new data; in stage 2 to add the adapter to trained stage-1 heads. None = fresh heads.
     init_heads: str | None = None
     # Also train at the positions inside the prompt (heads predicting the user's next tokens from the target's
     # features there), not only where the root is a response token. Held-out metrics and the saved tree count
