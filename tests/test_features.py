@@ -52,3 +52,36 @@ def test_extra_layers_are_those_hidden_states_cached_under_their_own_key(tmp_pat
     for bad in ([3], [-1], [1, 1]):  # layer 3 of 3 (the normed last) is the feature itself
         with pytest.raises(ConfigError, match="extra_layers"):
             extract_features(target, examples, extra_layers=bad)
+
+
+def test_fewer_layers_are_read_from_a_file_made_for_more(tmp_path):
+    """A trainer that asks for a subset of the extra layers (Medusa and the draft ask for none) reads them from
+    the file EAGLE's fused features made, instead of running the target again; other layers, data or targets
+    still get their own file."""
+    target = tiny_llama(vocab_size=16, hidden_size=32, num_layers=3)
+    write_distill_data(tmp_path / "d.jsonl", target, n=8)
+    examples = read_distill(tmp_path / "d.jsonl")
+    cache = tmp_path / "f"
+
+    def files():
+        return sorted(p.name for p in cache.iterdir())
+
+    fused = extract_features(target, examples, dtype=torch.float32, cache_dir=cache, quiet=True, extra_layers=[2, 0])
+    made = files()
+    plain = extract_features(target, examples, dtype=torch.float32, cache_dir=cache, quiet=True)
+    assert files() == made and all(s.extra is None for s in plain)
+    for a, b in zip(fused, plain, strict=True):
+        assert torch.equal(a.features, b.features) and torch.equal(a.ids, b.ids)
+    assert [(s.id, s.first_target) for s in plain] == [(s.id, s.first_target) for s in fused]
+    for wanted, cols in (([0], [1]), ([0, 2], [1, 0])):  # a column of it, and both in the other order
+        part = extract_features(target, examples, dtype=torch.float32, cache_dir=cache, quiet=True, extra_layers=wanted)
+        assert files() == made
+        for a, b in zip(fused, part, strict=True):
+            expected = torch.cat([a.extra[:, c * 32 : (c + 1) * 32] for c in cols], -1)
+            assert torch.equal(b.extra, expected) and torch.equal(a.features, b.features)
+    extract_features(target, examples, dtype=torch.float32, cache_dir=cache, quiet=True, extra_layers=[1])
+    assert len(files()) == 2  # layer 1 is not in the fused file: extracted
+    extract_features(target, examples[:-1], dtype=torch.float32, cache_dir=cache, quiet=True)
+    other = tiny_llama(vocab_size=16, hidden_size=32, num_layers=3, seed=3)
+    extract_features(other, examples, dtype=torch.float32, cache_dir=cache, quiet=True)
+    assert len(files()) == 4  # other examples, another target: never read from the fused file

@@ -181,6 +181,9 @@ def test_init_heads_continues_stage1_from_trained_heads(trained, tmp_path):
     assert vocab == json.loads(open(f"{cfg.out}/medusa_vocab.json").read()) and len(vocab) == 12
     with pytest.raises(ConfigError, match="has 3 heads of 1 blocks; the config asks for 2 of 1"):
         train_medusa(replace(more, num_heads=2), target, None, log=lambda m: None)
+    # A folder that holds no heads is named under the option that gave it (exit 2 from the CLI).
+    with pytest.raises(ConfigError, match=r"train.init_heads: .*medusa_config.json"):
+        train_medusa(replace(more, init_heads=str(tmp_path)), target, None, log=lambda m: None)
 
 
 def test_prompt_positions_add_the_prompt_to_the_training_positions_only():

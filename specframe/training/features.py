@@ -11,6 +11,9 @@ bfloat16), with extra layers also `extra` ([sum of lengths, len(layers) * hidden
 side by side in the order asked), `ids` (the token ids, concatenated), and `lengths`/`first_target` per
 sequence. `key` hashes the examples' ids and tokens, the target's fingerprint, `max_length`, the extraction
 dtype and the extra layers, so changed data, a different target or other layers never reuse a stale file.
+The file's metadata records `base_key` (the key without extra layers) and `extra_layers`, so a trainer that
+asks for fewer layers (Medusa and the draft ask for none) reads its columns from a file made for more
+(EAGLE's fused features) instead of running the target again.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from specframe.data import DistillExample
 from specframe.errors import ConfigError
@@ -87,7 +91,12 @@ def extract_features(
         key = cache_key(examples, target, max_length, dtype, extra_layers)
         path = Path(cache_dir) / f"features-{key}.safetensors"
         if path.is_file():
-            return _load(path, example_ids)
+            return _load(path, example_ids, extra_layers, extra_layers)
+        base_key = key if not extra_layers else cache_key(examples, target, max_length, dtype)
+        for other, layers in _cached_with_more_layers(Path(cache_dir), base_key, extra_layers):
+            if not quiet:
+                print(f"target features: reading the layers asked for from {other}", file=sys.stderr)
+            return _load(other, example_ids, layers, extra_layers)
     model = target if target.dtype == dtype else copy.deepcopy(target).to(dtype)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))  # similar lengths: little padding
     feats: list[torch.Tensor | None] = [None] * len(seqs)
@@ -112,7 +121,7 @@ def extract_features(
         for s, f, i, x in zip(seqs, feats, example_ids, extra, strict=True)
     ]
     if path is not None:
-        _save(path, out)
+        _save(path, out, base_key, extra_layers)
     return out
 
 
@@ -130,8 +139,8 @@ def check_extra_layers(layers, num_layers: int, what: str) -> None:
 
 def split_features(cfg, target: torch.nn.Module, train_ex: list, held_ex: list, extra_layers=()):
     """(training, held-out) feature sequences for a trainer's split, from one extraction over all of its examples,
-    so every trainer with the same data, `max_length`, target and extra layers shares one cache file
-    (`cfg.features_cache`, "" = no cache)."""
+    so every trainer with the same data, `max_length` and target shares one cache file (one holding at least the
+    extra layers it asks for; `cfg.features_cache`, "" = no cache)."""
     feats = extract_features(
         target, train_ex + held_ex, cfg.max_length, cache_dir=cfg.features_cache or None, extra_layers=extra_layers
     )
@@ -139,7 +148,7 @@ def split_features(cfg, target: torch.nn.Module, train_ex: list, held_ex: list, 
     return [s for s in feats if s.id not in held_ids], [s for s in feats if s.id in held_ids]
 
 
-def _save(path: Path, seqs: list[FeatureSequence]) -> None:
+def _save(path: Path, seqs: list[FeatureSequence], base_key: str, extra_layers: tuple[int, ...]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     lengths = torch.tensor([s.ids.numel() for s in seqs])
     tensors = {
@@ -150,15 +159,42 @@ def _save(path: Path, seqs: list[FeatureSequence]) -> None:
     }
     if seqs and seqs[0].extra is not None:
         tensors["extra"] = torch.cat([s.extra for s in seqs]).contiguous()
+    meta = {"base_key": base_key, "extra_layers": json.dumps(list(extra_layers))}
     tmp = path.with_suffix(".tmp")
-    save_file(tensors, tmp)
+    save_file(tensors, tmp, metadata=meta)
     tmp.rename(path)  # atomic: an interrupted run never leaves a half-written cache behind
 
 
-def _load(path: Path, ids: list[str]) -> list[FeatureSequence]:
-    t = load_file(path)
+def _cached_with_more_layers(cache_dir: Path, base_key: str, wanted: tuple[int, ...]):
+    """(path, its extra layers) of each cache file for the same examples, target, length and dtype whose
+    extra layers include every one in `wanted`."""
+    for path in sorted(cache_dir.glob("features-*.safetensors")):
+        try:
+            with safe_open(path, "pt") as f:
+                meta = f.metadata() or {}
+        except Exception:  # (not a readable cache file: ignored, as a missing one would be)
+            continue
+        if meta.get("base_key") != base_key:
+            continue
+        layers = tuple(json.loads(meta.get("extra_layers", "[]")))
+        if set(wanted) <= set(layers):
+            yield path, layers
+
+
+def _load(path: Path, ids: list[str], stored: tuple[int, ...], wanted: tuple[int, ...]) -> list[FeatureSequence]:
+    """The sequences in a cache file that holds the extra layers `stored`, keeping the columns of `wanted`."""
+    with safe_open(path, "pt") as f:
+        t = {k: f.get_tensor(k) for k in ("features", "ids", "lengths", "first_target")}
+        extra = None
+        if wanted:
+            hidden = t["features"].shape[1]
+            if tuple(wanted) == tuple(stored):
+                extra = f.get_tensor("extra")
+            else:
+                block = f.get_slice("extra")
+                cols = [stored.index(layer) for layer in wanted]
+                extra = torch.cat([block[:, c * hidden : (c + 1) * hidden] for c in cols], -1)
     out, at = [], 0
-    extra = t.get("extra")
     for n, first, i in zip(t["lengths"].tolist(), t["first_target"].tolist(), ids, strict=True):
         more = extra[at : at + n] if extra is not None else None
         out.append(FeatureSequence(t["ids"][at : at + n], first, t["features"][at : at + n], i, more))

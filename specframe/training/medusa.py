@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from specframe.errors import ConfigError
+from specframe.errors import ConfigError, ModelLoadError
 from specframe.training.common import (
     TrainRunConfig,
     optimizer_step,
@@ -208,8 +208,11 @@ def train_medusa(cfg: MedusaTrainConfig, target, tokenizer, resume: bool = False
     vocab = target.get_output_embeddings().weight.shape[0]
     index = vocab_index(vocab_ids, vocab)
     hidden = target.config.hidden_size
-    if cfg.init_heads:
-        heads, vocab_ids, _ = load_heads(cfg.init_heads, target)
+    if cfg.init_heads:  # (loaded and checked before the features are extracted)
+        try:
+            heads, vocab_ids, _ = load_heads(cfg.init_heads, target)
+        except ModelLoadError as e:
+            raise ConfigError(f"train.init_heads: {e}") from e
         index = vocab_index(vocab_ids, vocab)
         if heads.num_heads != cfg.num_heads or len(heads.heads[0]) != cfg.layers:
             raise ConfigError(
