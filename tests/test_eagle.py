@@ -380,14 +380,28 @@ def test_fused_drafter_trains_saves_version_2_and_round_trips(tmp_path):
         wrong = drafter_passes(proposer.drafter, feats, ids, extra=swapped)[0][0, k - 1]
     assert float((wrong - want).abs().max()) > 0.1
 
-    # Resuming needs the same layers (the checkpoint records them).
+    # Resuming needs the same layers (the checkpoint records them), refused before any feature extraction.
     with pytest.raises(ConfigError, match=r"train.fuse_layers \[0, 1\] differs from \[1, 0\] of the checkpoint"):
-        train_eagle(EagleTrainConfig(**{**cfg.__dict__, "fuse_layers": [0, 1]}), target, None, resume=True)
+        other_layers = {"fuse_layers": [0, 1], "features_cache": str(tmp_path / "fresh")}
+        train_eagle(EagleTrainConfig(**{**cfg.__dict__, **other_layers}), target, None, resume=True)
+    assert not (tmp_path / "fresh").exists()
     state_file = Path(cfg.out) / "checkpoint" / "state.json"  # a checkpoint that does not record its layers:
     state = json.loads(state_file.read_text())
     state_file.write_text(json.dumps({k: v for k, v in state.items() if k != "fuse_layers"}))
     with pytest.raises(ConfigError, match="checkpoint in .* was saved with other parameters \\('fuse.weight'"):
         train_eagle(EagleTrainConfig(**{**cfg.__dict__, "fuse_layers": []}), target, None, resume=True)
+
+    # The Medusa and draft trainers on the same data read their plain features from this fused cache file
+    # (whatever their held-out split) instead of running the target again.
+    from specframe.training.draft import DraftTrainConfig, train_draft
+    from specframe.training.medusa import MedusaTrainConfig, train_medusa
+
+    cached = sorted(Path(cfg.features_cache).iterdir())
+    assert len(cached) == 1
+    common = dict(data=cfg.data, features_cache=cfg.features_cache, epochs=1, vocab_size=12, heldout_fraction=0.1)
+    train_medusa(MedusaTrainConfig(out=str(tmp_path / "m"), num_heads=2, **common), target, None, log=lambda m: None)
+    train_draft(DraftTrainConfig(out=str(tmp_path / "d"), layers=1, **common), target, None, log=lambda m: None)
+    assert sorted(Path(cfg.features_cache).iterdir()) == cached
 
 
 @pytest.mark.parametrize("fuse_layers", [(), (0, 1)])

@@ -252,6 +252,18 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
     train_ex, held_ex, vocab_ids = start_run(cfg, target, tokenizer)
     if cfg.init_from:  # (loaded and checked before the features are extracted)
         drafter, vocab_ids = initial_drafter(cfg, target)
+    ckpt = out / "checkpoint"  # (its layers checked before the features are extracted too)
+    if resume and (ckpt / "state.json").is_file():
+        state = json.loads((ckpt / "state.json").read_text())
+        saved = state.get("fuse_layers", [])
+        trained_steps = state.get("self_fed_steps", 1)  # (checkpoints from before it was recorded: 1)
+        if trained_steps != cfg.self_fed_steps:  # allowed (a curriculum), but said
+            log(f"resuming with self_fed_steps {cfg.self_fed_steps}; the checkpoint trained with {trained_steps}")
+        if saved != cfg.fuse_layers:
+            raise ConfigError(
+                f"train.fuse_layers {cfg.fuse_layers} differs from {saved} of the checkpoint in {ckpt}: resume "
+                "with the same layers, or train into a new out folder"
+            )
     full_head = target.get_output_embeddings().weight.detach().float()
     vocab_size = full_head.shape[0]
     train_feats, held_feats = split_features(cfg, target, train_ex, held_ex, tuple(cfg.fuse_layers))
@@ -280,18 +292,6 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
     order_by_len = sorted(range(len(train_seqs)), key=lambda i: train_seqs[i].ids.numel())
     batches = [order_by_len[i : i + cfg.batch_size] for i in range(0, len(order_by_len), cfg.batch_size)]
     total_steps = len(batches) * cfg.epochs
-    ckpt = out / "checkpoint"
-    if resume and (ckpt / "state.json").is_file():
-        state = json.loads((ckpt / "state.json").read_text())
-        saved = state.get("fuse_layers", [])
-        trained_steps = state.get("self_fed_steps", 1)  # (checkpoints from before it was recorded: 1)
-        if trained_steps != cfg.self_fed_steps:  # allowed (a curriculum), but said
-            log(f"resuming with self_fed_steps {cfg.self_fed_steps}; the checkpoint trained with {trained_steps}")
-        if saved != cfg.fuse_layers:
-            raise ConfigError(
-                f"train.fuse_layers {cfg.fuse_layers} differs from {saved} of the checkpoint in {ckpt}: resume "
-                "with the same layers, or train into a new out folder"
-            )
     start_epoch, history = resume_from(ckpt, params, optimizer, resume, log)
     schedule = warmup_cosine(optimizer, total_steps, start_epoch * len(batches))
     memo: dict = {}
