@@ -67,6 +67,7 @@ def test_fewer_layers_are_read_from_a_file_made_for_more(tmp_path):
         return sorted(p.name for p in cache.iterdir())
 
     fused = extract_features(target, examples, dtype=torch.float32, cache_dir=cache, quiet=True, extra_layers=[2, 0])
+    (cache / "features-junk.safetensors").write_bytes(b"not a cache file")  # (ignored while looking)
     made = files()
     plain = extract_features(target, examples, dtype=torch.float32, cache_dir=cache, quiet=True)
     assert files() == made and all(s.extra is None for s in plain)
@@ -80,8 +81,8 @@ def test_fewer_layers_are_read_from_a_file_made_for_more(tmp_path):
             expected = torch.cat([a.extra[:, c * 32 : (c + 1) * 32] for c in cols], -1)
             assert torch.equal(b.extra, expected) and torch.equal(a.features, b.features)
     extract_features(target, examples, dtype=torch.float32, cache_dir=cache, quiet=True, extra_layers=[1])
-    assert len(files()) == 2  # layer 1 is not in the fused file: extracted
+    assert len(files()) == 3  # layer 1 is not in the fused file: extracted
     extract_features(target, examples[:-1], dtype=torch.float32, cache_dir=cache, quiet=True)
     other = tiny_llama(vocab_size=16, hidden_size=32, num_layers=3, seed=3)
     extract_features(other, examples, dtype=torch.float32, cache_dir=cache, quiet=True)
-    assert len(files()) == 4  # other examples, another target: never read from the fused file
+    assert len(files()) == 5  # other examples, another target: never read from the fused file

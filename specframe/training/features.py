@@ -172,12 +172,10 @@ def _cached_with_more_layers(cache_dir: Path, base_key: str, wanted: tuple[int, 
         try:
             with safe_open(path, "pt") as f:
                 meta = f.metadata() or {}
+            layers = tuple(json.loads(meta.get("extra_layers", "[]")))
         except Exception:  # (not a readable cache file: ignored, as a missing one would be)
             continue
-        if meta.get("base_key") != base_key:
-            continue
-        layers = tuple(json.loads(meta.get("extra_layers", "[]")))
-        if set(wanted) <= set(layers):
+        if meta.get("base_key") == base_key and set(wanted) <= set(layers):
             yield path, layers
 
 
