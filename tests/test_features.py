@@ -86,3 +86,34 @@ def test_fewer_layers_are_read_from_a_file_made_for_more(tmp_path):
     other = tiny_llama(vocab_size=16, hidden_size=32, num_layers=3, seed=3)
     extract_features(other, examples, dtype=torch.float32, cache_dir=cache, quiet=True)
     assert len(files()) == 5  # other examples, another target: never read from the fused file
+
+
+def test_grown_data_runs_the_target_on_the_new_sequences_only(tmp_path, capsys):
+    """After another distillation pass is appended, only the new sequences go through the target; the others'
+    rows (and the columns of the layers asked for) are copied from the cache files that hold those tokens."""
+    target = tiny_llama(vocab_size=16, hidden_size=32, num_layers=3)
+    write_distill_data(tmp_path / "d.jsonl", target, n=10)
+    examples = sorted(read_distill(tmp_path / "d.jsonl"), key=lambda e: e.id)
+    cache = tmp_path / "f"
+    first = extract_features(target, examples[:6], dtype=torch.float32, cache_dir=cache, extra_layers=[2, 0])
+    capsys.readouterr()
+    grown = extract_features(target, examples, dtype=torch.float32, cache_dir=cache, extra_layers=[0])
+    assert "6 of 10 sequences copied from earlier cache files; running the target on the other 4" in (
+        capsys.readouterr().err
+    )
+    assert len(list(cache.iterdir())) == 2  # the grown data gets its own file
+    fresh = extract_features(target, examples, dtype=torch.float32, extra_layers=[0], quiet=True)  # (no cache)
+    for a, b in zip(grown, fresh, strict=True):
+        assert a.id == b.id and torch.equal(a.ids, b.ids) and a.first_target == b.first_target
+        torch.testing.assert_close(a.features.float(), b.features.float(), atol=0.02, rtol=0.02)
+        torch.testing.assert_close(a.extra.float(), b.extra.float(), atol=0.02, rtol=0.02)
+    for a, b in zip(first, grown[:6], strict=True):  # copied, not recomputed: exactly the earlier rows
+        assert torch.equal(a.features, b.features) and torch.equal(a.extra[:, 32:], b.extra)
+    again = extract_features(target, examples, dtype=torch.float32, cache_dir=cache, extra_layers=[0])
+    assert all(torch.equal(a.features, b.features) for a, b in zip(grown, again, strict=True))
+    assert "copied" not in capsys.readouterr().err  # (its own file now)
+    other = tiny_llama(vocab_size=16, hidden_size=32, num_layers=3, seed=3)
+    extract_features(other, examples, dtype=torch.float32, cache_dir=cache)
+    assert "copied" not in capsys.readouterr().err  # another target copies nothing
+    extract_features(target, examples, dtype=torch.float32, cache_dir=cache, extra_layers=[1])
+    assert "copied" not in capsys.readouterr().err  # nor does a layer no cached file holds

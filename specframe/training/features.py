@@ -11,9 +11,15 @@ bfloat16), with extra layers also `extra` ([sum of lengths, len(layers) * hidden
 side by side in the order asked), `ids` (the token ids, concatenated), and `lengths`/`first_target` per
 sequence. `key` hashes the examples' ids and tokens, the target's fingerprint, `max_length`, the extraction
 dtype and the extra layers, so changed data, a different target or other layers never reuse a stale file.
-The file's metadata records `base_key` (the key without extra layers) and `extra_layers`, so a trainer that
-asks for fewer layers (Medusa and the draft ask for none) reads its columns from a file made for more
-(EAGLE's fused features) instead of running the target again.
+The file's metadata records `base_key` (the key without extra layers), `context` (the key of the target,
+`max_length` and dtype alone) and `extra_layers`, so that the target never runs twice on the same text:
+
+- a trainer that asks for fewer layers (Medusa and the draft ask for none) reads its columns from a file made
+  for more (EAGLE's fused features) for the same examples;
+- data that grew (another `distill --tag` pass appended to a copy of the file) runs the target on the new
+  sequences only and copies the others' rows from the cache files that hold the same token sequences (the
+  feature of a position depends on the tokens up to it alone; the rows agree with a fresh pass to the
+  rounding of a different batch), then writes the whole file under its own key.
 """
 
 from __future__ import annotations
@@ -61,6 +67,14 @@ def cache_key(
     return h.hexdigest()[:16]
 
 
+def context_key(target: torch.nn.Module, max_length: int, dtype: torch.dtype) -> str:
+    """What the features of one token sequence depend on besides the tokens: the target, the cut and the dtype."""
+    h = hashlib.sha256()
+    h.update(json.dumps(target_fingerprint(target), sort_keys=True).encode())
+    h.update(f"{max_length}:{dtype}".encode())
+    return h.hexdigest()[:16]
+
+
 @torch.no_grad()
 def extract_features(
     target: torch.nn.Module,
@@ -87,21 +101,33 @@ def extract_features(
     seqs = to_sequences(examples, max_length)
     example_ids = [e.id for e in examples]
     path = None
+    feats: list[torch.Tensor | None] = [None] * len(seqs)
+    extra: list[torch.Tensor | None] = [None] * len(seqs)
     if cache_dir is not None:
         key = cache_key(examples, target, max_length, dtype, extra_layers)
         path = Path(cache_dir) / f"features-{key}.safetensors"
         if path.is_file():
             return _load(path, example_ids, extra_layers, extra_layers)
         base_key = key if not extra_layers else cache_key(examples, target, max_length, dtype)
-        for other, layers in _cached_with_more_layers(Path(cache_dir), base_key, extra_layers):
-            if not quiet:
-                print(f"target features: reading the layers asked for from {other}", file=sys.stderr)
-            return _load(other, example_ids, layers, extra_layers)
-    model = target if target.dtype == dtype else copy.deepcopy(target).to(dtype)
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))  # similar lengths: little padding
-    feats: list[torch.Tensor | None] = [None] * len(seqs)
-    extra: list[torch.Tensor | None] = [None] * len(seqs)
-    bar = tqdm(total=sum(len(s.ids) for s in seqs), desc="target features", unit="tok", file=sys.stderr, disable=quiet)
+        context = context_key(target, max_length, dtype)
+        cached = list(_cache_files(Path(cache_dir), context, extra_layers))
+        for other, meta, layers in cached:
+            if meta.get("base_key") == base_key:  # the same examples, with at least these layers
+                if not quiet:
+                    print(f"target features: reading the layers asked for from {other}", file=sys.stderr)
+                return _load(other, example_ids, layers, extra_layers)
+        copied = _copy_cached_rows(cached, seqs, extra_layers, feats, extra)
+        if copied and not quiet:
+            print(
+                f"target features: {copied} of {len(seqs)} sequences copied from earlier cache files; "
+                f"running the target on the other {len(seqs) - copied}",
+                file=sys.stderr,
+            )
+    todo = [i for i in range(len(seqs)) if feats[i] is None]
+    model = target if target.dtype == dtype or not todo else copy.deepcopy(target).to(dtype)
+    order = sorted(todo, key=lambda i: len(seqs[i].ids))  # similar lengths: little padding
+    bar = tqdm(total=sum(len(seqs[i].ids) for i in todo), desc="target features", unit="tok", file=sys.stderr,
+               disable=quiet)
     for start in range(0, len(order), batch_size):
         batch = [seqs[i] for i in order[start : start + batch_size]]
         ids, attn, _ = collate(batch, pad=0)
@@ -121,7 +147,7 @@ def extract_features(
         for s, f, i, x in zip(seqs, feats, example_ids, extra, strict=True)
     ]
     if path is not None:
-        _save(path, out, base_key, extra_layers)
+        _save(path, out, {"base_key": base_key, "context": context, "extra_layers": json.dumps(list(extra_layers))})
     return out
 
 
@@ -148,7 +174,7 @@ def split_features(cfg, target: torch.nn.Module, train_ex: list, held_ex: list, 
     return [s for s in feats if s.id not in held_ids], [s for s in feats if s.id in held_ids]
 
 
-def _save(path: Path, seqs: list[FeatureSequence], base_key: str, extra_layers: tuple[int, ...]) -> None:
+def _save(path: Path, seqs: list[FeatureSequence], meta: dict[str, str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     lengths = torch.tensor([s.ids.numel() for s in seqs])
     tensors = {
@@ -159,15 +185,14 @@ def _save(path: Path, seqs: list[FeatureSequence], base_key: str, extra_layers: 
     }
     if seqs and seqs[0].extra is not None:
         tensors["extra"] = torch.cat([s.extra for s in seqs]).contiguous()
-    meta = {"base_key": base_key, "extra_layers": json.dumps(list(extra_layers))}
     tmp = path.with_suffix(".tmp")
     save_file(tensors, tmp, metadata=meta)
     tmp.rename(path)  # atomic: an interrupted run never leaves a half-written cache behind
 
 
-def _cached_with_more_layers(cache_dir: Path, base_key: str, wanted: tuple[int, ...]):
-    """(path, its extra layers) of each cache file for the same examples, target, length and dtype whose
-    extra layers include every one in `wanted`."""
+def _cache_files(cache_dir: Path, context: str, wanted: tuple[int, ...]):
+    """(path, metadata, its extra layers) of each cache file made with this target, `max_length` and dtype whose
+    extra layers include every one in `wanted` (files without that record, from before it existed, are skipped)."""
     for path in sorted(cache_dir.glob("features-*.safetensors")):
         try:
             with safe_open(path, "pt") as f:
@@ -175,23 +200,48 @@ def _cached_with_more_layers(cache_dir: Path, base_key: str, wanted: tuple[int, 
             layers = tuple(json.loads(meta.get("extra_layers", "[]")))
         except Exception:  # (not a readable cache file: ignored, as a missing one would be)
             continue
-        if meta.get("base_key") == base_key and set(wanted) <= set(layers):
-            yield path, layers
+        if meta.get("context") == context and set(wanted) <= set(layers):
+            yield path, meta, layers
+
+
+def _copy_cached_rows(cached: list, seqs: list, wanted: tuple[int, ...], feats: list, extra: list) -> int:
+    """Fill `feats[i]` (and `extra[i]`) for every sequence whose token ids a cached file holds; returns how many."""
+    need: dict[tuple[int, ...], list[int]] = {}
+    for i, s in enumerate(seqs):
+        need.setdefault(tuple(s.ids), []).append(i)
+    copied = 0
+    for path, _, layers in cached:
+        with safe_open(path, "pt") as f:
+            ids, lengths = f.get_tensor("ids"), f.get_tensor("lengths").tolist()
+            rows, more = f.get_slice("features"), f.get_slice("extra") if wanted else None
+            hidden = f.get_slice("features").get_shape()[1]
+            at = 0
+            for n in lengths:
+                found = need.pop(tuple(ids[at : at + n].tolist()), None)
+                if found:
+                    own = rows[at : at + n]
+                    cols = _columns(more[at : at + n], layers, wanted, hidden) if more is not None else None
+                    for i in found:
+                        feats[i], extra[i] = own, cols
+                    copied += len(found)
+                at += n
+        if not need:
+            break
+    return copied
+
+
+def _columns(block: torch.Tensor, stored: tuple[int, ...], wanted: tuple[int, ...], hidden: int) -> torch.Tensor:
+    """The columns of the layers `wanted`, in that order, from `block` holding the layers `stored` side by side."""
+    if tuple(stored) == tuple(wanted):
+        return block
+    return torch.cat([block[:, c * hidden : (c + 1) * hidden] for c in (stored.index(x) for x in wanted)], -1)
 
 
 def _load(path: Path, ids: list[str], stored: tuple[int, ...], wanted: tuple[int, ...]) -> list[FeatureSequence]:
     """The sequences in a cache file that holds the extra layers `stored`, keeping the columns of `wanted`."""
     with safe_open(path, "pt") as f:
         t = {k: f.get_tensor(k) for k in ("features", "ids", "lengths", "first_target")}
-        extra = None
-        if wanted:
-            hidden = t["features"].shape[1]
-            if tuple(wanted) == tuple(stored):
-                extra = f.get_tensor("extra")
-            else:
-                block = f.get_slice("extra")
-                cols = [stored.index(layer) for layer in wanted]
-                extra = torch.cat([block[:, c * hidden : (c + 1) * hidden] for c in cols], -1)
+        extra = _columns(f.get_tensor("extra"), stored, wanted, t["features"].shape[1]) if wanted else None
     out, at = [], 0
     for n, first, i in zip(t["lengths"].tolist(), t["first_target"].tolist(), ids, strict=True):
         more = extra[at : at + n] if extra is not None else None
