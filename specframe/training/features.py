@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import json
 import sys
 from dataclasses import dataclass
@@ -101,8 +102,6 @@ def extract_features(
     seqs = to_sequences(examples, max_length)
     example_ids = [e.id for e in examples]
     path = None
-    feats: list[torch.Tensor | None] = [None] * len(seqs)
-    extra: list[torch.Tensor | None] = [None] * len(seqs)
     if cache_dir is not None:
         key = cache_key(examples, target, max_length, dtype, extra_layers)
         path = Path(cache_dir) / f"features-{key}.safetensors"
@@ -116,39 +115,56 @@ def extract_features(
                 if not quiet:
                     print(f"target features: reading the layers asked for from {other}", file=sys.stderr)
                 return _load(other, example_ids, layers, extra_layers)
-        copied = _copy_cached_rows(cached, seqs, extra_layers, feats, extra)
+    # Every sequence's rows go straight into one buffer per tensor (saved as they are: the largest caches are
+    # several GB, so nothing is concatenated afterwards), in id order.
+    starts = [0, *itertools.accumulate(len(s.ids) for s in seqs)]
+    hidden = target.config.hidden_size
+    feats = torch.empty(starts[-1], hidden, dtype=torch.bfloat16)
+    extra = torch.empty(starts[-1], len(extra_layers) * hidden, dtype=torch.bfloat16) if extra_layers else None
+    done = [False] * len(seqs)
+    if cache_dir is not None:
+        copied = _copy_cached_rows(cached, seqs, starts, extra_layers, feats, extra, done)
         if copied and not quiet:
             print(
                 f"target features: {copied} of {len(seqs)} sequences copied from earlier cache files; "
                 f"running the target on the other {len(seqs) - copied}",
                 file=sys.stderr,
             )
-    todo = [i for i in range(len(seqs)) if feats[i] is None]
+    todo = [i for i in range(len(seqs)) if not done[i]]
     model = target if target.dtype == dtype or not todo else copy.deepcopy(target).to(dtype)
     order = sorted(todo, key=lambda i: len(seqs[i].ids))  # similar lengths: little padding
-    bar = tqdm(total=sum(len(seqs[i].ids) for i in todo), desc="target features", unit="tok", file=sys.stderr,
-               disable=quiet)
-    for start in range(0, len(order), batch_size):
-        batch = [seqs[i] for i in order[start : start + batch_size]]
-        ids, attn, _ = collate(batch, pad=0)
+    total = sum(len(seqs[i].ids) for i in todo)
+    bar = tqdm(total=total, desc="target features", unit="tok", file=sys.stderr, disable=quiet)
+    for at in range(0, len(order), batch_size):
+        batch = order[at : at + batch_size]
+        ids, attn, _ = collate([seqs[i] for i in batch], pad=0)
         device = model.device
-        want_all = bool(extra_layers)
-        out = model.model(input_ids=ids.to(device), attention_mask=attn.to(device), output_hidden_states=want_all)
-        hidden = out.last_hidden_state
+        out = model.model(
+            input_ids=ids.to(device), attention_mask=attn.to(device), output_hidden_states=bool(extra_layers)
+        )
         more = torch.cat([out.hidden_states[layer] for layer in extra_layers], -1) if extra_layers else None
-        for row, i in enumerate(order[start : start + batch_size]):
-            feats[i] = hidden[row, : len(seqs[i].ids)].to(torch.bfloat16).cpu()
+        for row, i in enumerate(batch):
+            a, b = starts[i], starts[i + 1]
+            feats[a:b] = out.last_hidden_state[row, : b - a].to(torch.bfloat16).cpu()
             if more is not None:
-                extra[i] = more[row, : len(seqs[i].ids)].to(torch.bfloat16).cpu()
-        bar.update(sum(len(s.ids) for s in batch))
+                extra[a:b] = more[row, : b - a].to(torch.bfloat16).cpu()
+        bar.update(sum(len(seqs[i].ids) for i in batch))
     bar.close()
-    out = [
-        FeatureSequence(torch.tensor(s.ids), s.first_target, f, i, x)
-        for s, f, i, x in zip(seqs, feats, example_ids, extra, strict=True)
-    ]
+    ids = torch.tensor([t for s in seqs for t in s.ids], dtype=torch.long)
     if path is not None:
-        _save(path, out, {"base_key": base_key, "context": context, "extra_layers": json.dumps(list(extra_layers))})
-    return out
+        tensors = {
+            "features": feats,
+            "ids": ids,
+            "lengths": torch.tensor([len(s.ids) for s in seqs]),
+            "first_target": torch.tensor([s.first_target for s in seqs]),
+            **({"extra": extra} if extra is not None else {}),
+        }
+        meta = {"base_key": base_key, "context": context, "extra_layers": json.dumps(list(extra_layers))}
+        _save(path, tensors, meta)
+    return [
+        FeatureSequence(ids[a:b], s.first_target, feats[a:b], i, extra[a:b] if extra is not None else None)
+        for s, i, a, b in zip(seqs, example_ids, starts[:-1], starts[1:], strict=True)
+    ]
 
 
 def check_extra_layers(layers, num_layers: int, what: str) -> None:
@@ -174,17 +190,8 @@ def split_features(cfg, target: torch.nn.Module, train_ex: list, held_ex: list, 
     return [s for s in feats if s.id not in held_ids], [s for s in feats if s.id in held_ids]
 
 
-def _save(path: Path, seqs: list[FeatureSequence], meta: dict[str, str]) -> None:
+def _save(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    lengths = torch.tensor([s.ids.numel() for s in seqs])
-    tensors = {
-        "features": torch.cat([s.features for s in seqs]).contiguous(),
-        "ids": torch.cat([s.ids for s in seqs]).contiguous(),
-        "lengths": lengths,
-        "first_target": torch.tensor([s.first_target for s in seqs]),
-    }
-    if seqs and seqs[0].extra is not None:
-        tensors["extra"] = torch.cat([s.extra for s in seqs]).contiguous()
     tmp = path.with_suffix(".tmp")
     save_file(tensors, tmp, metadata=meta)
     tmp.rename(path)  # atomic: an interrupted run never leaves a half-written cache behind
@@ -204,8 +211,10 @@ def _cache_files(cache_dir: Path, context: str, wanted: tuple[int, ...]):
             yield path, meta, layers
 
 
-def _copy_cached_rows(cached: list, seqs: list, wanted: tuple[int, ...], feats: list, extra: list) -> int:
-    """Fill `feats[i]` (and `extra[i]`) for every sequence whose token ids a cached file holds; returns how many."""
+def _copy_cached_rows(cached: list, seqs: list, starts: list[int], wanted: tuple[int, ...], feats: torch.Tensor,
+                      extra: torch.Tensor | None, done: list[bool]) -> int:
+    """Copy into `feats` and `extra` (rows `starts[i]:starts[i + 1]` for sequence i) the rows of every sequence
+    whose token ids a cached file holds, marking it done; returns how many were copied."""
     need: dict[tuple[int, ...], list[int]] = {}
     for i, s in enumerate(seqs):
         need.setdefault(tuple(s.ids), []).append(i)
@@ -214,16 +223,16 @@ def _copy_cached_rows(cached: list, seqs: list, wanted: tuple[int, ...], feats: 
         with safe_open(path, "pt") as f:
             ids, lengths = f.get_tensor("ids"), f.get_tensor("lengths").tolist()
             rows, more = f.get_slice("features"), f.get_slice("extra") if wanted else None
-            hidden = f.get_slice("features").get_shape()[1]
+            hidden = rows.get_shape()[1]
             at = 0
             for n in lengths:
-                found = need.pop(tuple(ids[at : at + n].tolist()), None)
-                if found:
-                    own = rows[at : at + n]
-                    cols = _columns(more[at : at + n], layers, wanted, hidden) if more is not None else None
-                    for i in found:
-                        feats[i], extra[i] = own, cols
-                    copied += len(found)
+                for i in need.pop(tuple(ids[at : at + n].tolist()), []):
+                    a, b = starts[i], starts[i + 1]
+                    feats[a:b] = rows[at : at + n]
+                    if extra is not None:
+                        extra[a:b] = _columns(more[at : at + n], layers, wanted, hidden)
+                    done[i] = True
+                    copied += 1
                 at += n
         if not need:
             break
