@@ -223,7 +223,7 @@ def train_medusa(cfg: MedusaTrainConfig, target, tokenizer, resume: bool = False
         heads = MedusaHeads(hidden, cfg.num_heads, cfg.layers)
     log(
         f"medusa stage {cfg.stage}: {cfg.num_heads} heads x {cfg.layers} blocks, vocabulary {len(vocab_ids)}; "
-        f"{len(train_ex)} train / {len(held_ex)} held-out prompts"
+        f"{len(train_ex)} train / {len(held_ex)} held-out sequences (responses)"
     )
     run = _train_stage1 if cfg.stage == 1 else _train_stage2
     final, tree, model_for_fingerprint, extra = run(
