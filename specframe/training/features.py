@@ -51,29 +51,28 @@ class FeatureSequence:
     extra: torch.Tensor | None = None  # [T, len(layers) * hidden] bfloat16: the extra layers asked for, or None
 
 
-def cache_key(
+def cache_keys(
     examples: list[DistillExample],
     target: torch.nn.Module,
     max_length: int,
     dtype: torch.dtype,
     extra_layers: tuple[int, ...] = (),
-) -> str:
-    h = hashlib.sha256()
-    h.update(json.dumps(target_fingerprint(target), sort_keys=True).encode())
-    h.update(f"{max_length}:{dtype}".encode())
+) -> tuple[str, str, str]:
+    """(key, base key, context) of a cache file: the key hashes the target's fingerprint, `max_length`, the
+    dtype, the extra layers and the examples; the base key the same without extra layers (equal to the key when
+    there are none); the context only what the features of one token sequence depend on besides its tokens
+    (the target, the cut and the dtype)."""
+    context = hashlib.sha256()
+    context.update(json.dumps(target_fingerprint(target), sort_keys=True).encode())
+    context.update(f"{max_length}:{dtype}".encode())
+    key, base = context.copy(), context.copy()
     if extra_layers:  # (absent for none: files cached before extra layers existed keep their key)
-        h.update(f"extra:{list(extra_layers)}".encode())
+        key.update(f"extra:{list(extra_layers)}".encode())
     for e in examples:
-        h.update(f"{e.id}:{e.prompt_ids}:{e.response_ids}".encode())
-    return h.hexdigest()[:16]
-
-
-def context_key(target: torch.nn.Module, max_length: int, dtype: torch.dtype) -> str:
-    """What the features of one token sequence depend on besides the tokens: the target, the cut and the dtype."""
-    h = hashlib.sha256()
-    h.update(json.dumps(target_fingerprint(target), sort_keys=True).encode())
-    h.update(f"{max_length}:{dtype}".encode())
-    return h.hexdigest()[:16]
+        text = f"{e.id}:{e.prompt_ids}:{e.response_ids}".encode()
+        key.update(text)
+        base.update(text)
+    return key.hexdigest()[:16], base.hexdigest()[:16], context.hexdigest()[:16]
 
 
 @torch.no_grad()
@@ -103,12 +102,10 @@ def extract_features(
     example_ids = [e.id for e in examples]
     path = None
     if cache_dir is not None:
-        key = cache_key(examples, target, max_length, dtype, extra_layers)
+        key, base_key, context = cache_keys(examples, target, max_length, dtype, extra_layers)
         path = Path(cache_dir) / f"features-{key}.safetensors"
         if path.is_file():
             return _load(path, example_ids, extra_layers, extra_layers)
-        base_key = key if not extra_layers else cache_key(examples, target, max_length, dtype)
-        context = context_key(target, max_length, dtype)
         cached = list(_cache_files(Path(cache_dir), context, extra_layers))
         for other, meta, layers in cached:
             if meta.get("base_key") == base_key:  # the same examples, with at least these layers
