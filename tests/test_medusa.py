@@ -162,6 +162,16 @@ def test_resume_continues_after_the_last_epoch(trained, tmp_path):
     assert resumed["history"][3]["top1"] == metrics["history"][3]["top1"]
 
 
+def test_resume_with_other_heads_is_refused_before_the_features_are_extracted(trained, tmp_path):
+    from dataclasses import replace
+
+    target, cfg, _ = trained
+    other = replace(cfg, num_heads=2, features_cache=str(tmp_path / "fresh"))
+    with pytest.raises(ConfigError, match="checkpoint in .* was saved with other parameters .*heads.2"):
+        train_medusa(other, target, None, resume=True, log=lambda m: None)
+    assert not (tmp_path / "fresh").exists()
+
+
 def test_init_heads_continues_stage1_from_trained_heads(trained, tmp_path):
     # With a learning rate too small to move anything, training further (e.g. on new data) starts where the
     # heads ended, keeps their vocabulary (not the 16 tokens its own vocab_size would choose) and saves them

@@ -176,6 +176,14 @@ def test_resume_continues_after_the_last_epoch(trained, tmp_path):
     assert [h["epoch"] for h in metrics["history"]] == [0, 1, 2, 3, 4]
 
 
+def test_resume_with_other_layers_is_refused_before_the_features_are_extracted(trained, tmp_path):
+    target, cfg, _ = trained
+    other = DraftTrainConfig(**{**cfg.__dict__, "layers": 2, "features_cache": str(tmp_path / "fresh")})
+    with pytest.raises(ConfigError, match="checkpoint in .* was saved with other parameters .*model.layers.1"):
+        train_draft(other, target, None, resume=True, log=lambda m: None)
+    assert not (tmp_path / "fresh").exists()
+
+
 @pytest.mark.parametrize("field, value", [("layers", 0), ("heldout_fraction", 1.0), ("epochs", 0)])
 def test_bad_training_options(field, value):
     with pytest.raises(ConfigError, match=f"train.{field}"):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from specframe.data import DistillExample
@@ -127,16 +128,34 @@ def save_checkpoint(
     tmp.rename(folder)
 
 
-def load_checkpoint(
-    folder: Path, named_params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer
-) -> dict:
-    weights = load_file(folder / "model.safetensors")
-    if set(weights) != set(named_params):
-        differ = sorted(set(weights) ^ set(named_params))
+def check_checkpoint_params(folder: Path, named_params: dict[str, torch.Tensor]) -> None:
+    """Refuse a checkpoint saved with other parameters (names or shapes) than this run trains; reads only the
+    file's header, so trainers call it before their feature extraction (`resuming_from`)."""
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    wanted = {k: tuple(p.shape) for k, p in named_params.items()}
+    differ = sorted(k for k in saved.keys() | wanted.keys() if saved.get(k) != wanted.get(k))
+    if differ:
         raise ConfigError(
             f"the checkpoint in {folder} was saved with other parameters ({differ[0]!r} and {len(differ) - 1} "
             "more differ): resume with the options it was trained with, or train into a new out folder"
         )
+
+
+def resuming_from(ckpt: Path, named_params: dict[str, torch.Tensor], resume: bool) -> bool:
+    """Whether this run resumes from `ckpt`; if so its parameters are checked first, so a run with other options
+    is refused before the costly feature extraction rather than after it."""
+    if resume and (ckpt / "state.json").is_file():
+        check_checkpoint_params(ckpt, named_params)
+        return True
+    return False
+
+
+def load_checkpoint(
+    folder: Path, named_params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer
+) -> dict:
+    check_checkpoint_params(folder, named_params)
+    weights = load_file(folder / "model.safetensors")
     with torch.no_grad():
         for k, p in named_params.items():
             p.copy_(weights[k])

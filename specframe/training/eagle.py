@@ -244,7 +244,7 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
     from tqdm import tqdm
 
     from specframe.proposers.eagle import build_drafter, save_drafter
-    from specframe.training.common import resume_from, save_checkpoint, start_run, warmup_cosine
+    from specframe.training.common import resume_from, resuming_from, save_checkpoint, start_run, warmup_cosine
     from specframe.training.features import check_extra_layers, split_features
 
     out = Path(cfg.out)
@@ -264,6 +264,10 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
                 f"train.fuse_layers {cfg.fuse_layers} differs from {saved} of the checkpoint in {ckpt}: resume "
                 "with the same layers, or train into a new out folder"
             )
+    if not cfg.init_from:
+        drafter = build_drafter(target, vocab_ids, cfg.init_from_last_layer, tuple(cfg.fuse_layers))
+    params = dict(drafter.named_parameters())
+    resuming_from(ckpt, params, resume)  # (a checkpoint of other parameters refused before the extraction)
     full_head = target.get_output_embeddings().weight.detach().float()
     vocab_size = full_head.shape[0]
     train_feats, held_feats = split_features(cfg, target, train_ex, held_ex, tuple(cfg.fuse_layers))
@@ -271,9 +275,6 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
     held_seqs = [s for s in held_feats if len(s.ids) > 2]
     if not train_seqs or not held_seqs:
         raise ConfigError(f"train.data '{cfg.data}' has no sequence longer than 2 tokens in a split")
-    if not cfg.init_from:
-        drafter = build_drafter(target, vocab_ids, cfg.init_from_last_layer, tuple(cfg.fuse_layers))
-    params = dict(drafter.named_parameters())
     in_vocab = torch.zeros(vocab_size, dtype=torch.bool)
     in_vocab[vocab_ids] = True
     held_resp = torch.cat([s.ids[s.first_target :] for s in held_seqs])

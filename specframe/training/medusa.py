@@ -33,6 +33,7 @@ from specframe.training.common import (
     TrainRunConfig,
     optimizer_step,
     resume_from,
+    resuming_from,
     save_checkpoint,
     start_run,
     warmup_cosine,
@@ -263,16 +264,16 @@ def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
 
     from specframe.training.features import split_features
 
+    params = dict(heads.named_parameters())
+    ckpt = Path(cfg.out) / "checkpoint"
+    resuming_from(ckpt, params, resume)  # (a checkpoint of other parameters refused before the extraction)
     train_feats, held_feats = split_features(cfg, target, train_ex, held_ex)
     x_train, y_train = stack_features(train_feats, cfg.num_heads, cfg.prompt_positions)
     x_held, y_held = stack_features(held_feats, cfg.num_heads)
     log(f"{x_train.shape[0]} training positions, {x_held.shape[0]} held-out")
     lm_rows = target.get_output_embeddings().weight.detach()[vocab_ids].float()
-    params = dict(heads.named_parameters())
     optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
     steps = math.ceil(x_train.shape[0] / cfg.batch_size)
-    out = Path(cfg.out)
-    ckpt = out / "checkpoint"
     start, history = resume_from(ckpt, params, optimizer, resume, log)
     schedule = warmup_cosine(optimizer, steps * cfg.epochs, start * steps)
     if start == 0:
