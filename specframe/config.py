@@ -62,6 +62,9 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError(f"generation.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ConfigError(f"generation.stop must hold non-empty strings, got {s!r}")
 
 
 @dataclass

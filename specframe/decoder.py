@@ -58,7 +58,7 @@ class SpeculativeDecoder:
         self.proposer = proposer
         self.sampling = sampling or SamplingParams()  # defaults: greedy
         self.max_new_tokens = max_new_tokens
-        self.stop = list(stop or [])
+        self.stop = stop_strings(stop)
         self.seed = seed
         self.acceptance = acceptance or TreeAcceptance()
         self.info = target_info(model, tokenizer)
@@ -163,7 +163,7 @@ class SpeculativeDecoder:
         max_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         if not is_count(max_new):
             raise BadInputError(f"max_new_tokens must be an integer >= 1, got {max_new!r}")
-        stop = self.stop if stop is None else list(stop)
+        stop = self.stop if stop is None else stop_strings(stop)
         seed = self.seed if seed is None else seed
         generator = torch.Generator(device=self.device)
         if seed is None:
@@ -249,7 +249,7 @@ class SpeculativeDecoder:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _truncate(self, generated: list[int], limit: int, stop: list[str]) -> tuple[list[int], str | None]:
-        """Cut at max_new_tokens, after the first EOS, and before the first stop string."""
+        """Cut at max_new_tokens, after the first EOS, and before the first stop string to be completed."""
         ids = generated[:limit]
         eos_at = next((i for i, t in enumerate(ids) if t in self.eos_ids), None)
         if eos_at is not None:
@@ -257,13 +257,25 @@ class SpeculativeDecoder:
         if self.tokenizer is None:
             return ids, None
         text = self._decode(ids)
-        hits = [(text.index(s), s) for s in stop if s in text]
-        if hits:
-            at, s = min(hits)
-            text = text[:at]
-            n = next(k for k in range(1, len(ids) + 1) if s in self._decode(ids[:k]))
+        if any(s in text for s in stop):
+            # Where decoding one token at a time would have stopped: at the first token that completes a stop
+            # string (a step that accepts several tokens may complete two, and the one that starts first in
+            # the whole text need not be the one completed first); the text is cut before the earliest stop
+            # string in that prefix.
+            n = next(k for k in range(1, len(ids) + 1) if any(s in self._decode(ids[:k]) for s in stop))
             ids = ids[:n]
+            text = self._decode(ids)
+            text = text[: min(text.index(s) for s in stop if s in text)]
         return ids, text
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    """Stop strings as a list (one string is one stop string, not its characters); each must be non-empty text."""
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise BadInputError(f"stop strings must be non-empty text, got {s!r}")
+    return stop
 
 
 def pick_hidden(out: Any, layers: tuple[int, ...], rows: slice | torch.Tensor) -> dict[int, torch.Tensor]:

@@ -43,7 +43,8 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     x = logits.float() if logits.dtype not in (torch.float32, torch.float64) else logits
     if params.greedy:
         return torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).to(x.dtype)
-    x = x / params.temperature
+    # (shifted by the row's maximum first: softmax is unchanged, and a tiny temperature cannot overflow to inf)
+    x = (x - x.amax(-1, keepdim=True)) / params.temperature
     vocab = x.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]

@@ -39,6 +39,7 @@ def test_packaged_configs_load_by_name():
         (["sampling.top_p=0"], "sampling.top_p"),
         (["sampling.top_k=-2"], "sampling.top_k"),
         (["generation.max_new_tokens=0"], "generation.max_new_tokens"),
+        (["generation.stop=['ok','']"], "generation.stop must hold non-empty strings"),
         (["proposer.name=draft", "proposer.num_speculative_tokens=0"], "proposer.num_speculative_tokens"),
         (["proposer.name=draft", "proposer.greedy=maybe"], "proposer.greedy"),
     ],

@@ -188,3 +188,56 @@ def test_stop_string_cuts_text_and_tokens(tiny_dirs):
     # Like vLLM: the text stops before the stop string; the token ids keep the tokens that produced it.
     assert cut.text == " ".join(words[:j]) + " "
     assert cut.token_ids == full.token_ids[: j + 1]
+
+
+class LetterTokenizer:
+    """Token id i decodes to the i-th letter, so stop strings can be placed exactly in a tiny target's text."""
+
+    eos_token_id = None
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def test_a_step_completing_two_stop_strings_stops_where_plain_decoding_does(target):
+    # Stop string `late` starts before `early` in the text but is completed one token after it. Plain decoding
+    # stops at the token completing `early`; a step that accepts many tokens at once completes both and must
+    # give the same tokens and text (not cut before `late`, the stop string that starts first).
+    tok = LetterTokenizer()
+    for prompt in ([1, 2, 3], [4, 5], [6, 1, 7], [2, 9]):
+        text = tok.decode(reference_greedy(target, prompt, 12))
+        for i in range(2, 7):
+            early, late = text[i : i + 2], text[i - 2 : i + 3]
+            if early not in text[: i + 1] and late not in text[: i + 2]:
+                break
+        else:
+            continue
+        break
+    else:
+        pytest.fail("no text with two such stop strings")
+    plain = SpeculativeDecoder(target, NoneProposer(NoneConfig(), target_info(target)), tok)
+    fast = SpeculativeDecoder(
+        target, DraftProposer(DraftConfig(num_speculative_tokens=8), target_info(target), target), tok
+    )
+    want = plain.generate(prompt, max_new_tokens=12, stop=[late, early])
+    got = fast.generate(prompt, max_new_tokens=12, stop=[late, early])
+    assert want.token_ids == reference_greedy(target, prompt, 12)[: i + 2] and want.text == text[:i]
+    assert got.stats["target_forwards"] < len(got.token_ids)  # (several tokens were accepted in one step)
+    assert (got.token_ids, got.text) == (want.token_ids, want.text)
+
+
+@pytest.mark.parametrize("stop", [[""], ["ok", ""], [3]])
+def test_empty_or_non_text_stop_strings_are_refused(target, stop):
+    dec = SpeculativeDecoder(target, NoneProposer(NoneConfig(), target_info(target)), LetterTokenizer())
+    with pytest.raises(BadInputError, match="stop strings must be non-empty text"):
+        dec.generate([1, 2, 3], max_new_tokens=4, stop=stop)
+
+
+def test_one_stop_string_is_not_split_into_characters(target):
+    dec = SpeculativeDecoder(target, NoneProposer(NoneConfig(), target_info(target)), LetterTokenizer())
+    text = dec.generate([4, 5], max_new_tokens=16).text
+    # A stop string first completed at j + 3, while one of its letters occurs before j.
+    j = next(j for j in range(1, 12) if text[j : j + 3] not in text[: j + 2] and set(text[j : j + 3]) & set(text[:j]))
+    stop = text[j : j + 3]
+    assert dec.generate([4, 5], max_new_tokens=16, stop=stop).text == text[:j]

@@ -17,6 +17,12 @@ def test_temperature_then_normalise():
     assert p.dtype == torch.float32
 
 
+def test_a_tiny_temperature_is_near_greedy_not_nan():
+    # (dividing the raw logits by 1e-40 overflows to inf, and softmax of inf is nan)
+    p = sampling_probs(torch.tensor([3.0, 1.0, 0.5, 3.0 - 1e-6]), SamplingParams(1e-40))
+    assert torch.equal(p, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+
+
 def test_top_k_keeps_k_largest():
     p = sampling_probs(torch.tensor([0.0, 4.0, 1.0, 3.0, 2.0]), SamplingParams(1.0, top_k=2))
     assert (p > 0).tolist() == [False, True, False, True, False]
