@@ -72,6 +72,15 @@ def default_questions_path() -> Path:
     return checkout if checkout.is_file() else here
 
 
+def default_benchmark_turns() -> list[str]:
+    """Every turn of the default Spec-Bench questions file (`specframe data distill` refuses them as training
+    prompts), or none when that file is not at hand."""
+    path = default_questions_path()
+    if not path.is_file():
+        return []
+    return [str(t) for _, row in read_jsonl(path, "questions file") for t in row.get("turns", [])]
+
+
 # ------------------------------------------------------------------------------------------------ options
 
 
@@ -123,6 +132,12 @@ class BenchOptions:
         clash = set(self.proposers) & set(BASELINES)
         if clash:
             raise BadInputError(f"'{sorted(clash)[0]}' is a baseline: list it under --baselines")
+        from specframe.plugins import get_registry
+
+        registry = get_registry()
+        unknown = [p for p in self.proposers if p not in registry.proposers]
+        if unknown:  # (a typo or a plugin that is not installed: said before the target loads, not skipped)
+            raise BadInputError(f"unknown proposer '{unknown[0]}'; installed: {', '.join(registry.names())}")
         for name, value in (("limit", self.limit), ("max-new-tokens", self.max_new_tokens),
                             ("pld-tokens", self.pld_tokens), ("threads", self.threads)):
             if value is not None and not is_count(value):
@@ -382,10 +397,7 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
     skipped: dict[str, str] = {}
     methods: list[Method] = []
     built: dict[str, Any] = {}
-    for name in options.proposers:
-        if name not in registry.proposers:
-            skipped[name] = f"not installed (installed: {', '.join(registry.names())})"
-            continue
+    for name in options.proposers:  # (all installed: `validate` refused any other name)
         try:
             built[name] = proposer(name)
         except BadInputError as e:  # no trained artifact for this target, or one that does not fit it

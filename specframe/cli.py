@@ -81,12 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="write ids '<prompt id>#TAG': a further pass (e.g. sampled) over prompts already in --out",
     )
+    dist.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     dist.set_defaults(run=cmd_data_distill)
 
     b = sub.add_parser("bench", help="Spec-Bench style speed/acceptance benchmark (writes JSON, Markdown, PNG)")
     b.add_argument("--proposers", default="none,draft,medusa,eagle,ngram,union",
-                   help="comma-separated specframe proposers; missing ones or ones without a trained artifact are "
-                        "skipped with a message")
+                   help="comma-separated specframe proposers (an unknown name is an error); ones without a "
+                        "trained artifact for the target are skipped with a message")
     b.add_argument("--baselines", default="hf,hf-assisted,hf-pld",
                    help="comma-separated transformers baselines: hf, hf-assisted, hf-pld ('' for none)")
     b.add_argument("--subtasks", default="mt_bench,translation,summarization,qa,math_reasoning,rag",
@@ -121,9 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     msub = m.add_subparsers(dest="models_command", required=True)
     pull = msub.add_parser("pull", help="download, verify and cache a model alias")
     pull.add_argument("alias", nargs="?", default="smollm2-135m-instruct")
+    pull.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     pull.set_defaults(run=cmd_models_pull)
     lst = msub.add_parser("list", help="aliases and where they are cached")
     lst.add_argument("--json", action="store_true")
+    lst.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     lst.set_defaults(run=cmd_models_list)
     return parser
 
@@ -156,7 +159,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specframe.decoder import SpeculativeDecoder
 
     cfg = load_config(args.config, generate_overrides(args))
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    # (from standard input without the line end that `echo` or a file's last line adds, as --prompt has none)
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read().removesuffix("\n").removesuffix("\r")
     if not prompt.strip():
         raise BadInputError("the prompt is empty")
     decoder = SpeculativeDecoder.from_config(cfg)
@@ -238,6 +242,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_data_distill(args: argparse.Namespace) -> int:
+    from specframe.bench import default_benchmark_turns
     from specframe.data import DEFAULT_PROMPTS, check_tag, distill, read_prompts
     from specframe.models import load_model
 
@@ -246,7 +251,10 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise BadInputError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    prompts = read_prompts(args.prompts or DEFAULT_PROMPTS)[: args.limit]
+    if not args.temperature >= 0:  # (also nan)
+        raise BadInputError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    # (the benchmark's own questions are never training prompts, whatever file they come in)
+    prompts = read_prompts(args.prompts or DEFAULT_PROMPTS, benchmark_turns=default_benchmark_turns())[: args.limit]
     loaded = load_model(args.target, dtype=args.dtype, device=args.device, quiet=True)
     if loaded.tokenizer is None:
         raise BadInputError(f"target '{args.target}' has no tokenizer: distillation needs one for the chat template")

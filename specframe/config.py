@@ -7,11 +7,12 @@ exists in the working directory) resolves to the copy shipped inside the install
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -102,6 +103,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raw = OmegaConf.merge(raw, OmegaConf.from_dotlist(list(overrides or [])))
     except OmegaConfBaseException as e:
         raise ConfigError(f"bad config: {one_line(e)}") from e
+    except (yaml.YAMLError, UnicodeDecodeError) as e:  # (OmegaConf passes a file's YAML and encoding errors on)
+        raise ConfigError(f"config file '{path}' is not valid YAML: {' '.join(str(e).split())}") from e
     proposer_raw = raw.pop("proposer", None) or OmegaConf.create({})
     if not isinstance(proposer_raw, DictConfig):
         raise ConfigError("proposer must be a mapping with at least 'name'")
@@ -130,9 +133,12 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
         if values is not None:
             if not isinstance(values, DictConfig):
                 raise ConfigError(f"{prefix} must be a mapping, got {values!r}")
+            text_fields = {f.name for f in fields(schema) if f.type in ("str", str)}
             for key in values:
                 if OmegaConf.is_missing(values, key):  # `???` in YAML: the user must set it
                     raise ConfigError(f"{prefix}.{key}: missing mandatory value (set it with {prefix}.{key}=...)")
+                if key in text_fields and values[key] is None:  # `KEY=` (a shell's KEY="") is the empty string
+                    values[key] = ""
             base = OmegaConf.merge(base, values)
         return OmegaConf.to_object(base)
     except ConfigError:  # raised by a schema's __post_init__, already naming its full key

@@ -21,7 +21,7 @@ import json
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,13 +64,30 @@ def read_jsonl(path: str | Path, what: str, hint: str = "") -> Iterator[tuple[in
             yield number, row
 
 
-def read_prompts(path: str | Path) -> list[dict]:
+def read_prompts(path: str | Path, benchmark_turns: Iterable[str] = ()) -> list[dict]:
+    """Training prompts; refuses Spec-Bench's file and any prompt equal (up to whitespace) to one of
+    `benchmark_turns` (the benchmark's questions, when their file is at hand)."""
+    benchmark = {" ".join(t.split()) for t in benchmark_turns}
     rows = []
+    line_of: dict[str, int] = {}
     for number, row in read_jsonl(path, "prompts file"):
         if "question_id" in row or "turns" in row:
             raise BadInputError(f"{path} looks like Spec-Bench (question_id/turns): never train on it")
         if not isinstance(row.get("prompt"), str) or "id" not in row:
             raise BadInputError(f"prompts file '{path}' line {number}: each line needs 'id' and a string 'prompt'")
+        pid = str(row["id"])
+        if pid in line_of:  # (the responses would share an id that no trainer can read back)
+            raise BadInputError(f"prompts file '{path}' line {number}: id '{pid}' is already on line {line_of[pid]}")
+        if "#" in pid:
+            raise BadInputError(
+                f"prompts file '{path}' line {number}: id '{pid}' has '#', which marks a further response "
+                "('<prompt id>#<tag>', `distill --tag`)"
+            )
+        if " ".join(row["prompt"].split()) in benchmark:
+            raise BadInputError(
+                f"prompts file '{path}' line {number}: prompt '{pid}' is a Spec-Bench question: never train on it"
+            )
+        line_of[pid] = number
         rows.append(row)
     return rows
 

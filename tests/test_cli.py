@@ -55,6 +55,14 @@ def test_generate_json_with_a_draft(capsys, tiny_dirs):
 def test_generate_plain_text_and_stdin_prompt(capsys, tiny_dirs, monkeypatch):
     code, out, err = run(capsys, *gen_args(tiny_dirs, "--proposer", "none"), stdin="a b", monkeypatch=monkeypatch)
     assert code == 0 and out.strip() != "" and "mean accepted length 1.00" in err
+    # The line end that `echo` adds is not part of the prompt (as with --prompt "a b").
+    from specframe.decoder import SpeculativeDecoder
+
+    prompts, generate = [], SpeculativeDecoder.generate
+    spy = lambda self, p, **kw: prompts.append(p) or generate(self, p, **kw)  # noqa: E731
+    monkeypatch.setattr(SpeculativeDecoder, "generate", spy)
+    code, _, _ = run(capsys, *gen_args(tiny_dirs, "--proposer", "none"), stdin="a b\n", monkeypatch=monkeypatch)
+    assert code == 0 and prompts == ["a b"]
 
 
 def test_greedy_output_identical_across_proposers(capsys, tiny_dirs):

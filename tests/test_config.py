@@ -64,3 +64,20 @@ def test_shipped_config_files_load():
 def test_missing_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/no/such.yaml")
+
+
+@pytest.mark.parametrize("text", ["target: [unclosed\n", "target:\n\tmodel: x\n"])
+def test_a_config_file_that_is_not_yaml_is_a_config_error(tmp_path, text):
+    (tmp_path / "bad.yaml").write_text(text)
+    with pytest.raises(ConfigError, match="bad.yaml' is not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+
+
+def test_key_with_nothing_after_the_equals_sign_sets_a_text_option_to_the_empty_string():
+    # (a shell turns features_cache="" into features_cache=, which OmegaConf reads as null)
+    from omegaconf import OmegaConf
+
+    from specframe.config import structured
+    from specframe.training.draft import DraftTrainConfig
+
+    assert structured(DraftTrainConfig, OmegaConf.from_dotlist(["features_cache="]), "train").features_cache == ""

@@ -86,3 +86,42 @@ def test_cli_refuses_a_bad_tag_before_loading_the_target(capsys, tmp_path):
                  "--prompts", str(tmp_path / "absent.jsonl"), "--tag", "a b"])
     err = capsys.readouterr().err
     assert code == 2 and "distill tag" in err and "absent" not in err
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}], "line 2: id 'a' is already on line 1"),
+        ([{"id": "a#s1", "prompt": "x"}], "line 1: id 'a#s1' has '#'"),
+        ([{"id": "a", "prompt": "x"}, {"id": "b", "prompt": " What is  2+2? "}], "line 2: prompt 'b' is a Spec-Bench"),
+    ],
+)
+def test_prompts_that_would_break_the_data_or_leak_the_benchmark_are_refused(tmp_path, rows, message):
+    from specframe.data import read_prompts
+
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(BadInputError, match=message):
+        read_prompts(tmp_path / "p.jsonl", benchmark_turns=["What is 2+2?"])
+
+
+def test_cli_refuses_a_benchmark_question_as_a_prompt_before_loading_the_target(capsys, tmp_path, monkeypatch):
+    from specframe import bench
+    from specframe.cli import main
+
+    question = {"question_id": 1, "category": "qa", "turns": ["Who wrote Hamlet?"]}
+    (tmp_path / "question.jsonl").write_text(json.dumps(question) + "\n")
+    monkeypatch.setattr(bench, "default_questions_path", lambda: tmp_path / "question.jsonl")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "q", "prompt": "Who wrote Hamlet?"}) + "\n")
+    code = main(["data", "distill", "--out", str(tmp_path / "d.jsonl"), "--target", str(tmp_path / "absent"),
+                 "--prompts", str(tmp_path / "p.jsonl"), "--debug"])
+    err = capsys.readouterr().err
+    assert code == 2 and "prompt 'q' is a Spec-Bench question" in err and "absent" not in err
+
+
+def test_cli_refuses_a_negative_temperature_before_loading_the_target(capsys, tmp_path):
+    from specframe.cli import main
+
+    code = main(["data", "distill", "--out", str(tmp_path / "d.jsonl"), "--target", str(tmp_path / "absent"),
+                 "--temperature", "-1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--temperature must be >= 0" in err and "absent" not in err

@@ -535,6 +535,12 @@ def test_bad_proposer_options(field, value):
         EagleConfig(**{field: value})
 
 
+@pytest.mark.parametrize("field", ["top_k", "total_tokens"])
+def test_tree_options_for_a_chain_are_refused_not_ignored(field):
+    with pytest.raises(ConfigError, match=f"proposer.{field} shapes the tree: with proposer.tree=false"):
+        EagleConfig(depth=3, tree=False, **{field: 4})
+
+
 @pytest.mark.parametrize(
     "field, value",
     [

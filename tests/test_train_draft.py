@@ -176,6 +176,14 @@ def test_resume_continues_after_the_last_epoch(trained, tmp_path):
     assert [h["epoch"] for h in metrics["history"]] == [0, 1, 2, 3, 4]
 
 
+def test_resume_without_a_checkpoint_is_refused(trained, tmp_path):
+    target, cfg, _ = trained
+    typo = DraftTrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "drfat"), "features_cache": str(tmp_path / "f")})
+    with pytest.raises(ConfigError, match="--resume: no checkpoint in .*drfat/checkpoint"):
+        train_draft(typo, target, None, resume=True, log=lambda m: None)
+    assert not (tmp_path / "f").exists() and not (tmp_path / "drfat").exists()
+
+
 def test_resume_with_other_layers_is_refused_before_the_features_are_extracted(trained, tmp_path):
     target, cfg, _ = trained
     other = DraftTrainConfig(**{**cfg.__dict__, "layers": 2, "features_cache": str(tmp_path / "fresh")})

@@ -108,6 +108,12 @@ class EagleConfig:
                 raise ConfigError(f"proposer.{key} must be an integer >= 1, got {value!r}")
         if not isinstance(self.tree, bool):
             raise ConfigError(f"proposer.tree must be true or false, got {self.tree!r}")
+        unused = [k for k in ("top_k", "total_tokens") if not self.tree and getattr(self, k) is not None]
+        if unused:  # (never quietly dropped)
+            raise ConfigError(
+                f"proposer.{unused[0]} shapes the tree: with proposer.tree=false the drafter proposes one greedy "
+                "chain of proposer.depth tokens"
+            )
         check_confidence_threshold(self.confidence_threshold)
         check_proposer_dtype(self.dtype)
 

@@ -145,10 +145,12 @@ def check_checkpoint_params(folder: Path, named_params: dict[str, torch.Tensor])
 def resuming_from(ckpt: Path, named_params: dict[str, torch.Tensor], resume: bool) -> bool:
     """Whether this run resumes from `ckpt`; if so its parameters are checked first, so a run with other options
     is refused before the costly feature extraction rather than after it."""
-    if resume and (ckpt / "state.json").is_file():
-        check_checkpoint_params(ckpt, named_params)
-        return True
-    return False
+    if not resume:
+        return False
+    if not (ckpt / "state.json").is_file():  # (a mistyped `out` never silently starts a new run)
+        raise ConfigError(f"--resume: no checkpoint in {ckpt} (train without --resume to start a new run)")
+    check_checkpoint_params(ckpt, named_params)
+    return True
 
 
 def load_checkpoint(
@@ -175,8 +177,8 @@ def load_checkpoint(
 
 
 def resume_from(ckpt: Path, params: dict, optimizer: torch.optim.Optimizer, resume: bool, log) -> tuple[int, list]:
-    """(epochs done, metrics history) from `ckpt` when resuming and it exists; else (0, [])."""
-    if resume and (ckpt / "state.json").is_file():
+    """(epochs done, metrics history) from `ckpt` when resuming; else (0, [])."""
+    if resuming_from(ckpt, params, resume):
         state = load_checkpoint(ckpt, params, optimizer)
         log(f"resumed from {ckpt} after epoch {state['epoch']}")
         return state["epoch"], state["history"]
