@@ -200,4 +200,7 @@ def validate_proposal(p: Proposal, vocab_size: int, max_depth: int, who: str) ->
             raise bad("draft_probs has negative or non-finite entries")
         if not torch.allclose(rows.sum(-1), torch.ones_like(rows[:, 0]), atol=1e-3):
             raise bad("draft_probs rows do not sum to 1")
+        # (a sampled token must have been drawn from its row: at q = 0 the rejection rule would accept it always)
+        if bool((rows.gather(1, p.tokens[~p.deterministic].to(rows.device)[:, None]) <= 0).any()):
+            raise bad("a sampled node's token has draft probability 0 in its draft_probs row")
     return depths

@@ -159,6 +159,13 @@ L = torch.long
             ),
             "sum to 1",
         ),
+        (
+            lambda s: Proposal(
+                torch.tensor([1]), torch.tensor([-1]), torch.zeros(1, dtype=torch.bool),
+                torch.tensor([[0.5, 0.0, 0.5] + [0.0] * 5]),
+            ),
+            "token has draft probability 0",
+        ),
         (lambda s: Proposal.chain(torch.ones(s.max_depth + 1, dtype=L)), "depth"),
         (lambda s: [1, 2], "expected a Proposal"),
         (lambda s: 1 / 0, "ZeroDivisionError"),
