@@ -202,6 +202,7 @@ class SpeculativeDecoder:
             if depths == list(range(1, n + 1)):  # a chain: the model's own causal mask is the tree mask
                 positions, mask = torch.arange(past, past + n + 1, device=self.device)[None], None
             else:
+                check_tree_attention(model)
                 positions = (past + torch.tensor([0, *depths], device=self.device))[None]
                 mask = tree_attention_mask(proposal.parents.tolist(), past, self.info.dtype, self.device)
             out = model(
@@ -267,6 +268,20 @@ class SpeculativeDecoder:
             text = self._decode(ids)
             text = text[: min(text.index(s) for s in stop if s in text)]
         return ids, text
+
+
+TREE_ATTENTION = ("eager", "sdpa", "specframe_sdpa")  # attention implementations that apply a 4-D float mask
+
+
+def check_tree_attention(model: torch.nn.Module) -> None:
+    """Tree verification needs the target's attention to apply an arbitrary 4-D mask; others (e.g. flash
+    attention) would silently attend across branches."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl is not None and impl not in TREE_ATTENTION:
+        raise BadInputError(
+            f"the target's attention implementation '{impl}' cannot apply a token tree's attention mask: load it "
+            "with attn_implementation='sdpa' (or 'eager') to verify trees"
+        )
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:

@@ -248,3 +248,32 @@ def test_one_stop_string_is_not_split_into_characters(target):
     j = next(j for j in range(1, 12) if text[j : j + 3] not in text[: j + 2] and set(text[j : j + 3]) & set(text[:j]))
     stop = text[j : j + 3]
     assert dec.generate([4, 5], max_new_tokens=16, stop=stop).text == text[:j]
+
+
+def test_a_tree_needs_an_attention_that_applies_its_mask(target, info):
+    # An attention that takes no arbitrary 4-D mask (flash attention, or this causal-only one) would verify a
+    # tree attending across its branches: refused. A chain uses the model's causal mask, so it still runs.
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def causal_only(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        n, past = query.shape[2], key.shape[2] - query.shape[2]  # (the mask it was given is ignored)
+        allowed = torch.ones(n, n + past, dtype=torch.bool).tril(past)
+        groups = query.shape[1] // key.shape[1]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), allowed, scale=scaling
+        )
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("causal_only_test", causal_only)
+    AttentionMaskInterface.register("causal_only_test", sdpa_mask)
+    target.set_attn_implementation("causal_only_test")
+    try:
+        want = reference_greedy(target, [1, 2, 3], 6)
+        assert self_draft_decoder(target).generate([1, 2, 3], max_new_tokens=6).token_ids == want
+        siblings = Proposal(torch.tensor([1, 2]), torch.tensor([-1, -1]), torch.ones(2, dtype=torch.bool))
+        tree = SpeculativeDecoder(target, Malformed(info, lambda s: siblings))
+        with pytest.raises(BadInputError, match="implementation 'causal_only_test' cannot apply a token tree's"):
+            tree.generate([1, 2, 3], max_new_tokens=6)
+    finally:
+        target.set_attn_implementation("sdpa")
