@@ -214,13 +214,12 @@ def cmd_check(args: argparse.Namespace) -> int:
 
         values = OmegaConf.from_dotlist([o.removeprefix("proposer.") for o in key_values(args.overrides, "proposer.")])
         config = structured(entry.cls.config_class, values, "proposer")
+    if not args.json:  # (then each check's line as it finishes, then the totals)
+        print(f"conformance of proposer '{entry.name}':", flush=True)
     report = run_suite(entry.cls, devices=args.device, config=config, quick=args.quick,
-                       log=None if args.json else print, dtypes=args.dtype,
+                       log=None if args.json else lambda line: print(line, flush=True), dtypes=args.dtype,
                        power=False if args.no_power else None)
-    if args.json:
-        print(json.dumps(report.as_dict()))
-    else:
-        print(report.summary())
+    print(json.dumps(report.as_dict()) if args.json else report.totals())
     return 0 if report.passed else 1
 
 

@@ -156,6 +156,7 @@ def test_plugins_lists_builtins(capsys):
 def test_check_quick(capsys):
     code, out, _ = run(capsys, "check", "--proposer", "draft", "--quick", "--device", "cpu")
     assert code == 0 and "PASS  greedy [cpu]" in out and "2 passed, 0 failed" in out
+    assert out.count("PASS  greedy [cpu]") == 1 and out.startswith("conformance of proposer 'draft':\n")
 
 
 def test_check_in_several_dtypes(capsys):

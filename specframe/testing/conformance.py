@@ -82,9 +82,12 @@ class Report:
     def summary(self) -> str:
         lines = [f"conformance of proposer '{self.proposer}':"]
         lines += [r.line(seconds=True) for r in self.results]
-        n_ok = sum(r.passed for r in self.results)
-        lines.append(f"{n_ok} passed, {len(self.results) - n_ok} failed")
+        lines.append(self.totals())
         return "\n".join(lines)
+
+    def totals(self) -> str:
+        n_ok = sum(r.passed for r in self.results)
+        return f"{n_ok} passed, {len(self.results) - n_ok} failed"
 
     def as_dict(self) -> dict[str, Any]:
         return {"proposer": self.proposer, "passed": self.passed, "results": [asdict(r) for r in self.results]}
@@ -373,7 +376,7 @@ def check_power(
         )
         results.append(res)
         if log:
-            log(res.line())
+            log(res.line(seconds=True))
     return results
 
 
@@ -410,7 +413,7 @@ def run_suite(
                 r = check()
                 report.results.append(r)
                 if log:
-                    log(r.line())
+                    log(r.line(seconds=True))
             if power if power is not None else not quick:
                 report.results += check_power(device, log=log, dtype=dtype)
     finally:
