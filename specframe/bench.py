@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from specframe.data import read_jsonl
+from specframe.data import read_jsonl, shared_data_file
 from specframe.errors import BadInputError, is_count
 
 # Spec-Bench's six subtasks and the `category` values of question.jsonl that make them up.
@@ -56,7 +56,7 @@ BASELINES = ("hf", "hf-assisted", "hf-pld")
 DEFAULT_PROPOSERS = ("none", "draft", "medusa", "eagle", "ngram", "union")
 REFERENCE = "hf"  # greedy reference and the first speedup denominator
 ENGINE_BASELINE = "none"  # the second speedup denominator; also gives the plain decode step's cost
-QUESTIONS_RELATIVE = Path("..") / "shared" / "data" / "spec_bench" / "question.jsonl"  # from the project root
+QUESTIONS = "spec_bench/question.jsonl"  # under ../shared/data
 OVERALL = "overall"
 WARMUP_PROMPT = "Say hello."
 WARMUP_TOKENS = 8
@@ -65,11 +65,7 @@ FORMAT = "specframe-bench"
 
 def default_questions_path() -> Path:
     """`../shared/data/spec_bench/question.jsonl` from the working directory, else from this source checkout."""
-    here = Path.cwd() / QUESTIONS_RELATIVE
-    if here.is_file():
-        return here
-    checkout = Path(__file__).resolve().parents[1] / QUESTIONS_RELATIVE  # specframe/ -> project root
-    return checkout if checkout.is_file() else here
+    return shared_data_file(QUESTIONS)
 
 
 def default_benchmark_turns() -> list[str]:

@@ -242,7 +242,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_data_distill(args: argparse.Namespace) -> int:
     from specframe.bench import default_benchmark_turns
-    from specframe.data import DEFAULT_PROMPTS, check_tag, distill, read_prompts
+    from specframe.data import DEFAULT_PROMPTS, check_tag, distill, read_prompts, shared_data_file
     from specframe.models import load_model
 
     check_tag(args.tag)  # (distill checks it too; here it fails before the model loads)
@@ -253,7 +253,8 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
     if not args.temperature >= 0:  # (also nan)
         raise BadInputError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     # (the benchmark's own questions are never training prompts, whatever file they come in)
-    prompts = read_prompts(args.prompts or DEFAULT_PROMPTS, benchmark_turns=default_benchmark_turns())[: args.limit]
+    path = args.prompts or shared_data_file(DEFAULT_PROMPTS)
+    prompts = read_prompts(path, benchmark_turns=default_benchmark_turns())[: args.limit]
     loaded = load_model(args.target, dtype=args.dtype, device=args.device, quiet=True)
     if loaded.tokenizer is None:
         raise BadInputError(f"target '{args.target}' has no tokenizer: distillation needs one for the chat template")

@@ -29,7 +29,18 @@ import torch
 
 from specframe.errors import BadInputError
 
-DEFAULT_PROMPTS = "../shared/data/train_prompts/prompts.jsonl"
+SHARED_DATA = Path("..") / "shared" / "data"  # from the project root
+DEFAULT_PROMPTS = "train_prompts/prompts.jsonl"  # under SHARED_DATA
+
+
+def shared_data_file(relative: str) -> Path:
+    """`../shared/data/<relative>` from the working directory, else from this source checkout (so the defaults
+    work from any folder); when neither exists, the working directory's (the error then names it)."""
+    here = Path.cwd() / SHARED_DATA / relative
+    if here.is_file():
+        return here
+    checkout = Path(__file__).resolve().parents[1] / SHARED_DATA / relative  # specframe/ -> project root
+    return checkout if checkout.is_file() else here
 
 
 @dataclass

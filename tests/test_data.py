@@ -125,3 +125,15 @@ def test_cli_refuses_a_negative_temperature_before_loading_the_target(capsys, tm
                  "--temperature", "-1"])
     err = capsys.readouterr().err
     assert code == 2 and "--temperature must be >= 0" in err and "absent" not in err
+
+
+def test_shared_data_is_found_from_the_working_directory_first(tmp_path, monkeypatch):
+    from specframe.data import shared_data_file
+
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "shared" / "data").mkdir(parents=True)
+    (tmp_path / "shared" / "data" / "x.jsonl").write_text("{}\n")
+    monkeypatch.chdir(tmp_path / "proj")
+    assert shared_data_file("x.jsonl").resolve() == (tmp_path / "shared" / "data" / "x.jsonl").resolve()
+    # neither there nor next to this checkout: the working directory's path, which the error then names
+    assert shared_data_file("absent.jsonl") == tmp_path / "proj" / ".." / "shared" / "data" / "absent.jsonl"
