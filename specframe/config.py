@@ -7,7 +7,7 @@ exists in the working directory) resolves to the copy shipped inside the install
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -133,7 +133,7 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
         if values is not None:
             if not isinstance(values, DictConfig):
                 raise ConfigError(f"{prefix} must be a mapping, got {values!r}")
-            text_fields = {f.name for f in fields(schema) if f.type in ("str", str)}
+            text_fields = {f.name for f in fields(schema) if f.type in ("str", str)} if is_dataclass(schema) else set()
             for key in values:
                 if OmegaConf.is_missing(values, key):  # `???` in YAML: the user must set it
                     raise ConfigError(f"{prefix}.{key}: missing mandatory value (set it with {prefix}.{key}=...)")
