@@ -63,9 +63,17 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError(f"generation.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ConfigError(f"generation.stop must hold non-empty strings, got {s!r}")
+        self.stop = stop_strings(self.stop, key="generation.stop")
+
+
+def stop_strings(stop: str | list[str] | None, key: str = "stop") -> list[str]:
+    """Stop strings as a list (one string is one stop string, not its characters); each must be non-empty text.
+    The error names `key`: the config key, or the Python API's `stop` argument."""
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise ConfigError(f"{key} must hold non-empty strings, got {s!r}")
+    return stop
 
 
 @dataclass

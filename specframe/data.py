@@ -75,6 +75,14 @@ def read_jsonl(path: str | Path, what: str, hint: str = "") -> Iterator[tuple[in
             yield number, row
 
 
+def record_id(line_of: dict[str, int], rid: str, where: str, number: int, hint: str = "") -> None:
+    """Note that id `rid` is on line `number`; an id already seen is a BadInputError naming both lines
+    (`where` is e.g. "prompts file 'p.jsonl'"). Ids name responses, so each appears once per file."""
+    if rid in line_of:
+        raise BadInputError(f"{where} line {number}: id '{rid}' is already on line {line_of[rid]}{hint}")
+    line_of[rid] = number
+
+
 def read_prompts(path: str | Path, benchmark_turns: Iterable[str] = ()) -> list[dict]:
     """Training prompts; refuses Spec-Bench's file and any prompt equal (up to whitespace) to one of
     `benchmark_turns` (the benchmark's questions, when their file is at hand)."""
@@ -87,8 +95,7 @@ def read_prompts(path: str | Path, benchmark_turns: Iterable[str] = ()) -> list[
         if not isinstance(row.get("prompt"), str) or "id" not in row:
             raise BadInputError(f"prompts file '{path}' line {number}: each line needs 'id' and a string 'prompt'")
         pid = str(row["id"])
-        if pid in line_of:  # (the responses would share an id that no trainer can read back)
-            raise BadInputError(f"prompts file '{path}' line {number}: id '{pid}' is already on line {line_of[pid]}")
+        record_id(line_of, pid, f"prompts file '{path}'", number)  # (else responses would share an id)
         if "#" in pid:
             raise BadInputError(
                 f"prompts file '{path}' line {number}: id '{pid}' has '#', which marks a further response "
@@ -98,14 +105,13 @@ def read_prompts(path: str | Path, benchmark_turns: Iterable[str] = ()) -> list[
             raise BadInputError(
                 f"prompts file '{path}' line {number}: prompt '{pid}' is a Spec-Bench question: never train on it"
             )
-        line_of[pid] = number
         rows.append(row)
     return rows
 
 
 def read_distill(path: str | Path) -> list[DistillExample]:
     out = []
-    line_of: dict[str, int] = {}  # id -> the line it is on: ids name responses, so each appears once
+    line_of: dict[str, int] = {}
     for number, row in read_jsonl(path, "distillation data", " (make it with `specframe data distill`)"):
         try:
             example = DistillExample(
@@ -118,12 +124,8 @@ def read_distill(path: str | Path) -> list[DistillExample]:
             )
         except KeyError as e:
             raise BadInputError(f"distillation data '{path}' line {number}: missing {e}") from e
-        if example.id in line_of:
-            raise BadInputError(
-                f"distillation data '{path}' line {number}: id '{example.id}' is already on line "
-                f"{line_of[example.id]} (a further response to a prompt needs its own id: `distill --tag`)"
-            )
-        line_of[example.id] = number
+        hint = " (a further response to a prompt needs its own id: `distill --tag`)"
+        record_id(line_of, example.id, f"distillation data '{path}'", number, hint)
         out.append(example)
     return out
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from specframe.acceptance import TreeAcceptance
+from specframe.config import stop_strings
 from specframe.errors import BadInputError, ProposerError, SpecframeError, is_count
 from specframe.kv_cache import keep_positions, new_cache, tree_attention_mask
 from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo, validate_proposal
@@ -194,7 +195,7 @@ class SpeculativeDecoder:
             state = DecodeState(tokens, prompt_ids.numel(), params, generator, max_depth)
             t0 = time.perf_counter()
             proposal = self._call(proposer.propose, state)
-            depths = validate_proposal(proposal, self.info.vocab_size, max_depth, self.who)
+            depths = validate_proposal(proposal, self.info.vocab_size, max_depth, self.who, self.device)
             t1 = time.perf_counter()
 
             n = len(proposal)
@@ -282,15 +283,6 @@ def check_tree_attention(model: torch.nn.Module) -> None:
             f"the target's attention implementation '{impl}' cannot apply a token tree's attention mask: load it "
             "with attn_implementation='sdpa' (or 'eager') to verify trees"
         )
-
-
-def stop_strings(stop: str | list[str] | None) -> list[str]:
-    """Stop strings as a list (one string is one stop string, not its characters); each must be non-empty text."""
-    stop = [stop] if isinstance(stop, str) else list(stop or [])
-    for s in stop:
-        if not isinstance(s, str) or not s:
-            raise BadInputError(f"stop strings must be non-empty text, got {s!r}")
-    return stop
 
 
 def pick_hidden(out: Any, layers: tuple[int, ...], rows: slice | torch.Tensor) -> dict[int, torch.Tensor]:

@@ -30,11 +30,16 @@ def keep_positions(cache: DynamicCache, start: int, keep: list[int], n_new: int)
         if n_new > len(keep):
             cache.crop(-(n_new - len(keep)))
         return
-    index = torch.tensor(keep, device=cache.layers[0].keys.device) + start
+    index = torch.tensor(keep) + start
+    on_device: dict[torch.device, torch.Tensor] = {}  # (a model split over devices has its cache split too)
     end = start + len(keep)
     for layer in cache.layers:  # move the kept rows down in place (O(kept), not O(sequence)), then crop
-        layer.keys[..., start:end, :] = layer.keys.index_select(-2, index)
-        layer.values[..., start:end, :] = layer.values.index_select(-2, index)
+        device = layer.keys.device
+        if device not in on_device:
+            on_device[device] = index.to(device)
+        rows = on_device[device]
+        layer.keys[..., start:end, :] = layer.keys.index_select(-2, rows)
+        layer.values[..., start:end, :] = layer.values.index_select(-2, rows)
     cache.crop(-(n_new - len(keep)))
 
 

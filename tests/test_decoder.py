@@ -166,6 +166,13 @@ L = torch.long
             ),
             "token has draft probability 0",
         ),
+        (
+            lambda s: Proposal(
+                torch.tensor([1]), torch.tensor([-1]), torch.zeros(1, dtype=torch.bool),
+                torch.empty(1, 8, device="meta"),
+            ),
+            "draft_probs is on meta, the target's logits on cpu",
+        ),
         (lambda s: Proposal.chain(torch.ones(s.max_depth + 1, dtype=L)), "depth"),
         (lambda s: [1, 2], "expected a Proposal"),
         (lambda s: 1 / 0, "ZeroDivisionError"),
@@ -237,7 +244,7 @@ def test_a_step_completing_two_stop_strings_stops_where_plain_decoding_does(targ
 @pytest.mark.parametrize("stop", [[""], ["ok", ""], [3]])
 def test_empty_or_non_text_stop_strings_are_refused(target, stop):
     dec = SpeculativeDecoder(target, NoneProposer(NoneConfig(), target_info(target)), LetterTokenizer())
-    with pytest.raises(BadInputError, match="stop strings must be non-empty text"):
+    with pytest.raises(BadInputError, match="stop must hold non-empty strings"):
         dec.generate([1, 2, 3], max_new_tokens=4, stop=stop)
 
 

@@ -156,7 +156,7 @@ def resuming_from(ckpt: Path, named_params: dict[str, torch.Tensor], resume: boo
 def load_checkpoint(
     folder: Path, named_params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer
 ) -> dict:
-    check_checkpoint_params(folder, named_params)
+    """Weights and optimizer moments from `folder` (its parameters already checked by `resuming_from`)."""
     weights = load_file(folder / "model.safetensors")
     with torch.no_grad():
         for k, p in named_params.items():
@@ -176,9 +176,9 @@ def load_checkpoint(
     return json.loads((folder / "state.json").read_text())
 
 
-def resume_from(ckpt: Path, params: dict, optimizer: torch.optim.Optimizer, resume: bool, log) -> tuple[int, list]:
-    """(epochs done, metrics history) from `ckpt` when resuming; else (0, [])."""
-    if resuming_from(ckpt, params, resume):
+def resume_from(ckpt: Path, params: dict, optimizer: torch.optim.Optimizer, resuming: bool, log) -> tuple[int, list]:
+    """(epochs done, metrics history) from `ckpt` when `resuming` (the answer of `resuming_from`); else (0, [])."""
+    if resuming:
         state = load_checkpoint(ckpt, params, optimizer)
         log(f"resumed from {ckpt} after epoch {state['epoch']}")
         return state["epoch"], state["history"]

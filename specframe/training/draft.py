@@ -145,7 +145,7 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
     # The teacher: the target's cached features (one bfloat16 pass shared with the Medusa and EAGLE trainers)
     # through its LM-head rows for the draft's vocabulary, computed per batch (never stored as log-probs).
     ckpt = out / "checkpoint"
-    resuming_from(ckpt, params, resume)  # (a checkpoint of other parameters refused before the extraction)
+    resuming = resuming_from(ckpt, params, resume)  # (other parameters refused before the extraction)
     train_feats, held_feats = split_features(cfg, target, train_ex, held_ex)
     train_seqs = [Sequence(f.ids.tolist(), f.first_target, f.features) for f in train_feats]
     held_seqs = [Sequence(f.ids.tolist(), f.first_target) for f in held_feats]
@@ -164,7 +164,7 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
     optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
     steps_per_epoch = math.ceil(len(train_seqs) / cfg.batch_size)
     total_steps = steps_per_epoch * cfg.epochs
-    start_epoch, history = resume_from(ckpt, params, optimizer, resume, log)
+    start_epoch, history = resume_from(ckpt, params, optimizer, resuming, log)
     schedule = warmup_cosine(optimizer, total_steps, start_epoch * steps_per_epoch)
 
     teacher_head = target.get_output_embeddings().weight.detach()[vocab_ids].float()  # [K, hidden]

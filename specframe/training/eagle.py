@@ -267,7 +267,7 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
     if not cfg.init_from:
         drafter = build_drafter(target, vocab_ids, cfg.init_from_last_layer, tuple(cfg.fuse_layers))
     params = dict(drafter.named_parameters())
-    resuming_from(ckpt, params, resume)  # (a checkpoint of other parameters refused before the extraction)
+    resuming = resuming_from(ckpt, params, resume)  # (other parameters refused before the extraction)
     full_head = target.get_output_embeddings().weight.detach().float()
     vocab_size = full_head.shape[0]
     train_feats, held_feats = split_features(cfg, target, train_ex, held_ex, tuple(cfg.fuse_layers))
@@ -293,7 +293,7 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
     order_by_len = sorted(range(len(train_seqs)), key=lambda i: train_seqs[i].ids.numel())
     batches = [order_by_len[i : i + cfg.batch_size] for i in range(0, len(order_by_len), cfg.batch_size)]
     total_steps = len(batches) * cfg.epochs
-    start_epoch, history = resume_from(ckpt, params, optimizer, resume, log)
+    start_epoch, history = resume_from(ckpt, params, optimizer, resuming, log)
     schedule = warmup_cosine(optimizer, total_steps, start_epoch * len(batches))
     memo: dict = {}
     if start_epoch == 0:

@@ -266,7 +266,7 @@ def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
 
     params = dict(heads.named_parameters())
     ckpt = Path(cfg.out) / "checkpoint"
-    resuming_from(ckpt, params, resume)  # (a checkpoint of other parameters refused before the extraction)
+    resuming = resuming_from(ckpt, params, resume)  # (other parameters refused before the extraction)
     train_feats, held_feats = split_features(cfg, target, train_ex, held_ex)
     x_train, y_train = stack_features(train_feats, cfg.num_heads, cfg.prompt_positions)
     x_held, y_held = stack_features(held_feats, cfg.num_heads)
@@ -274,7 +274,7 @@ def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     lm_rows = target.get_output_embeddings().weight.detach()[vocab_ids].float()
     optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
     steps = math.ceil(x_train.shape[0] / cfg.batch_size)
-    start, history = resume_from(ckpt, params, optimizer, resume, log)
+    start, history = resume_from(ckpt, params, optimizer, resuming, log)
     schedule = warmup_cosine(optimizer, steps * cfg.epochs, start * steps)
     if start == 0:
         m = evaluate(heads.eval(), lm_rows, vocab_ids, x_held, y_held)
@@ -339,7 +339,7 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     batches = make_batches(seqs, cfg.batch_size, cfg.seed)
     out = Path(cfg.out)
     ckpt = out / "checkpoint"
-    start, history = resume_from(ckpt, params, optimizer, resume, log)
+    start, history = resume_from(ckpt, params, optimizer, resuming_from(ckpt, params, resume), log)
     schedule = warmup_cosine(optimizer, len(batches) * cfg.epochs, start * len(batches))
 
     def heldout() -> tuple[dict, int]:

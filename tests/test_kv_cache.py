@@ -1,0 +1,32 @@
+"""Rolling the target's KV cache back to the accepted path of a token tree."""
+
+import torch
+from transformers import DynamicCache
+
+from specframe.kv_cache import keep_positions
+
+
+def cache_of(devices, length=6):
+    """A cache whose layer i (on devices[i]) holds position p's key and value as the number 10 * i + p."""
+    cache = DynamicCache()
+    for i, device in enumerate(devices):
+        rows = (10 * i + torch.arange(length, dtype=torch.float32)).reshape(1, 1, length, 1).to(device)
+        cache.update(rows, rows.clone(), i)
+    return cache
+
+
+def test_a_tree_path_is_gathered_and_the_rest_cropped():
+    cache = cache_of(["cpu", "cpu"])
+    keep_positions(cache, start=2, keep=[0, 2, 3], n_new=4)  # positions 2..5 were verified; 2, 4, 5 accepted
+    for i, layer in enumerate(cache.layers):
+        assert layer.keys.flatten().tolist() == [10 * i + p for p in (0, 1, 2, 4, 5)]
+        assert layer.values.flatten().tolist() == [10 * i + p for p in (0, 1, 2, 4, 5)]
+
+
+def test_a_cache_split_over_devices_is_gathered_on_each_device():
+    # (a model spread over devices keeps each layer's cache on its own device; "meta" stands in for a GPU here)
+    cache = cache_of(["meta", "cpu"])
+    keep_positions(cache, start=2, keep=[0, 3], n_new=4)
+    assert cache.layers[0].keys.shape[-2] == 4 and cache.layers[0].keys.device.type == "meta"
+    assert cache.layers[1].keys.flatten().tolist() == [10, 11, 12, 15]
+    assert cache.layers[1].values.flatten().tolist() == [10, 11, 12, 15]
