@@ -11,6 +11,12 @@ from specframe.errors import SpecframeError
 
 def new_cache(model: torch.nn.Module) -> DynamicCache:
     """An empty cache for `model`, refused when some layer could not be rolled back exactly."""
+    supports = getattr(model, "_supports_default_dynamic_cache", None)  # (transformers' own list of exceptions)
+    if supports is not None and not supports():
+        raise SpecframeError(
+            f"{type(model).__name__} keeps its own kind of cache or state, not a key/value cache that specframe "
+            "can roll back; it cannot be a speculative decoding target"
+        )
     cache = DynamicCache(config=model.config)
     for i, layer in enumerate(cache.layers):
         if type(layer) is not DynamicLayer:

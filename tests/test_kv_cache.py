@@ -1,9 +1,12 @@
 """Rolling the target's KV cache back to the accepted path of a token tree."""
 
+import pytest
 import torch
 from transformers import DynamicCache
 
-from specframe.kv_cache import keep_positions
+from specframe.errors import SpecframeError
+from specframe.kv_cache import keep_positions, new_cache
+from specframe.testing.tiny import tiny_llama
 
 
 def cache_of(devices, length=6):
@@ -30,3 +33,12 @@ def test_a_cache_split_over_devices_is_gathered_on_each_device():
     assert cache.layers[0].keys.shape[-2] == 4 and cache.layers[0].keys.device.type == "meta"
     assert cache.layers[1].keys.flatten().tolist() == [10, 11, 12, 15]
     assert cache.layers[1].values.flatten().tolist() == [10, 11, 12, 15]
+
+
+def test_a_model_without_a_key_value_cache_is_refused():
+    # transformers marks models whose state is not a DynamicCache (RWKV, xLSTM, XLNet, ...) by class name
+    model = tiny_llama(vocab_size=8, seed=0)
+    assert new_cache(model).layers  # a Llama's cache rolls back
+    model.__class__ = type("TinyRwkvForCausalLM", (type(model),), {})
+    with pytest.raises(SpecframeError, match="TinyRwkvForCausalLM keeps its own kind of cache"):
+        new_cache(model)
