@@ -15,7 +15,7 @@ def new_cache(model: torch.nn.Module) -> DynamicCache:
     if supports is not None and not supports():
         raise SpecframeError(
             f"{type(model).__name__} keeps its own kind of cache or state, not a key/value cache that specframe "
-            "can roll back; it cannot be a speculative decoding target"
+            "can roll back; it cannot be used for speculative decoding (as the target or as a draft model)"
         )
     cache = DynamicCache(config=model.config)
     for i, layer in enumerate(cache.layers):

@@ -165,7 +165,8 @@ def validate_proposal(
     p: Proposal, vocab_size: int, max_depth: int, who: str, device: torch.device | None = None
 ) -> list[int]:
     """Raise ProposerError naming `who` unless `p` is a well-formed proposal; return its nodes' depths.
-    `device`: where the target's logits are, and so where sampled nodes' draft_probs must be."""
+    `device`: where the target's logits are (a tensor's `.device`, so "cuda:0", not "cuda"), and so where sampled
+    nodes' draft_probs must be."""
 
     def bad(msg: str) -> ProposerError:
         return ProposerError(f"{who} returned a malformed proposal: {msg}")
@@ -198,7 +199,7 @@ def validate_proposal(
         if not isinstance(q, torch.Tensor) or q.shape != (n, vocab_size):
             shape = None if not isinstance(q, torch.Tensor) else tuple(q.shape)
             raise bad(f"draft_probs must be [{n}, {vocab_size}] for sampled nodes, got {shape}")
-        if device is not None and q.device != torch.device(device):  # (acceptance compares q with the target's p)
+        if device is not None and q.device != device:  # (acceptance compares q with the target's p)
             raise bad(f"draft_probs is on {q.device}, the target's logits on {device}")
         rows = q[~p.deterministic].float()
         if not bool(torch.isfinite(rows).all()) or bool((rows < 0).any()):

@@ -176,8 +176,9 @@ def load_checkpoint(
     return json.loads((folder / "state.json").read_text())
 
 
-def resume_from(ckpt: Path, params: dict, optimizer: torch.optim.Optimizer, resuming: bool, log) -> tuple[int, list]:
-    """(epochs done, metrics history) from `ckpt` when `resuming` (the answer of `resuming_from`); else (0, [])."""
+def resume_from(ckpt: Path, params: dict, optimizer: torch.optim.Optimizer, *, resuming: bool, log) -> tuple[int, list]:
+    """(epochs done, metrics history) from `ckpt` when `resuming`, which must be the answer of `resuming_from`
+    (it checks the checkpoint's parameters; this does not); else (0, [])."""
     if resuming:
         state = load_checkpoint(ckpt, params, optimizer)
         log(f"resumed from {ckpt} after epoch {state['epoch']}")

@@ -164,7 +164,7 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
     optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
     steps_per_epoch = math.ceil(len(train_seqs) / cfg.batch_size)
     total_steps = steps_per_epoch * cfg.epochs
-    start_epoch, history = resume_from(ckpt, params, optimizer, resuming, log)
+    start_epoch, history = resume_from(ckpt, params, optimizer, resuming=resuming, log=log)
     schedule = warmup_cosine(optimizer, total_steps, start_epoch * steps_per_epoch)
 
     teacher_head = target.get_output_embeddings().weight.detach()[vocab_ids].float()  # [K, hidden]

@@ -293,7 +293,7 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
     order_by_len = sorted(range(len(train_seqs)), key=lambda i: train_seqs[i].ids.numel())
     batches = [order_by_len[i : i + cfg.batch_size] for i in range(0, len(order_by_len), cfg.batch_size)]
     total_steps = len(batches) * cfg.epochs
-    start_epoch, history = resume_from(ckpt, params, optimizer, resuming, log)
+    start_epoch, history = resume_from(ckpt, params, optimizer, resuming=resuming, log=log)
     schedule = warmup_cosine(optimizer, total_steps, start_epoch * len(batches))
     memo: dict = {}
     if start_epoch == 0:

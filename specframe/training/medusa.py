@@ -274,7 +274,7 @@ def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     lm_rows = target.get_output_embeddings().weight.detach()[vocab_ids].float()
     optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
     steps = math.ceil(x_train.shape[0] / cfg.batch_size)
-    start, history = resume_from(ckpt, params, optimizer, resuming, log)
+    start, history = resume_from(ckpt, params, optimizer, resuming=resuming, log=log)
     schedule = warmup_cosine(optimizer, steps * cfg.epochs, start * steps)
     if start == 0:
         m = evaluate(heads.eval(), lm_rows, vocab_ids, x_held, y_held)
@@ -339,7 +339,7 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     batches = make_batches(seqs, cfg.batch_size, cfg.seed)
     out = Path(cfg.out)
     ckpt = out / "checkpoint"
-    start, history = resume_from(ckpt, params, optimizer, resuming_from(ckpt, params, resume), log)
+    start, history = resume_from(ckpt, params, optimizer, resuming=resuming_from(ckpt, params, resume), log=log)
     schedule = warmup_cosine(optimizer, len(batches) * cfg.epochs, start * len(batches))
 
     def heldout() -> tuple[dict, int]:
