@@ -112,6 +112,7 @@ def read_prompts(path: str | Path, benchmark_turns: Iterable[str] = ()) -> list[
 def read_distill(path: str | Path) -> list[DistillExample]:
     out = []
     line_of: dict[str, int] = {}
+    repeated = " (a further response to a prompt needs its own id: `distill --tag`)"
     for number, row in read_jsonl(path, "distillation data", " (make it with `specframe data distill`)"):
         try:
             example = DistillExample(
@@ -124,8 +125,7 @@ def read_distill(path: str | Path) -> list[DistillExample]:
             )
         except KeyError as e:
             raise BadInputError(f"distillation data '{path}' line {number}: missing {e}") from e
-        hint = " (a further response to a prompt needs its own id: `distill --tag`)"
-        record_id(line_of, example.id, f"distillation data '{path}'", number, hint)
+        record_id(line_of, example.id, f"distillation data '{path}'", number, repeated)
         out.append(example)
     return out
 
