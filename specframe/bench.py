@@ -134,8 +134,12 @@ class BenchOptions:
         unknown = [p for p in self.proposers if p not in registry.proposers]
         if unknown:  # (a typo or a plugin that is not installed: said before the target loads, not skipped)
             raise BadInputError(f"unknown proposer '{unknown[0]}'; installed: {', '.join(registry.names())}")
-        for name, value in (("limit", self.limit), ("max-new-tokens", self.max_new_tokens),
-                            ("pld-tokens", self.pld_tokens), ("threads", self.threads)):
+        for name, value in (
+            ("limit", self.limit),
+            ("max-new-tokens", self.max_new_tokens),
+            ("pld-tokens", self.pld_tokens),
+            ("threads", self.threads),
+        ):
             if value is not None and not is_count(value):
                 raise BadInputError(f"--{name} must be an integer >= 1, got {value!r}")
         if not self.tie_threshold >= 0:
@@ -159,13 +163,25 @@ class BenchOptions:
 
     def command(self) -> str:
         """The `specframe bench` command that reproduces this run (every setting spelt out)."""
-        argv = ["specframe", "bench", "--proposers", ",".join(self.proposers), "--baselines", ",".join(self.baselines),
-                "--subtasks", ",".join(self.subtasks)]
+        argv = [
+            "specframe",
+            "bench",
+            "--proposers",
+            ",".join(self.proposers),
+            "--baselines",
+            ",".join(self.baselines),
+            "--subtasks",
+            ",".join(self.subtasks),
+        ]
         if self.limit is not None:
             argv += ["--limit", str(self.limit)]
         argv += ["--max-new-tokens", str(self.max_new_tokens)]
-        for flag, value in (("--questions", self.questions), ("--target", self.target), ("--dtype", self.dtype),
-                            ("--device", self.device)):
+        for flag, value in (
+            ("--questions", self.questions),
+            ("--target", self.target),
+            ("--dtype", self.dtype),
+            ("--device", self.device),
+        ):
             if value is not None:
                 argv += [flag, str(value)]
         if not self.greedy:
@@ -224,8 +240,12 @@ def read_questions(path: str | Path, subtasks: list[str], limit: int | None = No
     hint = " (give --questions PATH of Spec-Bench's question.jsonl)"
     for number, row in read_jsonl(p, "questions file", hint):
         try:
-            q = Question(int(row["question_id"]), SUBTASK_OF.get(row["category"], ""), row["category"],
-                         [str(t) for t in row["turns"]])
+            q = Question(
+                int(row["question_id"]),
+                SUBTASK_OF.get(row["category"], ""),
+                row["category"],
+                [str(t) for t in row["turns"]],
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise BadInputError(f"questions file '{p}' line {number}: not a Spec-Bench question ({e})") from e
         if not q.turns:
@@ -274,16 +294,29 @@ class ForwardCounter:
 def specframe_method(name: str, decoder: Any, options: BenchOptions, description: str) -> Method:
     def run(ids: list[int], max_new: int, seed: int) -> Output:
         t0 = time.perf_counter()  # around the whole call, as for transformers (stats' wall_time_s is inside it)
-        res = decoder.generate(ids, max_new_tokens=max_new, temperature=options.temperature, top_p=options.top_p,
-                               top_k=options.top_k, seed=seed)
+        res = decoder.generate(
+            ids,
+            max_new_tokens=max_new,
+            temperature=options.temperature,
+            top_p=options.top_p,
+            top_k=options.top_k,
+            seed=seed,
+        )
         seconds = time.perf_counter() - t0
         return Output(res.token_ids, res.stats["target_forwards"], seconds, res.stats)
 
     return Method(name, "specframe", description, run)
 
 
-def hf_method(name: str, model: Any, counter: ForwardCounter, eos_ids: list[int], options: BenchOptions,
-              description: str, **extra: Any) -> Method:
+def hf_method(
+    name: str,
+    model: Any,
+    counter: ForwardCounter,
+    eos_ids: list[int],
+    options: BenchOptions,
+    description: str,
+    **extra: Any,
+) -> Method:
     """transformers `generate` on the shared target, on PyTorch's and transformers' own kernels; `extra` selects
     assisted or prompt-lookup decoding."""
     from specframe.cpu_kernels import stock_kernels
@@ -304,7 +337,7 @@ def hf_method(name: str, model: Any, counter: ForwardCounter, eos_ids: list[int]
             t0 = time.perf_counter()
             out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kwargs, **extra)
             seconds = time.perf_counter() - t0
-        new = cut_at_eos(out[0, len(ids):].tolist(), eos_ids)
+        new = cut_at_eos(out[0, len(ids) :].tolist(), eos_ids)
         return Output(new, counter.calls, seconds, None)
 
     return Method(name, "transformers", description, run)
@@ -375,8 +408,15 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
     # Before the target loads, so a typo fails in a second.
     configs = {name: proposer_config(name) for name in options.override_heads() if name in registry.proposers}
     t = cfg.target
-    loaded = load_model(t.model, dtype=t.dtype, device=t.device, adapter=t.adapter,
-                        trust_remote_code=t.trust_remote_code, quiet=True, fast_cpu_kernels=t.fast_cpu_kernels)
+    loaded = load_model(
+        t.model,
+        dtype=t.dtype,
+        device=t.device,
+        adapter=t.adapter,
+        trust_remote_code=t.trust_remote_code,
+        quiet=True,
+        fast_cpu_kernels=t.fast_cpu_kernels,
+    )
     model, tokenizer = loaded.model, loaded.tokenizer
     if tokenizer is None:
         raise ModelLoadError(f"target '{t.model}' has no tokenizer: the benchmark's questions are text")
@@ -410,10 +450,18 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
         if name == "hf":
             methods.append(hf_method(name, model, counter, eos_ids, options, "transformers generate (plain)"))
         elif name == "hf-pld":
-            methods.append(hf_method(name, model, counter, eos_ids, options,
-                                     f"transformers prompt-lookup decoding, prompt_lookup_num_tokens="
-                                     f"{options.pld_tokens}, default max_matching_ngram_size",
-                                     prompt_lookup_num_tokens=options.pld_tokens))
+            methods.append(
+                hf_method(
+                    name,
+                    model,
+                    counter,
+                    eos_ids,
+                    options,
+                    f"transformers prompt-lookup decoding, prompt_lookup_num_tokens="
+                    f"{options.pld_tokens}, default max_matching_ngram_size",
+                    prompt_lookup_num_tokens=options.pld_tokens,
+                )
+            )
         elif name == "hf-assisted":
             draft = built.get("draft")
             if draft is None and "draft" in skipped:
@@ -426,14 +474,23 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
                     skipped[name] = f"no draft model: {one_line(e)}"
                     continue
             assistant, gamma = hf_assistant(draft, info.vocab_size)
-            methods.append(hf_method(name, model, counter, eos_ids, options,
-                                     f"transformers assisted generation with the `draft` proposer's draft, "
-                                     f"num_assistant_tokens={gamma} (constant schedule, confidence threshold 0)",
-                                     assistant_model=assistant))
+            methods.append(
+                hf_method(
+                    name,
+                    model,
+                    counter,
+                    eos_ids,
+                    options,
+                    f"transformers assisted generation with the `draft` proposer's draft, "
+                    f"num_assistant_tokens={gamma} (constant schedule, confidence threshold 0)",
+                    assistant_model=assistant,
+                )
+            )
     if not methods:
         counter.remove()
-        raise BadInputError("nothing to run: every method was skipped (" +
-                            "; ".join(f"{k}: {v}" for k, v in skipped.items()) + ")")
+        raise BadInputError(
+            "nothing to run: every method was skipped (" + "; ".join(f"{k}: {v}" for k, v in skipped.items()) + ")"
+        )
     for name, why in skipped.items():
         log(f"skipping {name}: {why}")
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -465,8 +522,9 @@ def is_near_tie(top1: float, top2: float, threshold: float) -> bool:
     return top1 - top2 <= threshold * max(1.0, abs(top1))
 
 
-def explain_difference(model32: torch.nn.Module, prompt: list[int], reference: list[int], output: list[int],
-                       at: int, threshold: float) -> dict[str, Any]:
+def explain_difference(
+    model32: torch.nn.Module, prompt: list[int], reference: list[int], output: list[int], at: int, threshold: float
+) -> dict[str, Any]:
     """Why `output` leaves `reference` at position `at`: the float32 top-2 of the target there."""
     (t1, l1), (t2, l2) = top2_logits(model32, prompt + reference[:at])
     return {
@@ -536,8 +594,11 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
         },
         "methods": {m.name: {"kind": m.kind, "description": m.description} for m in methods},
         "skipped": skipped,
-        "definitions": DEFINITIONS | {"near_tie": f"top-1 minus top-2 logit <= {options.tie_threshold} x "
-                                                    "max(1, |top-1 logit|), float32 from-scratch forward"},
+        "definitions": DEFINITIONS
+        | {
+            "near_tie": f"top-1 minus top-2 logit <= {options.tie_threshold} x "
+            "max(1, |top-1 logit|), float32 from-scratch forward"
+        },
         "summary": summarize(records, [m.name for m in methods], options.subtasks),
         "records": records,
     }
@@ -565,28 +626,28 @@ def render(path: str | Path, out: str | Path | None = None, results_doc: str | N
 
 DEFINITIONS = {
     "mean_accepted_length": "total new tokens / total target forwards (prefill included) over every turn of the "
-                            "subtask (pooled, not a mean of per-turn ratios); plain decoding scores 1.00",
+    "subtask (pooled, not a mean of per-turn ratios); plain decoding scores 1.00",
     "tokens_per_s": "mean over questions of (new tokens of all its turns / seconds of all its turns), Spec-Bench's",
     "speedup": "tokens/s of the method / tokens/s of the baseline (hf or none) on the same questions, same run",
     "kernels": "transformers' methods (hf, hf-assisted, hf-pld) run on PyTorch's and transformers' own kernels, as "
-               "a transformers user gets them; specframe's methods on its CPU kernels when target.fast_cpu_kernels "
-               "is on (specframe/cpu_kernels.py), so speedup vs none is the gain of speculation alone and speedup "
-               "vs hf also counts the faster kernels",
+    "a transformers user gets them; specframe's methods on its CPU kernels when target.fast_cpu_kernels "
+    "is on (specframe/cpu_kernels.py), so speedup vs none is the gain of speculation alone and speedup "
+    "vs hf also counts the faster kernels",
     "acceptance_rate": "accepted draft tokens / proposed draft tokens (tree: / depth proposed), pooled",
     "acceptance_by_position": "[d] = verification steps that accepted a token at draft depth d+1 / steps that "
-                              "proposed one there (not conditional on depth d being accepted, so it falls with "
-                              "depth even when every draft is accepted with the same probability)",
+    "proposed one there (not conditional on depth d being accepted, so it falls with "
+    "depth even when every draft is accepted with the same probability)",
     "accepted_length_histogram": "[k] = verification steps (prefill excluded) that emitted k+1 tokens "
-                                 "(k accepted drafts + the target's token)",
+    "(k accepted drafts + the target's token)",
     "alpha": "per-token acceptance probability, estimated as accepted / (accepted + rejections); a step that "
-             "accepted fewer drafts than the deepest depth proposed counts one rejection (so a whole shorter "
-             "draft near the token budget counts as a rejection: a slight underestimate)",
+    "accepted fewer drafts than the deepest depth proposed counts one rejection (so a whole shorter "
+    "draft near the token budget counts as a rejection: a slight underestimate)",
     "predicted_speedup": "Leviathan et al.: E[tokens/step] = (1 - alpha^(gamma+1)) / (1 - alpha); speedup = "
-                         "E[tokens/step] x plain step cost / (gamma x draft cost per token + verify cost per "
-                         "step); costs from the stats' propose_time_s / proposed_tokens and verify_time_s / steps, "
-                         "the plain step from `none` (propose + verify time per step)",
+    "E[tokens/step] x plain step cost / (gamma x draft cost per token + verify cost per "
+    "step); costs from the stats' propose_time_s / proposed_tokens and verify_time_s / steps, "
+    "the plain step from `none` (propose + verify time per step)",
     "identical": "greedy only: the turn's tokens equal hf's for the same conversation; a turn after an earlier "
-                 "difference has another context and is not compared",
+    "difference has another context and is not compared",
 }
 
 
@@ -600,8 +661,9 @@ def conversation_ids(encoder: Any, turns: list[str], answers: list[str]) -> list
     return encoder.encode(messages).tolist()
 
 
-def timed_loop(setup: Setup, questions: list[Question], options: BenchOptions, log: Callable[[str], None],
-               tqdm: Any) -> tuple[list[dict[str, Any]], dict[str, str]]:
+def timed_loop(
+    setup: Setup, questions: list[Question], options: BenchOptions, log: Callable[[str], None], tqdm: Any
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """Warm up every method, then run question by question, every method on each (order rotated per question)."""
     methods = list(setup.methods)
     failed: dict[str, str] = {}
@@ -615,8 +677,7 @@ def timed_loop(setup: Setup, questions: list[Question], options: BenchOptions, l
             methods.remove(m)
     records: list[dict[str, Any]] = []
     total = sum(len(q.turns) for q in questions) * len(methods)
-    bar = tqdm(total=total, unit="gen", desc="bench", disable=not options.progress, file=sys.stderr,
-               dynamic_ncols=True)
+    bar = tqdm(total=total, unit="gen", desc="bench", disable=not options.progress, file=sys.stderr, dynamic_ncols=True)
     with bar, torch.inference_mode():
         for qi, q in enumerate(questions):
             k = qi % len(methods) if methods else 0
@@ -635,8 +696,9 @@ def timed_loop(setup: Setup, questions: list[Question], options: BenchOptions, l
                 except BadInputError:
                     raise  # e.g. a prompt longer than the context window: the user's to fix
                 except Exception as e:
-                    failed[m.name] = (f"failed on question {q.question_id}: {type(e).__name__}: "
-                                      f"{' '.join(str(e).split())}")
+                    failed[m.name] = (
+                        f"failed on question {q.question_id}: {type(e).__name__}: {' '.join(str(e).split())}"
+                    )
                     log(f"dropping {m.name}: {failed[m.name]}")
     records = [r for r in records if r["method"] not in failed]
     return records, failed
@@ -687,8 +749,9 @@ def check_identity(records: list[dict[str, Any]], setup: Setup, options: BenchOp
             if at is not None:
                 if model32 is None:
                     model32 = float32_copy(setup.model)
-                r["difference"] = explain_difference(model32, r["prompt_ids"], base["token_ids"], r["token_ids"], at,
-                                                     options.tie_threshold)
+                r["difference"] = explain_difference(
+                    model32, r["prompt_ids"], base["token_ids"], r["token_ids"], at, options.tie_threshold
+                )
 
 
 def float32_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -729,9 +792,17 @@ def pooled_stats(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     with_stats = [r for r in records if r["stats"] is not None]
     if not with_stats:
         return None
-    pooled: dict[str, Any] = {"proposed_tokens": 0, "accepted_tokens": 0, "proposed_nodes": 0, "propose_time_s": 0.0,
-                              "verify_time_s": 0.0, "steps": 0, "decode_tokens": 0, "proposed_by_position": [],
-                              "accepted_by_position": []}
+    pooled: dict[str, Any] = {
+        "proposed_tokens": 0,
+        "accepted_tokens": 0,
+        "proposed_nodes": 0,
+        "propose_time_s": 0.0,
+        "verify_time_s": 0.0,
+        "steps": 0,
+        "decode_tokens": 0,
+        "proposed_by_position": [],
+        "accepted_by_position": [],
+    }
     for r in with_stats:
         s = r["stats"]
         for key in ("proposed_tokens", "accepted_tokens", "proposed_nodes", "propose_time_s", "verify_time_s"):
@@ -754,8 +825,9 @@ def accepted_length_histogram(steps: int, accepted_by_position: list[int]) -> li
     return [at_least[k] - at_least[k + 1] for k in range(len(accepted_by_position) + 1)]
 
 
-def estimate_alpha(accepted_tokens: int, proposed_by_position: list[int], accepted_by_position: list[int]
-                   ) -> float | None:
+def estimate_alpha(
+    accepted_tokens: int, proposed_by_position: list[int], accepted_by_position: list[int]
+) -> float | None:
     """Per-token acceptance probability of a chain, accepted / (accepted + rejections) (see DEFINITIONS)."""
     if not proposed_by_position or not proposed_by_position[0]:
         return None
@@ -805,7 +877,8 @@ def prediction(pooled: dict[str, Any] | None, plain: dict[str, Any] | None) -> d
         "predicted_speedup": predicted_speedup(alpha, gamma, draft_cost, verify_cost, plain_cost),
         # The formula models the decode loop only; this is the same loop measured (prefill and overhead excluded).
         "measured_loop_speedup": (pooled["decode_tokens"] / loop_time) / (plain["decode_tokens"] / plain_loop)
-        if loop_time > 0 and plain_loop > 0 and plain["decode_tokens"] else None,
+        if loop_time > 0 and plain_loop > 0 and plain["decode_tokens"]
+        else None,
     }
 
 
@@ -854,10 +927,14 @@ def summarize(records: list[dict[str, Any]], methods: list[str], subtasks: list[
                 "acceptance_rate": ratio(pooled["accepted_tokens"], pooled["proposed_tokens"]) if pooled else None,
                 "proposed_by_position": pooled["proposed_by_position"] if pooled else None,
                 "accepted_by_position": pooled["accepted_by_position"] if pooled else None,
-                "acceptance_by_position": acceptance_by_position(pooled["proposed_by_position"],
-                                                                 pooled["accepted_by_position"]) if pooled else None,
+                "acceptance_by_position": acceptance_by_position(
+                    pooled["proposed_by_position"], pooled["accepted_by_position"]
+                )
+                if pooled
+                else None,
                 "accepted_length_histogram": accepted_length_histogram(pooled["steps"], pooled["accepted_by_position"])
-                if pooled else None,
+                if pooled
+                else None,
                 "identity": identity_summary(rs),
                 "prediction": prediction(pooled, plain),
             }
@@ -906,23 +983,30 @@ def identity_cell(identity: dict[str, Any] | None) -> str:
 
 
 def main_table(doc: dict[str, Any]) -> list[str]:
-    lines = ["| subtask | method | questions | mean accepted length | tokens/s | speedup vs hf | speedup vs none | "
-             "acceptance rate | greedy output = hf |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| subtask | method | questions | mean accepted length | tokens/s | speedup vs hf | speedup vs none | "
+        "acceptance rate | greedy output = hf |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for subtask, table in doc["summary"].items():
         for m, s in table.items():
-            lines.append(f"| {subtask} | {m} | {s['questions']} | {fmt(s['mean_accepted_length'])} | "
-                         f"{fmt(s['tokens_per_s'], '.1f')} | {fmt(s['speedup_vs_hf'], '.2f', 'x')} | "
-                         f"{fmt(s['speedup_vs_none'], '.2f', 'x')} | {fmt(s['acceptance_rate'], '.3f')} | "
-                         f"{identity_cell(s['identity'])} |")
+            lines.append(
+                f"| {subtask} | {m} | {s['questions']} | {fmt(s['mean_accepted_length'])} | "
+                f"{fmt(s['tokens_per_s'], '.1f')} | {fmt(s['speedup_vs_hf'], '.2f', 'x')} | "
+                f"{fmt(s['speedup_vs_none'], '.2f', 'x')} | {fmt(s['acceptance_rate'], '.3f')} | "
+                f"{identity_cell(s['identity'])} |"
+            )
     return lines
 
 
 def markdown(doc: dict[str, Any], plots: bool = True) -> str:
     """The report as Markdown: setup, main table, acceptance by position, prediction, differences, skipped."""
     s, mach = doc["settings"], doc["machine"]
-    mode = ("greedy" if s["greedy"]
-            else f"sampling (temperature {s['temperature']}, top-p {s['top_p']}, top-k {s['top_k']})")
+    mode = (
+        "greedy"
+        if s["greedy"]
+        else f"sampling (temperature {s['temperature']}, top-p {s['top_p']}, top-k {s['top_k']})"
+    )
     per = ", ".join(f"{k} {v}" for k, v in s["questions_run"].items())
     lines = [
         f"- command: `{doc['command']}`",
@@ -944,21 +1028,31 @@ def markdown(doc: dict[str, Any], plots: bool = True) -> str:
     pos = {m: v["acceptance_by_position"] for m, v in overall.items() if v["acceptance_by_position"]}
     if pos:
         depth = max(len(v) for v in pos.values())
-        lines += ["## Acceptance by draft position (all subtasks)", "",
-                  "| method | " + " | ".join(f"depth {d + 1}" for d in range(depth)) + " |",
-                  "|---|" + "---:|" * depth]
+        lines += [
+            "## Acceptance by draft position (all subtasks)",
+            "",
+            "| method | " + " | ".join(f"depth {d + 1}" for d in range(depth)) + " |",
+            "|---|" + "---:|" * depth,
+        ]
         for m, v in pos.items():
             cells = [fmt(v[d], ".3f") if d < len(v) else "–" for d in range(depth)]
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
         lines.append("")
-    preds = [(sub, m, v["prediction"]) for sub, t in doc["summary"].items() for m, v in t.items()
-             if v["prediction"] is not None]
+    preds = [
+        (sub, m, v["prediction"])
+        for sub, t in doc["summary"].items()
+        for m, v in t.items()
+        if v["prediction"] is not None
+    ]
     if preds:
-        lines += ["## Predicted vs measured speedup (chain proposers; Leviathan et al.)", "",
-                  "| subtask | method | γ | α | tokens/step predicted | measured | draft cost/token | "
-                  "verify cost/step | plain step | predicted speedup | measured (decode loop) | "
-                  "measured (end to end, vs none) |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "## Predicted vs measured speedup (chain proposers; Leviathan et al.)",
+            "",
+            "| subtask | method | γ | α | tokens/step predicted | measured | draft cost/token | "
+            "verify cost/step | plain step | predicted speedup | measured (decode loop) | "
+            "measured (end to end, vs none) |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for sub, m, p in preds:
             if not p["applies"]:
                 lines.append(f"| {sub} | {m} | {p['why']} |" + " |" * 10)
@@ -970,27 +1064,39 @@ def markdown(doc: dict[str, Any], plots: bool = True) -> str:
                 f"{fmt(1e3 * p['verify_cost_per_step_s'], '.1f', ' ms')} | "
                 f"{fmt(1e3 * p['plain_step_s'], '.1f', ' ms')} | "
                 f"{fmt(p['predicted_speedup'], '.2f', 'x')} | {fmt(p['measured_loop_speedup'], '.2f', 'x')} | "
-                f"{fmt(doc['summary'][sub][m]['speedup_vs_none'], '.2f', 'x')} |")
+                f"{fmt(doc['summary'][sub][m]['speedup_vs_none'], '.2f', 'x')} |"
+            )
         lines.append("")
     diffs = [r for r in doc["records"] if r["difference"] is not None]
     if diffs:
-        lines += ["## Outputs that differ from hf's greedy output", "",
-                  "| method | question | turn | position | hf token | method token | top-2 gap (float32) | "
-                  "relative | near-tie |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        lines += [
+            "## Outputs that differ from hf's greedy output",
+            "",
+            "| method | question | turn | position | hf token | method token | top-2 gap (float32) | "
+            "relative | near-tie |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
         for r in diffs:
             d = r["difference"]
-            lines.append(f"| {r['method']} | {r['question_id']} | {r['turn'] + 1} | {d['position']} | "
-                         f"{d['reference_token']} | {d['method_token']} | {d['gap']:.3g} | {d['relative_gap']:.3g} | "
-                         f"{'yes' if d['near_tie'] else '**no**'} |")
+            lines.append(
+                f"| {r['method']} | {r['question_id']} | {r['turn'] + 1} | {d['position']} | "
+                f"{d['reference_token']} | {d['method_token']} | {d['gap']:.3g} | {d['relative_gap']:.3g} | "
+                f"{'yes' if d['near_tie'] else '**no**'} |"
+            )
         lines.append("")
     if doc["skipped"]:
         lines += ["## Skipped", ""] + [f"- `{m}`: {why}" for m, why in doc["skipped"].items()] + [""]
     lines += ["## Methods", ""] + [f"- `{m}`: {v['description']}" for m, v in doc["methods"].items()] + [""]
     lines += ["## Definitions", ""] + [f"- {k}: {v}" for k, v in doc["definitions"].items()] + [""]
     if plots:
-        lines += ["## Plots", "", "![speedup per subtask](speedup.png)", "",
-                  "![accepted lengths](accepted_lengths.png)", ""]
+        lines += [
+            "## Plots",
+            "",
+            "![speedup per subtask](speedup.png)",
+            "",
+            "![accepted lengths](accepted_lengths.png)",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -999,9 +1105,11 @@ def busy_note(doc: dict[str, Any]) -> list[str]:
     load, cpus = doc["loadavg_start"][0], doc["machine"]["nproc"] or 1
     if doc["settings"]["device"].startswith("cuda") or load < cpus / 2:
         return []
-    return [f"- **the machine was busy**: 1-minute load {load:.2f} on {cpus} CPUs before the run started, so "
-            "absolute tokens/s are depressed and noisy; the ratios between methods, interleaved prompt by "
-            "prompt, are the numbers to read"]
+    return [
+        f"- **the machine was busy**: 1-minute load {load:.2f} on {cpus} CPUs before the run started, so "
+        "absolute tokens/s are depressed and noisy; the ratios between methods, interleaved prompt by "
+        "prompt, are the numbers to read"
+    ]
 
 
 def fmt_load(load: list[float]) -> str:
@@ -1038,8 +1146,11 @@ def write_plots(doc: dict[str, Any], out: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     overall = summary.get(OVERALL, {})
-    hists = {m: v["accepted_length_histogram"] for m, v in overall.items()
-             if v["accepted_length_histogram"] and len(v["accepted_length_histogram"]) > 1}
+    hists = {
+        m: v["accepted_length_histogram"]
+        for m, v in overall.items()
+        if v["accepted_length_histogram"] and len(v["accepted_length_histogram"]) > 1
+    }
     width = 0.8 / max(1, len(hists))
     for i, (m, h) in enumerate(hists.items()):
         total = sum(h) or 1

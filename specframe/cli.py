@@ -41,11 +41,17 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="run the exactness conformance suite on a proposer (tiny random models)")
     c.add_argument("--proposer", required=True, help="proposer name")
     c.add_argument("--device", action="append", help="device(s) to check; default: cpu and cuda if present")
-    c.add_argument("--dtype", action="append",
-                   help="dtype(s) of the tiny target: float32, bfloat16, float16 (repeat for several; default float32)")
+    c.add_argument(
+        "--dtype",
+        action="append",
+        help="dtype(s) of the tiny target: float32, bfloat16, float16 (repeat for several; default float32)",
+    )
     c.add_argument("--quick", action="store_true", help="greedy and rollback checks only (no statistics)")
-    c.add_argument("--no-power", action="store_true",
-                   help="skip the power checks (broken rules that must be caught: they test the suite itself)")
+    c.add_argument(
+        "--no-power",
+        action="store_true",
+        help="skip the power checks (broken rules that must be caught: they test the suite itself)",
+    )
     c.add_argument("--json", action="store_true")
     c.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="proposer options, e.g. proposer.max_ngram=2")
     c.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
@@ -85,16 +91,28 @@ def build_parser() -> argparse.ArgumentParser:
     dist.set_defaults(run=cmd_data_distill)
 
     b = sub.add_parser("bench", help="Spec-Bench style speed/acceptance benchmark (writes JSON, Markdown, PNG)")
-    b.add_argument("--proposers", default="none,draft,medusa,eagle,ngram,union",
-                   help="comma-separated specframe proposers (an unknown name is an error); ones without a "
-                        "trained artifact for the target are skipped with a message")
-    b.add_argument("--baselines", default="hf,hf-assisted,hf-pld",
-                   help="comma-separated transformers baselines: hf, hf-assisted, hf-pld ('' for none)")
-    b.add_argument("--subtasks", default="mt_bench,translation,summarization,qa,math_reasoning,rag",
-                   help="comma-separated Spec-Bench subtasks")
+    b.add_argument(
+        "--proposers",
+        default="none,draft,medusa,eagle,ngram,union",
+        help="comma-separated specframe proposers (an unknown name is an error); ones without a "
+        "trained artifact for the target are skipped with a message",
+    )
+    b.add_argument(
+        "--baselines",
+        default="hf,hf-assisted,hf-pld",
+        help="comma-separated transformers baselines: hf, hf-assisted, hf-pld ('' for none)",
+    )
+    b.add_argument(
+        "--subtasks",
+        default="mt_bench,translation,summarization,qa,math_reasoning,rag",
+        help="comma-separated Spec-Bench subtasks",
+    )
     b.add_argument("--limit", type=int, default=None, help="first N questions of each subtask (default: all)")
-    b.add_argument("--questions", default=None,
-                   help="Spec-Bench question.jsonl (default: ../shared/data/spec_bench/question.jsonl)")
+    b.add_argument(
+        "--questions",
+        default=None,
+        help="Spec-Bench question.jsonl (default: ../shared/data/spec_bench/question.jsonl)",
+    )
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--target", default=None, help="target model (target.model)")
     b.add_argument("--dtype", default=None, help="target.dtype")
@@ -104,17 +122,29 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--top-k", type=int, default=0)
     b.add_argument("--seed", type=int, default=0, help="base seed; each (question, turn) derives its own")
     b.add_argument("--pld-tokens", type=int, default=10, help="hf-pld's prompt_lookup_num_tokens")
-    b.add_argument("--tie-threshold", type=float, default=1e-3,
-                   help="a first difference is a near-tie if the top-2 logit gap <= this x max(1, |top-1 logit|)")
+    b.add_argument(
+        "--tie-threshold",
+        type=float,
+        default=1e-3,
+        help="a first difference is a near-tie if the top-2 logit gap <= this x max(1, |top-1 logit|)",
+    )
     b.add_argument("--out", default=None, help="output folder: bench.json, bench.md, *.png (default runs/bench)")
     b.add_argument("--results-doc", default=None, help="also write this Markdown results page (docs/results.md)")
     b.add_argument("--threads", type=int, default=None, help="torch threads for the run (default: torch's)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
-    b.add_argument("--render", metavar="BENCH_JSON", default=None,
-                   help="run nothing: re-make the report (Markdown, plots, --results-doc) from an earlier bench.json")
-    b.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="target.<key>=... for the target, <proposer>.<key>=... for one proposer "
-                        "(e.g. draft.num_speculative_tokens=5)")
+    b.add_argument(
+        "--render",
+        metavar="BENCH_JSON",
+        default=None,
+        help="run nothing: re-make the report (Markdown, plots, --results-doc) from an earlier bench.json",
+    )
+    b.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="target.<key>=... for the target, <proposer>.<key>=... for one proposer "
+        "(e.g. draft.num_speculative_tokens=5)",
+    )
     b.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     b.set_defaults(run=cmd_bench)
 
@@ -216,9 +246,15 @@ def cmd_check(args: argparse.Namespace) -> int:
         config = structured(entry.cls.config_class, values, "proposer")
     if not args.json:  # (then each check's line as it finishes, then the totals)
         print(f"conformance of proposer '{entry.name}':", flush=True)
-    report = run_suite(entry.cls, devices=args.device, config=config, quick=args.quick,
-                       log=None if args.json else lambda line: print(line, flush=True), dtypes=args.dtype,
-                       power=False if args.no_power else None)
+    report = run_suite(
+        entry.cls,
+        devices=args.device,
+        config=config,
+        quick=args.quick,
+        log=None if args.json else lambda line: print(line, flush=True),
+        dtypes=args.dtype,
+        power=False if args.no_power else None,
+    )
     print(json.dumps(report.as_dict()) if args.json else report.totals())
     return 0 if report.passed else 1
 
@@ -286,11 +322,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
 
     options = BenchOptions(
-        proposers=names(args.proposers), baselines=names(args.baselines), subtasks=names(args.subtasks),
-        limit=args.limit, questions=args.questions, max_new_tokens=args.max_new_tokens, target=args.target,
-        dtype=args.dtype, device=args.device, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, overrides=list(args.overrides), pld_tokens=args.pld_tokens, tie_threshold=args.tie_threshold,
-        out=args.out or "runs/bench", results_doc=args.results_doc, progress=not args.no_progress,
+        proposers=names(args.proposers),
+        baselines=names(args.baselines),
+        subtasks=names(args.subtasks),
+        limit=args.limit,
+        questions=args.questions,
+        max_new_tokens=args.max_new_tokens,
+        target=args.target,
+        dtype=args.dtype,
+        device=args.device,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        overrides=list(args.overrides),
+        pld_tokens=args.pld_tokens,
+        tie_threshold=args.tie_threshold,
+        out=args.out or "runs/bench",
+        results_doc=args.results_doc,
+        progress=not args.no_progress,
         threads=args.threads,
     )
     doc = run_bench(options)

@@ -35,8 +35,23 @@ def run_cli(*argv):
 
 
 def bench_args(tiny_dirs, questions, out, *extra):
-    return ["bench", "--target", str(tiny_dirs["target"]), "--questions", str(questions), "--subtasks",
-            "mt_bench,translation", "--limit", "2", "--max-new-tokens", "6", "--out", str(out), "--no-progress", *extra]
+    return [
+        "bench",
+        "--target",
+        str(tiny_dirs["target"]),
+        "--questions",
+        str(questions),
+        "--subtasks",
+        "mt_bench,translation",
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--out",
+        str(out),
+        "--no-progress",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +59,21 @@ def full_run(tiny_dirs, questions, tmp_path_factory):
     """One greedy run with every kind of method, a proposer with no artifact for the target, and a results page."""
     root = tmp_path_factory.mktemp("run")
     methods = "none,draft,medusa"
-    code, out, err = run_cli(*bench_args(tiny_dirs, questions, root / "out", "--proposers", methods,
-                                         "--baselines", "hf,hf-assisted,hf-pld", "--results-doc",
-                                         str(root / "docs" / "results.md"), f"draft.model={tiny_dirs['draft']}",
-                                         "draft.num_speculative_tokens=3"))
+    code, out, err = run_cli(
+        *bench_args(
+            tiny_dirs,
+            questions,
+            root / "out",
+            "--proposers",
+            methods,
+            "--baselines",
+            "hf,hf-assisted,hf-pld",
+            "--results-doc",
+            str(root / "docs" / "results.md"),
+            f"draft.model={tiny_dirs['draft']}",
+            "draft.num_speculative_tokens=3",
+        )
+    )
     assert code == 0, err
     return root, json.loads((root / "out" / "bench.json").read_text()), out, err
 
@@ -56,16 +82,34 @@ def test_outputs_exist_with_their_structure(full_run):
     root, doc, out, _ = full_run
     methods = ["none", "draft", "hf", "hf-assisted", "hf-pld"]
     assert list(doc["methods"]) == methods
-    assert {"command", "date", "machine", "loadavg_start", "loadavg_end", "settings", "summary", "records",
-            "skipped", "definitions"} <= set(doc)
+    assert {
+        "command",
+        "date",
+        "machine",
+        "loadavg_start",
+        "loadavg_end",
+        "settings",
+        "summary",
+        "records",
+        "skipped",
+        "definitions",
+    } <= set(doc)
     assert {"nproc", "cpu", "torch", "transformers"} <= set(doc["machine"])
     assert list(doc["summary"]) == ["mt_bench", "translation", "overall"]
     assert doc["settings"]["questions_run"] == {"mt_bench": 2, "translation": 2}  # --limit 2 per subtask
     for table in doc["summary"].values():
         assert list(table) == methods
         for s in table.values():
-            assert {"mean_accepted_length", "tokens_per_s", "speedup_vs_hf", "speedup_vs_none", "acceptance_rate",
-                    "acceptance_by_position", "identity", "prediction"} <= set(s)
+            assert {
+                "mean_accepted_length",
+                "tokens_per_s",
+                "speedup_vs_hf",
+                "speedup_vs_none",
+                "acceptance_rate",
+                "acceptance_by_position",
+                "identity",
+                "prediction",
+            } <= set(s)
     assert len(doc["records"]) == 5 * len(methods)  # 4 questions, one with 2 turns
     assert doc["summary"]["overall"]["hf"]["speedup_vs_hf"] == pytest.approx(1.0)
     for name in ("bench.md", "speedup.png", "accepted_lengths.png"):
@@ -82,8 +126,15 @@ def test_outputs_exist_with_their_structure(full_run):
 
 def test_render_remakes_the_report_from_the_json(full_run, tmp_path):
     root, doc, _, _ = full_run
-    code, out, err = run_cli("bench", "--render", str(root / "out" / "bench.json"), "--out", str(tmp_path),
-                             "--results-doc", str(tmp_path / "results.md"))
+    code, out, err = run_cli(
+        "bench",
+        "--render",
+        str(root / "out" / "bench.json"),
+        "--out",
+        str(tmp_path),
+        "--results-doc",
+        str(tmp_path / "results.md"),
+    )
     assert code == 0, err
     again = json.loads((tmp_path / "bench.json").read_text())
     assert again["summary"] == doc["summary"] and again["command"] == doc["command"]
@@ -99,8 +150,21 @@ def test_proposer_without_an_artifact_is_skipped_with_a_reason(full_run):
 
 
 def test_no_draft_skips_draft_and_hf_assisted(tiny_dirs, questions, tmp_path):
-    code, _, err = run_cli(*bench_args(tiny_dirs, questions, tmp_path, "--proposers", "none,draft", "--baselines",
-                                       "hf-assisted", "--subtasks", "translation", "--limit", "1"))
+    code, _, err = run_cli(
+        *bench_args(
+            tiny_dirs,
+            questions,
+            tmp_path,
+            "--proposers",
+            "none,draft",
+            "--baselines",
+            "hf-assisted",
+            "--subtasks",
+            "translation",
+            "--limit",
+            "1",
+        )
+    )
     assert code == 0, err
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert list(doc["methods"]) == ["none"]
@@ -116,9 +180,21 @@ def test_shared_draft_serves_draft_and_hf_assisted(tiny_dirs, questions, tmp_pat
     vocab_ids = torch.arange(6)  # a reduced vocabulary: hf-assisted needs the full-vocabulary wrapper
     draft = build_shared_draft(target, 1, vocab_ids, init_layers=[0])
     save_shared_draft(draft, vocab_ids, target, tmp_path / "shared", init_layers=[0], metrics={})
-    code, _, err = run_cli(*bench_args(tiny_dirs, questions, tmp_path / "out", "--proposers", "draft", "--baselines",
-                                       "hf,hf-assisted", "--subtasks", "mt_bench", f"draft.model={tmp_path / 'shared'}",
-                                       "draft.num_speculative_tokens=2"))
+    code, _, err = run_cli(
+        *bench_args(
+            tiny_dirs,
+            questions,
+            tmp_path / "out",
+            "--proposers",
+            "draft",
+            "--baselines",
+            "hf,hf-assisted",
+            "--subtasks",
+            "mt_bench",
+            f"draft.model={tmp_path / 'shared'}",
+            "draft.num_speculative_tokens=2",
+        )
+    )
     assert code == 0, err
     doc = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert list(doc["methods"]) == ["draft", "hf", "hf-assisted"]
@@ -142,8 +218,14 @@ def test_plain_decoding_scores_one_and_matches_hf(full_run):
     overall = doc["summary"]["overall"]
     for m in ("none", "hf"):
         assert overall[m]["mean_accepted_length"] == 1.0
-    assert overall["none"]["identity"] == {"compared": 5, "identical": 5, "differ": 0, "differ_at_near_tie": 0,
-                                           "differ_not_tie": 0, "context_differs": 0}
+    assert overall["none"]["identity"] == {
+        "compared": 5,
+        "identical": 5,
+        "differ": 0,
+        "differ_at_near_tie": 0,
+        "differ_not_tie": 0,
+        "context_differs": 0,
+    }
     for m in ("draft", "hf-assisted", "hf-pld"):  # exact methods: identical, or differing only at a near-tie
         assert overall[m]["identity"]["differ_not_tie"] == 0
     assert overall["hf"]["identity"] is None  # the reference itself
@@ -181,9 +263,29 @@ def test_methods_are_interleaved_with_a_rotating_order(full_run):
 
 
 def test_sampling_reports_speed_not_identity(tiny_dirs, questions, tmp_path):
-    code, _, err = run_cli(*bench_args(tiny_dirs, questions, tmp_path, "--proposers", "none", "--baselines", "hf",
-                                       "--subtasks", "translation", "--limit", "1", "--temperature", "0.8",
-                                       "--top-k", "5", "--seed", "3", "--threads", "1"))
+    code, _, err = run_cli(
+        *bench_args(
+            tiny_dirs,
+            questions,
+            tmp_path,
+            "--proposers",
+            "none",
+            "--baselines",
+            "hf",
+            "--subtasks",
+            "translation",
+            "--limit",
+            "1",
+            "--temperature",
+            "0.8",
+            "--top-k",
+            "5",
+            "--seed",
+            "3",
+            "--threads",
+            "1",
+        )
+    )
     assert code == 0, err
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert doc["settings"]["torch_threads"] == 1 and "--threads 1" in doc["command"]
@@ -227,8 +329,18 @@ def test_bad_question_file_names_the_line(tiny_dirs, tmp_path):
 
 
 def rec(qid, new, forwards, seconds, stats=None, method="m", subtask="qa"):
-    return {"method": method, "question_id": qid, "subtask": subtask, "new_tokens": new, "target_forwards": forwards,
-            "seconds": seconds, "stats": stats, "identical": None, "context_differs": None, "difference": None}
+    return {
+        "method": method,
+        "question_id": qid,
+        "subtask": subtask,
+        "new_tokens": new,
+        "target_forwards": forwards,
+        "seconds": seconds,
+        "stats": stats,
+        "identical": None,
+        "context_differs": None,
+        "difference": None,
+    }
 
 
 def test_mean_accepted_length_pools_tokens_over_forwards():
@@ -244,10 +356,24 @@ def test_tokens_per_second_is_the_mean_of_per_question_speeds():
 
 
 def test_pooled_stats_and_positions():
-    s1 = {"proposed_tokens": 6, "accepted_tokens": 3, "proposed_nodes": 6, "propose_time_s": 0.6,
-          "verify_time_s": 0.3, "proposed_by_position": [2, 2, 2], "accepted_by_position": [2, 1]}
-    s2 = {"proposed_tokens": 1, "accepted_tokens": 1, "proposed_nodes": 1, "propose_time_s": 0.1,
-          "verify_time_s": 0.1, "proposed_by_position": [1], "accepted_by_position": [1]}
+    s1 = {
+        "proposed_tokens": 6,
+        "accepted_tokens": 3,
+        "proposed_nodes": 6,
+        "propose_time_s": 0.6,
+        "verify_time_s": 0.3,
+        "proposed_by_position": [2, 2, 2],
+        "accepted_by_position": [2, 1],
+    }
+    s2 = {
+        "proposed_tokens": 1,
+        "accepted_tokens": 1,
+        "proposed_nodes": 1,
+        "propose_time_s": 0.1,
+        "verify_time_s": 0.1,
+        "proposed_by_position": [1],
+        "accepted_by_position": [1],
+    }
     pooled = bench.pooled_stats([rec(1, 6, 3, 1.0, s1), rec(2, 3, 2, 1.0, s2), rec(3, 5, 5, 1.0)])
     assert pooled["proposed_by_position"] == [3, 2, 2] and pooled["accepted_by_position"] == [3, 1]
     assert pooled["steps"] == (3 - 1) + (2 - 1) and pooled["decode_tokens"] == 5 + 2
@@ -279,9 +405,17 @@ def test_alpha_estimate():
 
 
 def test_prediction_needs_a_chain_and_none():
-    chain = {"proposed_tokens": 8, "accepted_tokens": 4, "proposed_nodes": 8, "propose_time_s": 0.8,
-             "verify_time_s": 1.0, "steps": 4, "decode_tokens": 8, "proposed_by_position": [4, 4],
-             "accepted_by_position": [3, 1]}
+    chain = {
+        "proposed_tokens": 8,
+        "accepted_tokens": 4,
+        "proposed_nodes": 8,
+        "propose_time_s": 0.8,
+        "verify_time_s": 1.0,
+        "steps": 4,
+        "decode_tokens": 8,
+        "proposed_by_position": [4, 4],
+        "accepted_by_position": [3, 1],
+    }
     plain = {"propose_time_s": 0.0, "verify_time_s": 2.0, "steps": 10, "decode_tokens": 10}
     p = bench.prediction(chain, plain)
     alpha = 4 / (4 + 3)  # 4 steps, 1 accepted both: 3 rejections

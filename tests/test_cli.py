@@ -160,12 +160,28 @@ def test_check_quick(capsys):
 
 
 def test_check_in_several_dtypes(capsys):
-    code, out, _ = run(capsys, "check", "--proposer", "eagle", "--quick", "--device", "cpu", "--dtype", "float32",
-                       "--dtype", "bfloat16", "--json")
+    code, out, _ = run(
+        capsys,
+        "check",
+        "--proposer",
+        "eagle",
+        "--quick",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--dtype",
+        "bfloat16",
+        "--json",
+    )
     report = json.loads(out)
     assert code == 0 and report["passed"]
     assert [(r["check"], r["dtype"]) for r in report["results"]] == [
-        ("greedy", "float32"), ("rollback", "float32"), ("greedy", "bfloat16"), ("rollback", "bfloat16")]
+        ("greedy", "float32"),
+        ("rollback", "float32"),
+        ("greedy", "bfloat16"),
+        ("rollback", "bfloat16"),
+    ]
     code, _, err = run(capsys, "check", "--proposer", "eagle", "--quick", "--dtype", "float8")
     assert code == 2 and "float8" in err
 
@@ -181,8 +197,9 @@ def test_python_dash_m_entry_point():
 
 
 def test_check_with_proposer_options_and_bad_option(capsys):
-    code, out, _ = run(capsys, "check", "--proposer", "draft", "--quick", "--device", "cpu",
-                       "proposer.num_speculative_tokens=1")
+    code, out, _ = run(
+        capsys, "check", "--proposer", "draft", "--quick", "--device", "cpu", "proposer.num_speculative_tokens=1"
+    )
     assert code == 0 and "2 passed, 0 failed" in out
     code, _, err = run(capsys, "check", "--proposer", "draft", "--quick", "proposer.num_speculative_tokens=0")
     assert code == 2 and "proposer.num_speculative_tokens" in err

@@ -52,8 +52,9 @@ def target16():
 
 
 def state_after(tokens, max_depth=100, temperature=0.0):
-    return DecodeState(tokens, tokens.numel(), SamplingParams(temperature=temperature), torch.Generator(),
-                       max_depth=max_depth)
+    return DecodeState(
+        tokens, tokens.numel(), SamplingParams(temperature=temperature), torch.Generator(), max_depth=max_depth
+    )
 
 
 @torch.no_grad()
@@ -90,14 +91,22 @@ def eagle_cut_sizes(target, threshold):
     sizes = []
     for tokens in PROMPTS:
         full = begun(EagleProposer, target, EagleConfig(depth=4, top_k=3, total_tokens=40), 7, tokens)
-        cut = begun(EagleProposer, target, EagleConfig(depth=4, top_k=3, total_tokens=40,
-                                                      confidence_threshold=threshold), 7, tokens)
+        cut = begun(
+            EagleProposer,
+            target,
+            EagleConfig(depth=4, top_k=3, total_tokens=40, confidence_threshold=threshold),
+            7,
+            tokens,
+        )
         whole = full.propose(state_after(tokens))
         kept = cut.propose(state_after(tokens))
         scores = full.last_scores.tolist()
         # The best first token always; every other node when its cumulative probability reaches the threshold.
-        expected = [p for i, (p, s) in enumerate(zip(as_paths(whole), scores, strict=True))
-                    if i == 0 or s >= math.log(threshold)]
+        expected = [
+            p
+            for i, (p, s) in enumerate(zip(as_paths(whole), scores, strict=True))
+            if i == 0 or s >= math.log(threshold)
+        ]
         assert as_paths(kept) == expected and len(kept) >= 1
         assert all(s >= math.log(threshold) for s in cut.last_scores.tolist()[1:])
         assert cut.cache.get_seq_length() == cut.committed  # drafted nodes cropped, empty or not
@@ -127,8 +136,9 @@ def test_eagle_high_threshold_drafts_the_best_token_alone_and_stays_exact():
 def test_medusa_threshold_keeps_the_nodes_whose_path_probability_reaches_it(threshold, tree):
     target = target16()
     full = MedusaProposer.random(target_info(target), MedusaConfig(dtype="float32", tree=tree), seed=2)
-    cut = MedusaProposer.random(target_info(target), MedusaConfig(dtype="float32", tree=tree,
-                                                                  confidence_threshold=threshold), seed=2)
+    cut = MedusaProposer.random(
+        target_info(target), MedusaConfig(dtype="float32", tree=tree, confidence_threshold=threshold), seed=2
+    )
     for tokens in PROMPTS:
         feature = torch.randn(tokens.numel() - 1, 32, generator=torch.Generator().manual_seed(int(tokens.sum())))
         for p in (full, cut):
@@ -144,8 +154,9 @@ def test_medusa_threshold_keeps_the_nodes_whose_path_probability_reaches_it(thre
             token = int(whole.tokens[i])
             own = float(head_probs[depth - 1][token])
             probs.append(own * (probs[parent] if parent >= 0 else 1.0))
-        expected = [path for i, (path, pr) in enumerate(zip(as_paths(whole), probs, strict=True))
-                    if i == 0 or pr >= threshold]  # node 0, the tree's first, always kept
+        expected = [
+            path for i, (path, pr) in enumerate(zip(as_paths(whole), probs, strict=True)) if i == 0 or pr >= threshold
+        ]  # node 0, the tree's first, always kept
         assert as_paths(kept) == expected and len(kept) >= 1
         assert all(-1 <= q < i for i, q in enumerate(kept.parents.tolist()))
 
@@ -193,8 +204,9 @@ class CheckedDraft(DraftProposer):
     def propose(self, state):
         fresh = new_cache(self.model)
         ref = self.model(input_ids=state.tokens[None], cache=fresh, use_cache=True).logits[0, -1]
-        mine = self.model(input_ids=state.tokens[None, self.cached :], cache=copy.deepcopy(self.cache),
-                          use_cache=True).logits[0, -1]
+        mine = self.model(
+            input_ids=state.tokens[None, self.cached :], cache=copy.deepcopy(self.cache), use_cache=True
+        ).logits[0, -1]
         torch.testing.assert_close(mine, ref, atol=1e-5, rtol=1e-5)
         proposal = super().propose(state)
         self.lengths.append((state.max_depth, len(proposal), self.fed_drafts))
@@ -262,16 +274,21 @@ def test_saved_thresholds_are_the_default_and_the_config_overrides_them(tmp_path
     eagle = EagleProposer.random(info, EagleConfig(), seed=0)
     saved = EagleProposer(EagleConfig(), info, eagle.drafter, eagle.vocab_ids, {"confidence_threshold": 0.25})
     assert saved.min_score == pytest.approx(math.log(0.25))
-    off = EagleProposer(EagleConfig(confidence_threshold=0), info, eagle.drafter, eagle.vocab_ids,
-                        {"confidence_threshold": 0.25})
+    off = EagleProposer(
+        EagleConfig(confidence_threshold=0), info, eagle.drafter, eagle.vocab_ids, {"confidence_threshold": 0.25}
+    )
     assert off.min_score == -math.inf
     with pytest.raises(ConfigError, match="the confidence_threshold saved with the drafter must be a number"):
         EagleProposer(EagleConfig(), info, eagle.drafter, eagle.vocab_ids, {"confidence_threshold": 2})
     medusa = MedusaProposer.random(info, MedusaConfig(), seed=0)
     tree = medusa.tree
     assert MedusaProposer(MedusaConfig(), info, medusa.heads, medusa.vocab_ids, tree, 0.1).threshold == 0.1
-    assert MedusaProposer(MedusaConfig(confidence_threshold=0.3), info, medusa.heads, medusa.vocab_ids, tree,
-                          0.1).threshold == 0.3
+    assert (
+        MedusaProposer(
+            MedusaConfig(confidence_threshold=0.3), info, medusa.heads, medusa.vocab_ids, tree, 0.1
+        ).threshold
+        == 0.3
+    )
     # draft: confidence_threshold in a shared draft's draft_config.json
     from specframe.shared_draft import saved_threshold
 
@@ -281,8 +298,10 @@ def test_saved_thresholds_are_the_default_and_the_config_overrides_them(tmp_path
     assert saved_threshold(tmp_path) is None
     draft = DraftProposer.random(info, DraftConfig(), seed=0)
     assert DraftProposer(DraftConfig(), info, draft.model, None, saved_threshold=0.4).threshold == 0.4
-    assert DraftProposer(DraftConfig(confidence_threshold=0.0), info, draft.model, None,
-                         saved_threshold=0.4).threshold == 0.0
+    assert (
+        DraftProposer(DraftConfig(confidence_threshold=0.0), info, draft.model, None, saved_threshold=0.4).threshold
+        == 0.0
+    )
     with pytest.raises(ConfigError, match="the confidence_threshold saved with the draft must be a number"):
         DraftProposer(DraftConfig(), info, draft.model, None, saved_threshold="high")
 

@@ -160,8 +160,9 @@ def test_broken_rules_are_caught(case, device):
 
 def test_sampling_check_drafts_two_deep():
     """The counted continuation follows a lead token, so the first speculative step may draft two deep."""
-    decoder = conformance.make_decoder(DraftProposer, "cpu", conformance.SAMPLING_VOCAB,
-                                       config=DraftConfig(num_speculative_tokens=3))
+    decoder = conformance.make_decoder(
+        DraftProposer, "cpu", conformance.SAMPLING_VOCAB, config=DraftConfig(num_speculative_tokens=3)
+    )
     seen = []
     propose = decoder.proposer.propose
 

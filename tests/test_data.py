@@ -9,8 +9,10 @@ from specframe.testing.conformance import reference_greedy
 from specframe.testing.tiny import tiny_llama
 from specframe.training.common import split_heldout
 
-PROMPTS = [{"id": f"q{i}", "source": "test", "prompt": " ".join("abcdef"[(i + j) % 6] for j in range(2 + i % 4))}
-           for i in range(12)]
+PROMPTS = [
+    {"id": f"q{i}", "source": "test", "prompt": " ".join("abcdef"[(i + j) % 6] for j in range(2 + i % 4))}
+    for i in range(12)
+]
 
 
 @pytest.fixture
@@ -82,8 +84,20 @@ def test_bad_tag_is_refused(tokenizer, tmp_path, tag):
 def test_cli_refuses_a_bad_tag_before_loading_the_target(capsys, tmp_path):
     from specframe.cli import main
 
-    code = main(["data", "distill", "--out", str(tmp_path / "d.jsonl"), "--target", str(tmp_path / "absent"),
-                 "--prompts", str(tmp_path / "absent.jsonl"), "--tag", "a b"])
+    code = main(
+        [
+            "data",
+            "distill",
+            "--out",
+            str(tmp_path / "d.jsonl"),
+            "--target",
+            str(tmp_path / "absent"),
+            "--prompts",
+            str(tmp_path / "absent.jsonl"),
+            "--tag",
+            "a b",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "distill tag" in err and "absent" not in err
 
@@ -112,8 +126,19 @@ def test_cli_refuses_a_benchmark_question_as_a_prompt_before_loading_the_target(
     (tmp_path / "question.jsonl").write_text(json.dumps(question) + "\n")
     monkeypatch.setattr(bench, "default_questions_path", lambda: tmp_path / "question.jsonl")
     (tmp_path / "p.jsonl").write_text(json.dumps({"id": "q", "prompt": "Who wrote Hamlet?"}) + "\n")
-    code = main(["data", "distill", "--out", str(tmp_path / "d.jsonl"), "--target", str(tmp_path / "absent"),
-                 "--prompts", str(tmp_path / "p.jsonl"), "--debug"])
+    code = main(
+        [
+            "data",
+            "distill",
+            "--out",
+            str(tmp_path / "d.jsonl"),
+            "--target",
+            str(tmp_path / "absent"),
+            "--prompts",
+            str(tmp_path / "p.jsonl"),
+            "--debug",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "prompt 'q' is a Spec-Bench question" in err and "absent" not in err
 
@@ -121,8 +146,18 @@ def test_cli_refuses_a_benchmark_question_as_a_prompt_before_loading_the_target(
 def test_cli_refuses_a_negative_temperature_before_loading_the_target(capsys, tmp_path):
     from specframe.cli import main
 
-    code = main(["data", "distill", "--out", str(tmp_path / "d.jsonl"), "--target", str(tmp_path / "absent"),
-                 "--temperature", "-1"])
+    code = main(
+        [
+            "data",
+            "distill",
+            "--out",
+            str(tmp_path / "d.jsonl"),
+            "--target",
+            str(tmp_path / "absent"),
+            "--temperature",
+            "-1",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "--temperature must be >= 0" in err and "absent" not in err
 

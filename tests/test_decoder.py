@@ -161,14 +161,18 @@ L = torch.long
         ),
         (
             lambda s: Proposal(
-                torch.tensor([1]), torch.tensor([-1]), torch.zeros(1, dtype=torch.bool),
+                torch.tensor([1]),
+                torch.tensor([-1]),
+                torch.zeros(1, dtype=torch.bool),
                 torch.tensor([[0.5, 0.0, 0.5] + [0.0] * 5]),
             ),
             "token has draft probability 0",
         ),
         (
             lambda s: Proposal(
-                torch.tensor([1]), torch.tensor([-1]), torch.zeros(1, dtype=torch.bool),
+                torch.tensor([1]),
+                torch.tensor([-1]),
+                torch.zeros(1, dtype=torch.bool),
                 torch.empty(1, 8, device="meta"),
             ),
             "draft_probs is on meta, the target's logits on cpu",

@@ -76,8 +76,11 @@ def test_sampling_runs_and_is_reproducible(decoders):
 def test_multi_turn_messages_use_the_chat_template(decoders):
     dec = decoders["none"]
     first = dec.generate("My name is Ada.", max_new_tokens=16)
-    msgs = [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": first.text},
-            {"role": "user", "content": "What is my name?"}]
+    msgs = [
+        {"role": "user", "content": "My name is Ada."},
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "What is my name?"},
+    ]
     ids = dec.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     ids = ids if isinstance(ids, list) else ids["input_ids"]
     assert dec.encode(msgs).tolist() == ids

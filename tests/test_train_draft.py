@@ -38,14 +38,18 @@ def test_teacher_from_cached_features_lines_up_with_the_draft(tmp_path):
     common = dict(data=str(tmp_path / "d.jsonl"), vocab_size=16, epochs=1, lr=1e-12, heldout_fraction=0.2)
     cache = tmp_path / "features"
     full = train_draft(
-        DraftTrainConfig(**common, out=str(tmp_path / "a"), layers=2, features_cache=str(cache)), target, None,
+        DraftTrainConfig(**common, out=str(tmp_path / "a"), layers=2, features_cache=str(cache)),
+        target,
+        None,
         log=lambda m: None,
     )
     assert list(cache.glob("features-*.safetensors"))
     assert full["history"][-1]["train_kl"] < 1e-2  # the teacher pass is bfloat16
     assert full["history"][-1]["top1_agreement"] == 1.0
     part = train_draft(
-        DraftTrainConfig(**common, out=str(tmp_path / "b"), layers=1, features_cache=""), target, None,
+        DraftTrainConfig(**common, out=str(tmp_path / "b"), layers=1, features_cache=""),
+        target,
+        None,
         log=lambda m: None,
     )
     assert part["history"][-1]["train_kl"] > 20 * full["history"][-1]["train_kl"]
@@ -206,8 +210,14 @@ def test_init_from_continues_from_a_trained_draft(trained, tmp_path):
 
     target, cfg, metrics = trained
     more = DraftTrainConfig(
-        **{**cfg.__dict__, "out": str(tmp_path / "more"), "init_from": cfg.out, "vocab_size": 16, "epochs": 1,
-           "lr": 1e-12}
+        **{
+            **cfg.__dict__,
+            "out": str(tmp_path / "more"),
+            "init_from": cfg.out,
+            "vocab_size": 16,
+            "epochs": 1,
+            "lr": 1e-12,
+        }
     )
     logs = []
     again = train_draft(more, target, None, log=logs.append)

@@ -224,8 +224,9 @@ def check_greedy(proposer_cls: type[Proposer], device: str, config: Any = None, 
         res = decoder.generate(prompt, max_new_tokens=32, temperature=0.0)
         accepted += res.stats["accepted_tokens"]
         if len(res.token_ids) != 32:
-            return result(False, f"prompt {prompt[:5]}...: {len(res.token_ids)} tokens, asked for 32 (no EOS on "
-                          "the tiny target)")
+            return result(
+                False, f"prompt {prompt[:5]}...: {len(res.token_ids)} tokens, asked for 32 (no EOS on the tiny target)"
+            )
         bad, near, why = greedy_mismatch(decoder.model, prompt, res.token_ids)
         near_ties += near
         if bad is not None:
@@ -234,8 +235,9 @@ def check_greedy(proposer_cls: type[Proposer], device: str, config: Any = None, 
             return result(False, f"prompt {prompt[:5]}...: {why}")
     total = 32 * len(prompts)
     if near_ties * 10 > total:
-        return result(False, f"{near_ties} of {total} tokens were near-ties, not the argmax: more than rounding "
-                      "explains")
+        return result(
+            False, f"{near_ties} of {total} tokens were near-ties, not the argmax: more than rounding explains"
+        )
     same = "identical" if near_ties == 0 else f"identical but {near_ties} near-tie(s) within rounding"
     return result(True, f"{len(prompts)} prompts x 32 tokens {same} ({accepted} draft tokens accepted)")
 
@@ -371,8 +373,13 @@ def check_power(
         r = check_sampling(cls, device, setting, config=config, acceptance=acceptance, samples=samples, dtype=dtype)
         caught = r.p_value is not None and r.p_value < ALPHA
         res = CheckResult(
-            f"power {name}", device, caught, ("caught: " if caught else "NOT caught: ") + r.detail, r.p_value,
-            r.seconds, dtype,
+            f"power {name}",
+            device,
+            caught,
+            ("caught: " if caught else "NOT caught: ") + r.detail,
+            r.p_value,
+            r.seconds,
+            dtype,
         )
         results.append(res)
         if log:

@@ -52,6 +52,11 @@ def write_distill_data(path, target: torch.nn.Module, n: int = 40, seed: int = 0
         for i in range(n):
             length = int(torch.randint(3, 8, (1,), generator=g))
             prompt = torch.randint(0, vocab, (length,), generator=g).tolist()
-            row = {"id": f"p{i}", "source": "test", "prompt_ids": prompt,
-                   "response_ids": reference_greedy(target, prompt, response_length), "finished": False}
+            row = {
+                "id": f"p{i}",
+                "source": "test",
+                "prompt_ids": prompt,
+                "response_ids": reference_greedy(target, prompt, response_length),
+                "finished": False,
+            }
             f.write(json.dumps(row) + "\n")

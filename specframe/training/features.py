@@ -208,8 +208,15 @@ def _cache_files(cache_dir: Path, context: str, wanted: tuple[int, ...]):
             yield path, meta, layers
 
 
-def _copy_cached_rows(cached: list, seqs: list, starts: list[int], wanted: tuple[int, ...], feats: torch.Tensor,
-                      extra: torch.Tensor | None, done: list[bool]) -> int:
+def _copy_cached_rows(
+    cached: list,
+    seqs: list,
+    starts: list[int],
+    wanted: tuple[int, ...],
+    feats: torch.Tensor,
+    extra: torch.Tensor | None,
+    done: list[bool],
+) -> int:
     """Copy into `feats` and `extra` (rows `starts[i]:starts[i + 1]` for sequence i) the rows of every sequence
     whose token ids a cached file holds, marking it done; returns how many were copied."""
     need: dict[tuple[int, ...], list[int]] = {}
