@@ -392,7 +392,7 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
     from specframe.config import load_config
     from specframe.decoder import SpeculativeDecoder, eos_token_ids, target_info
     from specframe.errors import ModelLoadError
-    from specframe.models import load_model
+    from specframe.models import load_target
     from specframe.plugins import get_registry
 
     shared, own = split_overrides(options.overrides, options.override_heads())
@@ -408,15 +408,7 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
     # Before the target loads, so a typo fails in a second.
     configs = {name: proposer_config(name) for name in options.override_heads() if name in registry.proposers}
     t = cfg.target
-    loaded = load_model(
-        t.model,
-        dtype=t.dtype,
-        device=t.device,
-        adapter=t.adapter,
-        trust_remote_code=t.trust_remote_code,
-        quiet=True,
-        fast_cpu_kernels=t.fast_cpu_kernels,
-    )
+    loaded = load_target(t)
     model, tokenizer = loaded.model, loaded.tokenizer
     if tokenizer is None:
         raise ModelLoadError(f"target '{t.model}' has no tokenizer: the benchmark's questions are text")
@@ -446,22 +438,19 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
     encoder = SpeculativeDecoder(model, built.get("none") or proposer("none"), tokenizer=tokenizer)
 
     counter = ForwardCounter(model)
+
+    def baseline(name: str, description: str, **extra: Any) -> Method:
+        return hf_method(name, model, counter, eos_ids, options, description, **extra)
+
     for name in options.baselines:
         if name == "hf":
-            methods.append(hf_method(name, model, counter, eos_ids, options, "transformers generate (plain)"))
+            methods.append(baseline(name, "transformers generate (plain)"))
         elif name == "hf-pld":
-            methods.append(
-                hf_method(
-                    name,
-                    model,
-                    counter,
-                    eos_ids,
-                    options,
-                    f"transformers prompt-lookup decoding, prompt_lookup_num_tokens="
-                    f"{options.pld_tokens}, default max_matching_ngram_size",
-                    prompt_lookup_num_tokens=options.pld_tokens,
-                )
+            about = (
+                f"transformers prompt-lookup decoding, prompt_lookup_num_tokens={options.pld_tokens}, "
+                "default max_matching_ngram_size"
             )
+            methods.append(baseline(name, about, prompt_lookup_num_tokens=options.pld_tokens))
         elif name == "hf-assisted":
             draft = built.get("draft")
             if draft is None and "draft" in skipped:
@@ -474,18 +463,11 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
                     skipped[name] = f"no draft model: {one_line(e)}"
                     continue
             assistant, gamma = hf_assistant(draft, info.vocab_size)
-            methods.append(
-                hf_method(
-                    name,
-                    model,
-                    counter,
-                    eos_ids,
-                    options,
-                    f"transformers assisted generation with the `draft` proposer's draft, "
-                    f"num_assistant_tokens={gamma} (constant schedule, confidence threshold 0)",
-                    assistant_model=assistant,
-                )
+            about = (
+                "transformers assisted generation with the `draft` proposer's draft, "
+                f"num_assistant_tokens={gamma} (constant schedule, confidence threshold 0)"
             )
+            methods.append(baseline(name, about, assistant_model=assistant))
     if not methods:
         counter.remove()
         raise BadInputError(

@@ -72,19 +72,11 @@ class SpeculativeDecoder:
     @classmethod
     def from_config(cls, cfg: Any) -> SpeculativeDecoder:
         """Build from a `SpecframeConfig` (see `specframe.config.load_config`): load the target, build the proposer."""
-        from specframe.models import load_model
+        from specframe.models import load_target
         from specframe.plugins import get_registry
 
         t = cfg.target
-        loaded = load_model(
-            t.model,
-            dtype=t.dtype,
-            device=t.device,
-            adapter=t.adapter,
-            trust_remote_code=t.trust_remote_code,
-            quiet=True,
-            fast_cpu_kernels=t.fast_cpu_kernels,
-        )
+        loaded = load_target(t)
         entry = get_registry().get(cfg.proposer_name)
         info = target_info(loaded.model, loaded.tokenizer, t.model)
         try:

@@ -32,6 +32,8 @@ from specframe.errors import ConfigError, ModelLoadError
 if TYPE_CHECKING:
     import transformers
 
+    from specframe.config import TargetConfig
+
 __all__ = [
     "ALIASES",
     "DEFAULT_ALIAS",
@@ -40,6 +42,7 @@ __all__ = [
     "cache_dir",
     "list_models",
     "load_model",
+    "load_target",
     "proposer_dtype",
     "pull_default_model",
     "resolve_device",
@@ -296,6 +299,19 @@ def load_model(
 
         use_fast_cpu_kernels(model)  # CPU float32 only; see specframe/cpu_kernels.py
     return LoadedModel(model=model, tokenizer=tokenizer, source=source)
+
+
+def load_target(target: TargetConfig) -> LoadedModel:
+    """Load the target that a config's `target` section names, quietly (the one reading of its keys)."""
+    return load_model(
+        target.model,
+        dtype=target.dtype,
+        device=target.device,
+        adapter=target.adapter,
+        trust_remote_code=target.trust_remote_code,
+        quiet=True,
+        fast_cpu_kernels=target.fast_cpu_kernels,
+    )
 
 
 @contextlib.contextmanager

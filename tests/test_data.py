@@ -81,23 +81,15 @@ def test_bad_tag_is_refused(tokenizer, tmp_path, tag):
         run(tiny_llama(vocab_size=8, seed=0), tokenizer, tmp_path / "d.jsonl", tag=tag)
 
 
-def test_cli_refuses_a_bad_tag_before_loading_the_target(capsys, tmp_path):
+def distill_with_absent_target(tmp_path, *options: str) -> int:
+    """`specframe data distill` with a target that does not exist: what fails must fail before it loads."""
     from specframe.cli import main
 
-    code = main(
-        [
-            "data",
-            "distill",
-            "--out",
-            str(tmp_path / "d.jsonl"),
-            "--target",
-            str(tmp_path / "absent"),
-            "--prompts",
-            str(tmp_path / "absent.jsonl"),
-            "--tag",
-            "a b",
-        ]
-    )
+    return main(["data", "distill", "--out", str(tmp_path / "d.jsonl"), "--target", str(tmp_path / "absent"), *options])
+
+
+def test_cli_refuses_a_bad_tag_before_loading_the_target(capsys, tmp_path):
+    code = distill_with_absent_target(tmp_path, "--prompts", str(tmp_path / "absent.jsonl"), "--tag", "a b")
     err = capsys.readouterr().err
     assert code == 2 and "distill tag" in err and "absent" not in err
 
@@ -120,44 +112,18 @@ def test_prompts_that_would_break_the_data_or_leak_the_benchmark_are_refused(tmp
 
 def test_cli_refuses_a_benchmark_question_as_a_prompt_before_loading_the_target(capsys, tmp_path, monkeypatch):
     from specframe import bench
-    from specframe.cli import main
 
     question = {"question_id": 1, "category": "qa", "turns": ["Who wrote Hamlet?"]}
     (tmp_path / "question.jsonl").write_text(json.dumps(question) + "\n")
     monkeypatch.setattr(bench, "default_questions_path", lambda: tmp_path / "question.jsonl")
     (tmp_path / "p.jsonl").write_text(json.dumps({"id": "q", "prompt": "Who wrote Hamlet?"}) + "\n")
-    code = main(
-        [
-            "data",
-            "distill",
-            "--out",
-            str(tmp_path / "d.jsonl"),
-            "--target",
-            str(tmp_path / "absent"),
-            "--prompts",
-            str(tmp_path / "p.jsonl"),
-            "--debug",
-        ]
-    )
+    code = distill_with_absent_target(tmp_path, "--prompts", str(tmp_path / "p.jsonl"), "--debug")
     err = capsys.readouterr().err
     assert code == 2 and "prompt 'q' is a Spec-Bench question" in err and "absent" not in err
 
 
 def test_cli_refuses_a_negative_temperature_before_loading_the_target(capsys, tmp_path):
-    from specframe.cli import main
-
-    code = main(
-        [
-            "data",
-            "distill",
-            "--out",
-            str(tmp_path / "d.jsonl"),
-            "--target",
-            str(tmp_path / "absent"),
-            "--temperature",
-            "-1",
-        ]
-    )
+    code = distill_with_absent_target(tmp_path, "--temperature", "-1")
     err = capsys.readouterr().err
     assert code == 2 and "--temperature must be >= 0" in err and "absent" not in err
 
