@@ -67,6 +67,7 @@ class SpeculativeDecoder:
         self.who = f"proposer '{proposer.name}'" + (f" (plugin '{plugin}')" if plugin else "")
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.context_window = getattr(model.config, "max_position_embeddings", None) or 10**9
+        new_cache(model)  # refuses, before any generation, a target whose cache cannot be rolled back
         self.cache = None  # the target's KV cache of the latest generate call
 
     @classmethod
@@ -219,6 +220,9 @@ class SpeculativeDecoder:
                 self._call(proposer.accepted, Acceptance(path, accepted_tokens, nxt, hidden))
 
         token_ids, text = self._truncate(generated, limit, stop)
+        # Only the last step's block can be cut (every step checks EOS and stop strings): count as accepted only
+        # the draft tokens that were kept, so that accepted_tokens never counts tokens the caller does not get.
+        stats.keep_accepted(len(token_ids) - (len(generated) - stats.last_accepted - 1))
         wall = time.perf_counter() - start
         return GenerationResult(token_ids, text, stats.as_dict(len(token_ids), wall))
 
@@ -307,17 +311,26 @@ class Counter:
         self.accepted_by_position: list[int] = []  # [d] = steps that accepted a node at depth d + 1
         self.propose_time = 0.0
         self.verify_time = 0.0
+        self.last_accepted = 0  # draft tokens accepted by the latest step
 
     def record(self, nodes: int, depth: int, accepted: int, propose_s: float, verify_s: float) -> None:
         self.proposed_tokens += depth
         self.proposed_nodes += nodes
         self.accepted_tokens += accepted
+        self.last_accepted = accepted
         for counts, k in ((self.proposed_by_position, depth), (self.accepted_by_position, accepted)):
             counts.extend([0] * (k - len(counts)))
             for d in range(k):
                 counts[d] += 1
         self.propose_time += propose_s
         self.verify_time += verify_s
+
+    def keep_accepted(self, kept: int) -> None:
+        """The output keeps only `kept` (possibly <= 0) tokens of the latest step's accepted draft tokens."""
+        for d in range(max(kept, 0), self.last_accepted):
+            self.accepted_by_position[d] -= 1
+            self.accepted_tokens -= 1
+        self.last_accepted = min(self.last_accepted, max(kept, 0))
 
     def as_dict(self, new_tokens: int, wall: float) -> dict[str, Any]:
         return {

@@ -6,21 +6,22 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from specframe.errors import SpecframeError
+from specframe.errors import BadInputError
 
 
 def new_cache(model: torch.nn.Module) -> DynamicCache:
-    """An empty cache for `model`, refused when some layer could not be rolled back exactly."""
+    """An empty cache for `model`, refused (bad input: the user chose the model) when some layer could not be
+    rolled back exactly. Cheap: the decoder and the draft proposer also call it when they are built."""
     supports = getattr(model, "_supports_default_dynamic_cache", None)  # (transformers' own list of exceptions)
     if supports is not None and not supports():
-        raise SpecframeError(
+        raise BadInputError(
             f"{type(model).__name__} keeps its own kind of cache or state, not a key/value cache that specframe "
             "can roll back; it cannot be used for speculative decoding (as the target or as a draft model)"
         )
     cache = DynamicCache(config=model.config)
     for i, layer in enumerate(cache.layers):
         if type(layer) is not DynamicLayer:
-            raise SpecframeError(
+            raise BadInputError(
                 f"{type(model).__name__} uses a {type(layer).__name__} in layer {i} (sliding-window, hybrid or "
                 "recurrent cache); specframe can only roll back full-attention caches, so it refuses this model"
             )

@@ -149,6 +149,12 @@ def test_bad_conformance_dtype_or_device_is_named():
             conformance.run_suite(TreeTestProposer, devices=["cuda"], quick=True)
 
 
+def test_device_auto_runs_on_the_device_it_resolves_to(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    report = conformance.run_suite(TreeTestProposer, devices=["auto", "cpu"], quick=True, power=False)
+    assert report.passed and {r.device for r in report.results} == {"cpu"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("device", available_devices())
 @pytest.mark.parametrize("case", [c[0] for c in conformance.power_cases()])

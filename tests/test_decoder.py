@@ -40,6 +40,18 @@ def test_stats_definitions_with_a_perfect_draft(target):
     assert res.token_ids == reference_greedy(target, [1, 2, 3], 9)
 
 
+def test_accepted_tokens_count_only_the_drafts_an_eos_leaves_in_the_output(target):
+    greedy = reference_greedy(target, [1, 2, 3], 9)
+    dec = self_draft_decoder(target, gamma=3)
+    dec.eos_ids = {greedy[2]}  # the third token: the first step's block (drafts 2-4, bonus 5) is cut after draft 2
+    cut = greedy.index(greedy[2]) + 1
+    res = dec.generate([1, 2, 3], max_new_tokens=9)
+    s = res.stats
+    assert res.token_ids == greedy[:cut] and s["new_tokens"] == cut and s["target_forwards"] == 2
+    assert s["accepted_tokens"] == cut - 1 and s["accepted_by_position"][: cut - 1] == [1] * (cut - 1)
+    assert sum(s["accepted_by_position"]) == s["accepted_tokens"] and s["proposed_tokens"] == 3
+
+
 def test_max_new_tokens_cuts_an_accepted_run(target):
     res = self_draft_decoder(target, gamma=4).generate([1, 2, 3], max_new_tokens=3)
     assert len(res.token_ids) == 3 and res.token_ids == reference_greedy(target, [1, 2, 3], 3)

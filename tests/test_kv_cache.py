@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from specframe.errors import SpecframeError
+from specframe.errors import BadInputError
 from specframe.kv_cache import keep_positions, new_cache
 from specframe.testing.tiny import tiny_llama
 
@@ -40,5 +40,26 @@ def test_a_model_without_a_key_value_cache_is_refused():
     model = tiny_llama(vocab_size=8, seed=0)
     assert new_cache(model).layers  # a Llama's cache rolls back
     model.__class__ = type("TinyRwkvForCausalLM", (type(model),), {})
-    with pytest.raises(SpecframeError, match="TinyRwkvForCausalLM keeps its own kind of cache"):
+    with pytest.raises(BadInputError, match="TinyRwkvForCausalLM keeps its own kind of cache"):
         new_cache(model)
+
+
+def test_a_sliding_window_target_is_refused_when_the_decoder_is_built():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from specframe import SpeculativeDecoder
+    from specframe.decoder import target_info
+    from specframe.proposers.none import NoneConfig, NoneProposer
+
+    config = MistralConfig(
+        vocab_size=16,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        sliding_window=4,
+    )
+    model = MistralForCausalLM(config)
+    with pytest.raises(BadInputError, match="uses a DynamicSlidingWindowLayer in layer 0"):
+        SpeculativeDecoder(model, NoneProposer(NoneConfig(), target_info(model)))

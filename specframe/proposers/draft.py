@@ -87,6 +87,7 @@ class DraftProposer(Proposer):
         )  # minimum cumulative draft probability of a drafted chain
         if vocab_ids is None:
             check_same_vocabulary(model, tokenizer, target)
+        new_cache(model)  # refuses, when it is built, a draft whose cache cannot be rolled back
         self.model = model
         self.vocab_ids = vocab_ids  # target ids of the draft's logit columns (a reduced vocabulary), or None
         self.width = min(model.get_output_embeddings().weight.shape[0], target.vocab_size)

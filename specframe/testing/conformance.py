@@ -399,9 +399,7 @@ def run_suite(
     """Run every check for one proposer class (built with random weights) on each device, in each dtype
     (default float32)."""
     # Bad names fail before anything runs, with the model loader's errors; dtypes reported by canonical name.
-    devices = devices or available_devices()
-    for device in devices:
-        resolve_device(device)
+    devices = list(dict.fromkeys(str(resolve_device(d)) for d in devices or available_devices()))  # "auto" -> cpu/cuda
     dtypes = [str(resolve_dtype(t, torch.device("cpu"))).removeprefix("torch.") for t in dtypes or ["float32"]]
     report = Report(proposer_cls.name)
     threads = torch.get_num_threads()
