@@ -550,7 +550,10 @@ def _apply_adapter(model: Any, adapter: str, base: str) -> Any:
     from peft import PeftModel, get_peft_model_state_dict
     from safetensors import safe_open
 
+    from specframe.fingerprint import mark_adapter, target_fingerprint
+
     misfit = f"adapter {path} does not fit the base model {base}"
+    base_fingerprint = target_fingerprint(model)  # (before PEFT wraps the model's modules)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # peft's missing-key warning is replaced by the check below
@@ -573,7 +576,9 @@ def _apply_adapter(model: Any, adapter: str, base: str) -> Any:
         if missing:
             detail.append(f"{len(missing)} expected tensor(s) are missing (e.g. {missing[0]})")
         raise ModelLoadError(f"{misfit}: {'; '.join(detail)}")
-    return peft_model.merge_and_unload()
+    merged = peft_model.merge_and_unload()
+    mark_adapter(merged, base_fingerprint, weights)  # artifacts trained with this adapter recognise the model
+    return merged
 
 
 # ------------------------------------------------------------------------------------------------ pulling aliases

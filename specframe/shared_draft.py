@@ -15,7 +15,6 @@ Directory format:
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specframe.errors import ModelLoadError, is_count
+from specframe.fingerprint import check_fingerprint, target_fingerprint
 
 FORMAT = "specframe-shared-draft"
 
@@ -36,29 +36,6 @@ def is_shared_draft(path: str | Path) -> bool:
         return json.loads(p.read_text()).get("format") == FORMAT
     except (OSError, json.JSONDecodeError):
         return False
-
-
-def target_fingerprint(target: torch.nn.Module) -> dict:
-    """What must match between a draft and the target it was trained for."""
-    emb = target.get_input_embeddings().weight
-    sample = emb[:64].detach().float().cpu().numpy().tobytes()
-    return {
-        "vocab_size": emb.shape[0],
-        "hidden_size": emb.shape[1],
-        "embedding_sha256": hashlib.sha256(sample).hexdigest(),
-    }
-
-
-def check_target_fingerprint(saved: dict, target: torch.nn.Module, what: str) -> dict:
-    """Raise ModelLoadError naming `what` unless `saved` (a `target_fingerprint`) is `target`'s; return it."""
-    have = target_fingerprint(target)
-    if saved != have:
-        raise ModelLoadError(
-            f"{what} was trained for another target (vocab {saved['vocab_size']}, hidden {saved['hidden_size']},"
-            f" embedding fingerprint {saved['embedding_sha256'][:12]}); this target has vocab {have['vocab_size']},"
-            f" hidden {have['hidden_size']}, fingerprint {have['embedding_sha256'][:12]}"
-        )
-    return have
 
 
 def build_shared_draft(
@@ -161,7 +138,7 @@ def load_shared_draft(
     (draft, vocab_ids). Refuses a draft made for another target."""
     p = Path(path)
     meta = json.loads((p / "draft_config.json").read_text())
-    check_target_fingerprint(meta["target"], target, f"draft '{p}'")
+    check_fingerprint(meta.get("target"), target, f"draft '{p}'")
     vocab_ids = torch.tensor(json.loads((p / "draft_vocab.json").read_text()), dtype=torch.long)
     draft = build_shared_draft(target, meta["llama_config"]["num_hidden_layers"], vocab_ids)
     state = load_file(p / "model.safetensors")

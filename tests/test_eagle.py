@@ -1,3 +1,4 @@
+import copy
 import json
 from pathlib import Path
 
@@ -518,12 +519,14 @@ def test_missing_or_wrong_model_folders_are_refused(tmp_path, trained):
         EagleProposer.from_config(EagleConfig(model=str(tmp_path)), info)
     with pytest.raises(ConfigError, match="proposer.model is required"):
         EagleProposer.from_config(EagleConfig(), info)
-    _, cfg, _, _ = trained
+    target, cfg, _, _ = trained
+    for dtype in (torch.bfloat16, torch.float16):  # trained in float32, usable on the target in half precision
+        load_drafter(cfg.out, copy.deepcopy(target).to(dtype))
     other = tiny_llama(vocab_size=16, seed=5, hidden_size=32, num_layers=1)
-    with pytest.raises(ModelLoadError, match="trained for another target"):
+    with pytest.raises(ModelLoadError, match="made for another target: the weights differ"):
         load_drafter(cfg.out, other)
     wide = tiny_llama(vocab_size=24, seed=0, hidden_size=32, num_layers=1)
-    with pytest.raises(ModelLoadError, match="trained for another target.*vocab 24"):
+    with pytest.raises(ModelLoadError, match="made for another target: vocab size 16 there, 24 here"):
         EagleProposer.from_config(EagleConfig(model=cfg.out), target_info(wide))
 
 

@@ -86,3 +86,12 @@ def test_multi_turn_messages_use_the_chat_template(decoders):
     assert dec.encode(msgs).tolist() == ids
     assert "My name is Ada." in dec.tokenizer.decode(ids) and first.text in dec.tokenizer.decode(ids)
     assert dec.generate(msgs, max_new_tokens=12).token_ids == dec.generate(ids, max_new_tokens=12).token_ids
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_shipped_artifacts_load_on_the_default_target_in_half_precision(dtype):
+    # Trained in float32; on CUDA the target loads in bfloat16 by default (dtype auto), so they must fit it.
+    for name in ("draft", "medusa", "eagle"):
+        cfg = load_config(overrides=[f"proposer.name={name}", f"target.dtype={dtype}"])
+        res = SpeculativeDecoder.from_config(cfg).generate(PROMPTS[0], max_new_tokens=8)
+        assert res.stats["new_tokens"] == 8, name

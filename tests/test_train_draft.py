@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 
@@ -165,10 +167,21 @@ def test_gamma_comes_from_the_config_else_the_draft_folder_else_four(trained):
 
 
 def test_draft_for_another_target_is_refused(trained):
-    _, cfg, _ = trained
+    target, cfg, _ = trained
     other = tiny_llama(vocab_size=16, seed=5, hidden_size=32, num_layers=3)
-    with pytest.raises(ModelLoadError, match="trained for another target"):
+    with pytest.raises(ModelLoadError, match="made for another target: the weights differ"):
         load_shared_draft(cfg.out, other)
+    same_embeddings = copy.deepcopy(target)
+    torch.nn.init.normal_(same_embeddings.model.layers[-1].mlp.up_proj.weight)
+    with pytest.raises(ModelLoadError, match="made for another target: the weights differ"):
+        load_shared_draft(cfg.out, same_embeddings)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_draft_trained_in_float32_loads_on_the_target_in_half_precision(trained, dtype):
+    target, cfg, _ = trained
+    draft, _ = load_shared_draft(cfg.out, copy.deepcopy(target).to(dtype))
+    assert draft.dtype == dtype
 
 
 def test_resume_continues_after_the_last_epoch(trained, tmp_path):

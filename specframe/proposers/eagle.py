@@ -246,7 +246,7 @@ def save_drafter(
     metrics: dict,
     extra: dict | None = None,
 ) -> None:
-    from specframe.shared_draft import target_fingerprint
+    from specframe.fingerprint import target_fingerprint
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -271,7 +271,7 @@ def load_drafter(
 ):
     """(drafter, vocab_ids, metadata) from a saved folder; refuses a drafter made for another target. `option`
     is the config key that named the folder (for the error when it is not a drafter folder)."""
-    from specframe.shared_draft import check_target_fingerprint
+    from specframe.fingerprint import check_fingerprint
 
     p = Path(path)
     meta_file = p / "eagle_config.json"
@@ -290,7 +290,7 @@ def load_drafter(
         raise ModelLoadError(
             f"'{meta_file}' is {FORMAT} version {meta.get('version')!r}; this specframe reads versions 1 and 2"
         )
-    have = check_target_fingerprint(meta["target"], target, f"EAGLE drafter '{p}'")
+    check_fingerprint(meta.get("target"), target, f"EAGLE drafter '{p}'")
     fuse_layers = meta.get("fuse_layers", [])
     try:
         if not isinstance(fuse_layers, list):
@@ -304,9 +304,10 @@ def load_drafter(
         )
     cfg = LlamaConfig(**meta["llama_config"])
     cfg._attn_implementation = "sdpa"
-    if cfg.hidden_size != have["hidden_size"] or cfg.vocab_size != len(vocab_ids):
+    hidden, vocab = target.get_input_embeddings().weight.shape[1], target.get_input_embeddings().weight.shape[0]
+    if cfg.hidden_size != hidden or cfg.vocab_size != len(vocab_ids):
         raise ModelLoadError(f"EAGLE drafter '{p}' is inconsistent: hidden {cfg.hidden_size}, {len(vocab_ids)} ids")
-    if len(vocab_ids) and (int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= have["vocab_size"]):
+    if len(vocab_ids) and (int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= vocab):
         raise ModelLoadError(f"EAGLE drafter '{p}' lists token ids outside the target's vocabulary")
     drafter = EagleDrafter(cfg, tuple(fuse_layers))
     missing = set(drafter.own_state_dict()) - set(state)

@@ -19,7 +19,6 @@ PEFT adapter they were trained with; load that adapter as `target.adapter` (see 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from torch import nn
 
 from specframe.cpu_kernels import few_rows_linear
 from specframe.errors import ConfigError, ModelLoadError
+from specframe.fingerprint import fingerprint_mismatch, target_fingerprint
 from specframe.models import check_proposer_dtype, proposer_dtype
 from specframe.proposer import (
     Acceptance,
@@ -140,26 +140,10 @@ class MedusaHeads(nn.Module):
         return self.features(h) @ lm_rows.T
 
 
-def weights_fingerprint(model: torch.nn.Module) -> str:
-    """A hash of samples of the target's weights that the heads depend on (embeddings, first and last layers).
-
-    A Medusa-2 adapter merged into the target changes it, so heads trained with an adapter refuse a target
-    loaded without it (and the other way round)."""
-    h = hashlib.sha256()
-    named = dict(model.named_parameters())
-    keys = sorted(k for k in named if ".layers.0." in k or k.endswith(("embed_tokens.weight", "norm.weight")))
-    last = model.config.num_hidden_layers - 1
-    keys += sorted(k for k in named if f".layers.{last}." in k)
-    for k in keys:
-        w = named[k].detach()
-        h.update(k.encode())
-        h.update(w.reshape(-1)[:4096].float().cpu().numpy().tobytes())
-    return h.hexdigest()[:32]
-
-
 def save_heads(
     heads: MedusaHeads, vocab_ids: torch.Tensor, target: torch.nn.Module, out: str | Path, tree, extra: dict
 ) -> None:
+    """Save `heads` for `target` (fingerprinted as it will be verified with: with its adapter, in stage 2)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(torch.float16).contiguous().cpu() for k, v in heads.state_dict().items()}
@@ -172,7 +156,7 @@ def save_heads(
         "num_heads": heads.num_heads,
         "layers": len(heads.heads[0]),
         "target_vocab_size": target.get_output_embeddings().weight.shape[0],
-        "target_weights": weights_fingerprint(target),
+        "target": target_fingerprint(target),
         "tree": [list(p) for p in tree],
         **extra,
     }
@@ -201,14 +185,11 @@ def load_heads(path: str | Path, target: torch.nn.Module) -> tuple[MedusaHeads, 
             f"medusa heads '{path}' were trained for a target with hidden size {meta['hidden_size']} and "
             f"{meta['target_vocab_size']} logits; this target has {hidden} and {vocab}"
         )
-    if meta["target_weights"] != weights_fingerprint(target):
+    why = fingerprint_mismatch(meta.get("target"), target)
+    if why is not None:
         adapter = meta.get("adapter")
-        hint = (
-            f" They were trained with the Medusa-2 adapter '{adapter}': load it with target.adapter=..."
-            if adapter
-            else " (if the target has an adapter loaded, these heads were trained without it)"
-        )
-        raise ModelLoadError(f"medusa heads '{path}' were trained for different target weights.{hint}")
+        hint = f" (they were trained with the Medusa-2 adapter '{adapter}': target.adapter=...)" if adapter else ""
+        raise ModelLoadError(f"medusa heads '{path}' were made for another target: {why}{hint}")
     if int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= vocab:
         raise ModelLoadError(f"medusa heads '{path}': vocabulary ids out of range [0, {vocab})")
     heads = MedusaHeads(hidden, meta["num_heads"], meta["layers"])

@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 
 from specframe.data import DistillExample
 from specframe.errors import ConfigError
-from specframe.shared_draft import target_fingerprint
+from specframe.fingerprint import target_fingerprint
 from specframe.training.common import collate, to_sequences
 
 

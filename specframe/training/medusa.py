@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from specframe.errors import ConfigError, ModelLoadError
+from specframe.fingerprint import mark_adapter, target_fingerprint
 from specframe.training.common import (
     TrainRunConfig,
     optimizer_step,
@@ -329,6 +330,7 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
         r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank, lora_dropout=0.0, target_modules=list(cfg.lora_modules)
     )
     target.requires_grad_(False)
+    base_fingerprint = target_fingerprint(target)  # (before PEFT wraps its modules)
     model = get_peft_model(target, lora)
     base = model.get_base_model()
     lm_rows = target.get_output_embeddings().weight.detach()[vocab_ids].float()
@@ -392,5 +394,6 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     final, tree = _final(history, cfg, sum(len(s.ids) for s in seqs), n_held)
     adapter_dir = out / "adapter"
     model.save_pretrained(str(adapter_dir))  # PEFT's own format (adapter_config.json + safetensors)
-    merged = model.merge_and_unload()  # the model generation will verify with: fingerprint it
+    merged = model.merge_and_unload()  # the model generation will verify with: the base plus this adapter
+    mark_adapter(merged, base_fingerprint, adapter_dir / "adapter_model.safetensors")
     return final, tree, merged, {"adapter": str(adapter_dir)}

@@ -1,0 +1,86 @@
+"""Which target an artifact was made for: a fingerprint of its weights that survives a change of dtype.
+
+Trained artifacts (a shared draft, Medusa heads, an EAGLE drafter) and the trainers' features cache record the
+fingerprint of the target they were made with, and loading one on another target is refused. Training runs in
+float32, but the same target is then used in float32, bfloat16 or float16, on CPU or CUDA; so the fingerprint
+holds one hash per dtype of the same sample of weights, each taken after rounding the sample to that dtype, and
+a target matches when the hash for its own dtype does. The sample is 64 evenly spaced values of every
+parameter (embeddings, every decoder layer, norms, head), with the parameters' names and shapes: another
+model, or the same embeddings with other layers, does not match.
+
+A PEFT adapter merged at load time (`target.adapter`) is fingerprinted as the base model's weights plus the
+adapter file's sha256: merging in bfloat16 rounds differently from merging in float32, so the merged weights
+themselves could not be matched across dtypes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SAMPLE = 64  # values per parameter
+ADAPTER_KEY = "adapter_sha256"
+_OWN = "_specframe_fingerprint"  # attribute a model loaded with a merged adapter carries (see `mark_adapter`)
+
+
+def target_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
+    """{vocab_size, hidden_size, weights_sha256: {dtype: hash}} (+ adapter_sha256 when an adapter is merged)."""
+    own = getattr(model, _OWN, None)
+    if own is not None:
+        return dict(own)
+    emb = model.get_input_embeddings().weight
+    hashes = {name: hashlib.sha256() for name in DTYPES}
+    for name, w in model.named_parameters():  # (tied parameters are listed once)
+        flat = w.detach().reshape(-1)
+        k = min(SAMPLE, flat.numel())
+        index = torch.arange(k, device=flat.device) * (flat.numel() - 1) // max(k - 1, 1)  # (exact in int64)
+        sample = flat[index].cpu()
+        for dtype_name, dtype in DTYPES.items():
+            h = hashes[dtype_name]
+            h.update(f"{name}:{tuple(w.shape)}:".encode())
+            h.update(sample.to(dtype).float().numpy().tobytes())
+    return {
+        "vocab_size": emb.shape[0],
+        "hidden_size": emb.shape[1],
+        "weights_sha256": {name: h.hexdigest() for name, h in hashes.items()},
+    }
+
+
+def mark_adapter(merged: torch.nn.Module, base: dict[str, Any], adapter_file: str | Path) -> None:
+    """Record on `merged` that it is the model fingerprinted `base` with the adapter in `adapter_file` merged."""
+    digest = hashlib.sha256(Path(adapter_file).read_bytes()).hexdigest()
+    object.__setattr__(merged, _OWN, {**base, ADAPTER_KEY: digest})
+
+
+def fingerprint_mismatch(saved: Any, model: torch.nn.Module) -> str | None:
+    """Why `saved` (a `target_fingerprint`) is not `model`'s, in words; None when it is."""
+    have = target_fingerprint(model)
+    if not isinstance(saved, dict) or not isinstance(saved.get("weights_sha256"), dict):
+        return "its target fingerprint is missing or in an older format (retrain it with this specframe)"
+    for key in ("vocab_size", "hidden_size"):
+        if saved.get(key) != have[key]:
+            return f"{key.replace('_', ' ')} {saved.get(key)} there, {have[key]} here"
+    if saved.get(ADAPTER_KEY) != have.get(ADAPTER_KEY):
+        if saved.get(ADAPTER_KEY) is None:
+            return "it was made for the target without an adapter, and this target has one merged"
+        if have.get(ADAPTER_KEY) is None:
+            return "it was made for the target with a PEFT adapter merged (target.adapter), and this one has none"
+        return "it was made for the target with another PEFT adapter merged"
+    dtype = model.get_input_embeddings().weight.dtype
+    name = next((n for n, d in DTYPES.items() if d == dtype), "float32")
+    if saved["weights_sha256"].get(name) != have["weights_sha256"][name]:
+        return f"the weights differ (compared in {name})"
+    return None
+
+
+def check_fingerprint(saved: Any, model: torch.nn.Module, what: str) -> None:
+    """Raise ModelLoadError naming `what` unless `saved` is `model`'s fingerprint."""
+    from specframe.errors import ModelLoadError
+
+    why = fingerprint_mismatch(saved, model)
+    if why is not None:
+        raise ModelLoadError(f"{what} was made for another target: {why}")

@@ -1,0 +1,59 @@
+import copy
+
+import pytest
+import torch
+
+from specframe.fingerprint import fingerprint_mismatch, mark_adapter, target_fingerprint
+from specframe.testing.tiny import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_same_weights_match_in_every_dtype(model, dtype):
+    saved = target_fingerprint(model)  # as a trainer saves it: from the float32 target
+    assert fingerprint_mismatch(saved, copy.deepcopy(model).to(dtype)) is None
+
+
+def test_other_weights_do_not_match(model):
+    saved = target_fingerprint(model)
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.model.layers[1].self_attn.o_proj.weight.view(-1)[0] += 1e-3  # one sampled value, embeddings untouched
+    assert fingerprint_mismatch(saved, other) == "the weights differ (compared in float32)"
+    wide = tiny_llama(vocab_size=24, seed=0, hidden_size=32, num_layers=2)
+    assert fingerprint_mismatch(saved, wide) == "vocab size 16 there, 24 here"
+
+
+def test_a_change_that_survives_rounding_is_seen_in_half_precision(model):
+    saved = target_fingerprint(model)
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.model.layers[0].mlp.down_proj.weight.view(-1)[0] += 0.5
+    assert fingerprint_mismatch(saved, other.to(torch.bfloat16)) == "the weights differ (compared in bfloat16)"
+
+
+def test_an_old_format_or_missing_fingerprint_is_named(model):
+    old = {"vocab_size": 16, "hidden_size": 32, "embedding_sha256": "0" * 64}
+    assert "older format" in fingerprint_mismatch(old, model)
+    assert "missing" in fingerprint_mismatch(None, model)
+
+
+def test_a_merged_adapter_is_the_base_fingerprint_plus_the_adapter_file(model, tmp_path):
+    base = target_fingerprint(model)
+    (tmp_path / "a.safetensors").write_bytes(b"adapter one")
+    (tmp_path / "b.safetensors").write_bytes(b"adapter two")
+    merged = copy.deepcopy(model)
+    with torch.no_grad():
+        merged.model.layers[0].mlp.down_proj.weight.add_(0.01)  # what merging changes is not what is compared
+    mark_adapter(merged, base, tmp_path / "a.safetensors")
+    saved = target_fingerprint(merged)
+    assert fingerprint_mismatch(saved, merged) is None
+    assert "has one merged" in fingerprint_mismatch(base, merged)
+    assert "this one has none" in fingerprint_mismatch(saved, model)
+    other = copy.deepcopy(model)
+    mark_adapter(other, base, tmp_path / "b.safetensors")
+    assert "another PEFT adapter" in fingerprint_mismatch(saved, other)
