@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from specframe.errors import BadInputError
+from specframe.errors import BadInputError, is_count
 
 SHARED_DATA = Path("..") / "shared" / "data"  # from the project root
 DEFAULT_PROMPTS = "train_prompts/prompts.jsonl"  # under SHARED_DATA
@@ -125,6 +125,12 @@ def read_distill(path: str | Path) -> list[DistillExample]:
             )
         except KeyError as e:
             raise BadInputError(f"distillation data '{path}' line {number}: missing {e}") from e
+        for field, ids, least in (("prompt_ids", example.prompt_ids, 1), ("response_ids", example.response_ids, 0)):
+            if not (isinstance(ids, list) and len(ids) >= least and all(is_count(t, 0) for t in ids)):
+                what = "a non-empty list" if least else "a list"
+                raise BadInputError(
+                    f"distillation data '{path}' line {number}: {field} must be {what} of token ids (integers >= 0)"
+                )
         record_id(line_of, example.id, f"distillation data '{path}'", number, repeated)
         out.append(example)
     return out

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specframe.errors import ModelLoadError, is_count
+from specframe.errors import ConfigError, ModelLoadError, is_count
 from specframe.fingerprint import check_fingerprint, target_fingerprint
 
 FORMAT = "specframe-shared-draft"
@@ -46,6 +46,11 @@ def build_shared_draft(
     tcfg = target.config
     if tcfg.model_type != "llama":
         raise ModelLoadError(f"the shared draft needs a Llama-architecture target, got '{tcfg.model_type}'")
+    outside = [i for i in init_layers or [] if not is_count(i, 0) or i >= tcfg.num_hidden_layers]
+    if outside:
+        raise ConfigError(
+            f"train.init_layers: {outside[0]!r} is not a layer of the target (0 to {tcfg.num_hidden_layers - 1})"
+        )
     cfg = LlamaConfig(
         **{
             **tcfg.to_dict(),

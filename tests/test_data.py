@@ -75,6 +75,26 @@ def test_an_id_twice_is_refused_naming_both_lines(tmp_path):
         read_distill(tmp_path / "d.jsonl")
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("prompt_ids", []),
+        ("prompt_ids", [1, -2]),
+        ("response_ids", [1.5]),
+        ("response_ids", [True]),
+        ("response_ids", "12"),
+        ("prompt_ids", [[1]]),
+        ("response_ids", None),
+    ],
+)
+def test_token_ids_that_are_not_lists_of_ids_are_refused_naming_the_line(tmp_path, field, value):
+    row = {"id": "x", "source": "s", "prompt_ids": [1], "response_ids": [2], "finished": True}
+    lines = [row | {"id": "a"}, row | {field: value}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    with pytest.raises(BadInputError, match=f"line 2: {field} must be .*list of token ids"):
+        read_distill(tmp_path / "d.jsonl")
+
+
 @pytest.mark.parametrize("tag", ["a b", "s#1", "é"])
 def test_bad_tag_is_refused(tokenizer, tmp_path, tag):
     with pytest.raises(BadInputError, match="tag"):

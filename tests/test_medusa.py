@@ -217,11 +217,46 @@ def test_prompt_positions_add_the_prompt_to_the_training_positions_only():
 
 @pytest.mark.parametrize(
     "field, value",
-    [("stage", 3), ("num_heads", 0), ("head_decay", 0.0), ("tree_nodes", 0), ("prompt_positions", "yes")],
+    [
+        ("stage", 3),
+        ("num_heads", 0),
+        ("head_decay", 0.0),
+        ("tree_nodes", 0),
+        ("prompt_positions", "yes"),
+        ("keep_weight", -1.0),
+        ("lora_modules", ()),
+        ("out", ""),
+    ],
 )
 def test_bad_training_options(field, value):
     with pytest.raises(ConfigError, match=f"train.{field}"):
         MedusaTrainConfig(**{field: value})
+
+
+def test_stage2_lora_modules_the_target_lacks_are_named(tmp_path):
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
+    write_distill_data(tmp_path / "d.jsonl", target, n=20)
+    cfg = MedusaTrainConfig(
+        data=str(tmp_path / "d.jsonl"),
+        out=str(tmp_path / "m"),
+        stage=2,
+        num_heads=2,
+        heldout_fraction=0.2,
+        lora_modules=("qq_proj",),
+        features_cache="",
+    )
+    with pytest.raises(ConfigError, match=r"train.lora_modules \['qq_proj'\]"):
+        train_medusa(cfg, target, None, log=lambda m: None)
+
+
+def test_a_target_not_laid_out_like_llama_is_refused_by_the_trainers(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    write_distill_data(tmp_path / "d.jsonl", gpt2, n=10)
+    cfg = MedusaTrainConfig(data=str(tmp_path / "d.jsonl"), out=str(tmp_path / "m"), features_cache="")
+    with pytest.raises(ModelLoadError, match="laid out like Llama .*GPT2LMHeadModel is not"):
+        train_medusa(cfg, gpt2, None, log=lambda m: None)
 
 
 def test_medusa2_trains_lora_with_peft_and_heads_require_the_adapter(tmp_path, tiny_dirs):

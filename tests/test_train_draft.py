@@ -209,6 +209,44 @@ def test_resume_with_other_layers_is_refused_before_the_features_are_extracted(t
     assert not (tmp_path / "fresh").exists()
 
 
+def test_data_the_target_cannot_train_on_is_refused_before_the_features_are_extracted(trained, tmp_path):
+    import json
+
+    target, cfg, _ = trained
+    rows = [json.loads(line) for line in open(cfg.data)]
+    rows[3]["response_ids"][0] = 16  # the tiny target has 16 tokens
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = {**cfg.__dict__, "data": str(tmp_path / "bad.jsonl"), "features_cache": str(tmp_path / "f")}
+    with pytest.raises(ConfigError, match=f"example '{rows[3]['id']}' has token id 16, outside the target's"):
+        train_draft(DraftTrainConfig(**{**base, "out": str(tmp_path / "a")}), target, None, log=lambda m: None)
+    short = {**base, "data": cfg.data, "max_length": 3}  # every prompt is longer: no response token is left
+    with pytest.raises(ConfigError, match="no training example keeps a response token within max_length=3"):
+        train_draft(DraftTrainConfig(**{**short, "out": str(tmp_path / "b")}), target, None, log=lambda m: None)
+    assert not (tmp_path / "f").exists()
+
+
+@pytest.mark.parametrize("layer", [5, -1])
+def test_init_layers_outside_the_target_are_named(tmp_path, layer):
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
+    write_distill_data(tmp_path / "d.jsonl", target, n=10)
+    cfg = DraftTrainConfig(
+        data=str(tmp_path / "d.jsonl"),
+        out=str(tmp_path / "a"),
+        layers=1,
+        init_layers=[layer],
+        heldout_fraction=0.3,
+        features_cache="",
+    )
+    with pytest.raises(ConfigError, match=f"train.init_layers: {layer} is not a layer of the target \\(0 to 1\\)"):
+        train_draft(cfg, target, None, log=lambda m: None)
+
+
+def test_a_features_cache_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "cache").write_text("")
+    with pytest.raises(ConfigError, match="train.features_cache .* is a file, not a folder"):
+        DraftTrainConfig(features_cache=str(tmp_path / "cache"))
+
+
 @pytest.mark.parametrize("field, value", [("layers", 0), ("heldout_fraction", 1.0), ("epochs", 0)])
 def test_bad_training_options(field, value):
     with pytest.raises(ConfigError, match=f"train.{field}"):

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from specframe.data import DistillExample
-from specframe.errors import ConfigError
+from specframe.errors import ConfigError, ModelLoadError
 
 
 @dataclass
@@ -52,6 +52,10 @@ class TrainRunConfig:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
         if not 0 < self.heldout_fraction < 1:
             raise ConfigError(f"train.heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+        if not str(self.out).strip():
+            raise ConfigError("train.out must name a folder (it would write the artifact into the current one)")
+        if self.features_cache and Path(self.features_cache).exists() and not Path(self.features_cache).is_dir():
+            raise ConfigError(f"train.features_cache '{self.features_cache}' is a file, not a folder")
 
 
 @dataclass
@@ -220,12 +224,29 @@ def start_run(cfg: TrainRunConfig, target: torch.nn.Module, tokenizer) -> tuple[
     """Seed, read the data, split it (by id) and choose the reduced vocabulary: (train, held-out, vocab_ids)."""
     from specframe.data import read_distill
 
+    if not isinstance(getattr(target, "model", None), torch.nn.Module) or target.get_output_embeddings() is None:
+        raise ModelLoadError(
+            f"training needs a decoder-only target laid out like Llama (a `.model` body and an LM head); "
+            f"{type(target).__name__} is not"
+        )
     torch.manual_seed(cfg.seed)
     examples = read_distill(cfg.data)
     train_ex, held_ex = split_heldout(examples, cfg.heldout_fraction, cfg.seed)
     if not train_ex or not held_ex:
         raise ConfigError(f"train.data '{cfg.data}' has too few examples ({len(examples)}) for a held-out split")
     vocab_size = target.get_output_embeddings().weight.shape[0]
+    for e in examples:
+        top = max(e.prompt_ids + e.response_ids)
+        if top >= vocab_size:
+            raise ConfigError(
+                f"train.data '{cfg.data}': example '{e.id}' has token id {top}, outside the target's vocabulary "
+                f"of {vocab_size} (was the data made with another target's tokenizer?)"
+            )
+    for name, split in (("training", train_ex), ("held-out", held_ex)):
+        if not to_sequences(split, cfg.max_length):
+            raise ConfigError(
+                f"train.data '{cfg.data}': no {name} example keeps a response token within max_length={cfg.max_length}"
+            )
     eos = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
     return train_ex, held_ex, choose_vocab(train_ex, min(cfg.vocab_size, vocab_size), vocab_size, eos)
 

@@ -87,6 +87,10 @@ class MedusaTrainConfig(TrainRunConfig):
             raise ConfigError(f"train.stage must be 1 (Medusa-1) or 2 (Medusa-2), got {self.stage}")
         if not 0 < self.head_decay <= 1:
             raise ConfigError(f"train.head_decay must be in (0, 1], got {self.head_decay}")
+        if not self.keep_weight >= 0:
+            raise ConfigError(f"train.keep_weight must be >= 0, got {self.keep_weight}")
+        if not self.lora_modules or not all(isinstance(m, str) and m for m in self.lora_modules):
+            raise ConfigError(f"train.lora_modules must name at least one module, got {list(self.lora_modules)}")
         if not isinstance(self.prompt_positions, bool):
             raise ConfigError(f"train.prompt_positions must be true or false, got {self.prompt_positions!r}")
 
@@ -331,7 +335,10 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     )
     target.requires_grad_(False)
     base_fingerprint = target_fingerprint(target)  # (before PEFT wraps its modules)
-    model = get_peft_model(target, lora)
+    try:
+        model = get_peft_model(target, lora)
+    except ValueError as e:  # (PEFT's words for modules the target does not have)
+        raise ConfigError(f"train.lora_modules {list(cfg.lora_modules)}: {' '.join(str(e).split())}") from e
     base = model.get_base_model()
     lm_rows = target.get_output_embeddings().weight.detach()[vocab_ids].float()
     params = {f"heads.{k}": p for k, p in heads.named_parameters()}
