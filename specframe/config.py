@@ -108,11 +108,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raw = OmegaConf.load(find_config(path)) if path else OmegaConf.create({})
         if not isinstance(raw, DictConfig):
             raise ConfigError(f"config file '{path}' must hold a mapping")
-        raw = OmegaConf.merge(raw, OmegaConf.from_dotlist(list(overrides or [])))
     except OmegaConfBaseException as e:
         raise ConfigError(f"bad config: {one_line(e)}") from e
     except (yaml.YAMLError, UnicodeDecodeError) as e:  # (OmegaConf passes a file's YAML and encoding errors on)
         raise ConfigError(f"config file '{path}' is not valid YAML: {' '.join(str(e).split())}") from e
+    for item in overrides or []:  # one at a time, so that an error names the override
+        try:
+            raw = OmegaConf.merge(raw, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"bad config: {one_line(e)}") from e
+        except yaml.YAMLError as e:  # (a value is parsed as YAML)
+            raise ConfigError(f"override '{item}': the value is not valid YAML ({' '.join(str(e).split())})") from e
     proposer_raw = raw.pop("proposer", None) or OmegaConf.create({})
     if not isinstance(proposer_raw, DictConfig):
         raise ConfigError("proposer must be a mapping with at least 'name'")

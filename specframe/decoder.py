@@ -65,6 +65,14 @@ class SpeculativeDecoder:
         self.info = target_info(model, tokenizer)
         self.device = self.info.device
         self.who = f"proposer '{proposer.name}'" + (f" (plugin '{plugin}')" if plugin else "")
+        states = getattr(model.config, "num_hidden_layers", None)  # hidden states: the embeddings + each layer
+        for layer in proposer.hidden_state_layers:
+            if not isinstance(layer, int) or isinstance(layer, bool):
+                raise ProposerError(f"{self.who} asks for hidden_state_layers {layer!r}: not a layer index")
+            if states is not None and not -(states + 1) <= layer <= states:
+                raise ProposerError(
+                    f"{self.who} asks for hidden state {layer}; the target has {states + 1} (indices 0 to {states})"
+                )
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.context_window = getattr(model.config, "max_position_embeddings", None) or 10**9
         new_cache(model)  # refuses, before any generation, a target whose cache cannot be rolled back
@@ -116,6 +124,8 @@ class SpeculativeDecoder:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             if isinstance(prompt, list) and not all(isinstance(m, dict) and "content" in m for m in prompt):
                 raise BadInputError("a list prompt must hold token ids (int) or messages ({'role', 'content'})")
+            for m in messages:
+                check_text(m["content"])
             if not raw and getattr(self.tokenizer, "chat_template", None):
                 ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
                 if isinstance(ids, dict) or hasattr(ids, "input_ids"):
@@ -265,6 +275,17 @@ class SpeculativeDecoder:
             text = self._decode(ids)
             text = text[: min(text.index(s) for s in stop if s in text)]
         return ids, text
+
+
+def check_text(text: object) -> None:
+    """Prompt text must be a string of valid Unicode: bytes that are not UTF-8 (on the command line or stdin,
+    Python keeps them as lone surrogates) are bad input, not a tokenizer error."""
+    if not isinstance(text, str):
+        raise BadInputError(f"a message's content must be text, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadInputError(f"the prompt is not valid UTF-8 text (bad byte at character {e.start})") from e
 
 
 TREE_ATTENTION = ("eager", "sdpa", "specframe_sdpa")  # attention implementations that apply a 4-D float mask

@@ -86,6 +86,10 @@ def register_plugin(
         pm.subset_hook_caller("register_proposers", [m for m in pm.get_plugins() if m is not module])(
             register=found.append
         )
+        if not found:  # (pluggy skips a hook function that is not marked, without a word)
+            raise PluginError(
+                f"plugin '{plugin}' registered no proposer: is its register_proposers marked @specframe.hookimpl?"
+            )
         before = dict(registry.proposers)
         try:
             for cls in found:

@@ -143,6 +143,25 @@ def test_hidden_states_of_kept_positions_reach_the_proposer(target, info):
         pos += k
 
 
+@pytest.mark.parametrize(
+    "layers, message",
+    [
+        ((99,), "asks for hidden state 99; the target has 3 (indices 0 to 2)"),
+        ((-4,), "asks for hidden state -4; the target has 3"),
+        (("1",), "asks for hidden_state_layers '1': not a layer index"),
+    ],
+)
+def test_hidden_state_layers_the_target_lacks_are_named_when_the_decoder_is_built(target, info, layers, message):
+    import re
+
+    proposer = NoneProposer(NoneConfig(), info)
+    proposer.hidden_state_layers = layers
+    with pytest.raises(ProposerError, match=re.escape(f"proposer 'none' (plugin 'p') {message}")):
+        SpeculativeDecoder(target, proposer, plugin="p")
+    proposer.hidden_state_layers = (-3, 2)  # the embeddings and the last layer's output
+    SpeculativeDecoder(target, proposer, plugin="p")
+
+
 class Malformed(NoneProposer):
     name = "malformed"
 

@@ -39,6 +39,13 @@ def plugin_module(register_body):
     return mod
 
 
+def unmarked_plugin_module():
+    """A plugin whose hook function lacks @hookimpl: pluggy never calls it."""
+    mod = types.ModuleType("unmarked_plugin")
+    mod.register_proposers = lambda register: register(Echo)
+    return mod
+
+
 class FakeDist:
     name, version = "acme-specframe", "1.2.3"
 
@@ -112,6 +119,8 @@ def _raise():
         (lambda: plugin_module(lambda register: register(BadName)), "identifier"),
         (lambda: plugin_module(lambda register: [register(Echo), register(Echo)]), "already registered"),
         (lambda: types.SimpleNamespace(register_proposer=hookimpl(lambda register: None)), "unknown hook"),
+        (lambda: unmarked_plugin_module(), "marked @specframe"),
+        (lambda: plugin_module(lambda register: None), "registered no proposer"),
     ],
 )
 def test_broken_plugin_warns_naming_it_and_the_rest_keep_working(entry_points, load, message):

@@ -62,8 +62,10 @@ class UnionConfig:
             if name == UnionProposer.name:
                 raise ConfigError("proposer.members: a union cannot have a union as a member")
             if name not in registry.proposers:
+                hint = " (the specframe-ngram plugin: pip install plugins/specframe-ngram)" if name == "ngram" else ""
                 raise ConfigError(
-                    f"proposer.members: unknown proposer '{name}'; installed: {', '.join(registry.names())}"
+                    f"proposer.members: unknown proposer '{name}'{hint}; installed: {', '.join(registry.names())}; "
+                    "set proposer.members to installed proposers"
                 )
         if not isinstance(self.options, Mapping):
             raise ConfigError(f"proposer.options must map member names to their options, got {self.options!r}")
