@@ -204,3 +204,23 @@ class TestMedusaBf16(ProposerConformance):
 class TestEagleBf16(ProposerConformance):
     proposer_class = EagleProposer
     proposer_config = EagleConfig(depth=3, top_k=3, total_tokens=8, dtype="bfloat16")
+
+
+def test_the_pytest_plugin_gives_plugin_authors_the_marker_and_the_fixture(tmp_path):
+    # A plugin author's test folder, outside this project (no pyproject: nothing configured but the plugin).
+    import subprocess
+    import sys
+
+    (tmp_path / "test_mine.py").write_text(
+        "from specframe.testing.suite import ProposerConformance\n"
+        "from specframe.testing.tree_proposer import TreeTestProposer\n\n\n"
+        "def test_exact(specframe_conformance):\n"
+        "    assert specframe_conformance(TreeTestProposer, quick=True, devices=['cpu']).passed\n\n\n"
+        "class TestTree(ProposerConformance):\n"
+        "    proposer_class = TreeTestProposer\n"
+    )
+    base = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--strict-markers", "-m", "not slow"]
+    run = subprocess.run([*base, "-q", "test_mine.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout + run.stderr  # ("slow" is a known marker)
+    plan = subprocess.run([*base, "--setup-plan", "test_mine.py"], cwd=tmp_path, capture_output=True, text=True)
+    assert "_one_thread" in plan.stdout  # the suite's fixture reaches a subclass in another module

@@ -30,14 +30,6 @@ def require_proposers(*names: str) -> None:
         pytest.skip(f"proposers not registered: {', '.join(missing)} (install the plugins that provide them)")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only add synchronisation cost
-    yield
-    torch.set_num_threads(threads)
-
-
 def _assert(result: conformance.CheckResult) -> None:
     assert result.passed, f"{result.check} [{result.device}]: {result.detail} (p={result.p_value})"
 
@@ -46,6 +38,13 @@ def _assert(result: conformance.CheckResult) -> None:
 class ProposerConformance:
     proposer_class: ClassVar[type[Proposer]]
     proposer_config: ClassVar[Any] = None
+
+    @pytest.fixture(autouse=True)
+    def _one_thread(self):  # (a method, so that it applies to subclasses in any module)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # tiny models: threads only add synchronisation cost
+        yield
+        torch.set_num_threads(threads)
 
     def test_greedy_identical_to_target(self, device: str) -> None:
         _assert(conformance.check_greedy(self.proposer_class, device, self.proposer_config))
