@@ -8,6 +8,7 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 from specframe.errors import BadInputError
 
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--target", default="smollm2-135m-instruct", help="target model")
     t.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (training runs in float32)")
     t.add_argument("--resume", action="store_true", help="continue from the output folder's checkpoint")
+    t.add_argument(
+        "--config", default=None, help="YAML of training options (e.g. the packaged train-eagle.yaml); KEY=VALUE win"
+    )
     t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="training options (see docs), e.g. epochs=4")
     t.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     t.set_defaults(run=cmd_train)
@@ -90,52 +94,52 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     dist.set_defaults(run=cmd_data_distill)
 
-    b = sub.add_parser("bench", help="Spec-Bench style speed/acceptance benchmark (writes JSON, Markdown, PNG)")
+    # Flags left out are absent (SUPPRESS), so that a --config file can set them: flags > file > BenchOptions.
+    b = sub.add_parser(
+        "bench",
+        help="Spec-Bench style speed/acceptance benchmark (writes JSON, Markdown, PNG)",
+        argument_default=argparse.SUPPRESS,
+    )
+    b.add_argument("--config", help="YAML of bench options (BenchOptions' fields, e.g. the packaged bench-cpu.yaml)")
     b.add_argument(
         "--proposers",
-        default="none,draft,medusa,eagle,ngram,union",
         help="comma-separated specframe proposers (an unknown name is an error); ones without a "
-        "trained artifact for the target are skipped with a message",
+        "trained artifact for the target are skipped with a message (default: none,draft,medusa,eagle,ngram,union)",
     )
     b.add_argument(
         "--baselines",
-        default="hf,hf-assisted,hf-pld",
-        help="comma-separated transformers baselines: hf, hf-assisted, hf-pld ('' for none)",
+        help="comma-separated transformers baselines: hf, hf-assisted, hf-pld ('' for none; default: all three)",
     )
     b.add_argument(
         "--subtasks",
-        default="mt_bench,translation,summarization,qa,math_reasoning,rag",
-        help="comma-separated Spec-Bench subtasks",
+        help="comma-separated Spec-Bench subtasks (default: all six)",
     )
-    b.add_argument("--limit", type=int, default=None, help="first N questions of each subtask (default: all)")
+    b.add_argument("--limit", type=int, help="first N questions of each subtask (default: all)")
     b.add_argument(
         "--questions",
-        default=None,
         help="Spec-Bench question.jsonl (default: ../shared/data/spec_bench/question.jsonl)",
     )
-    b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--target", default=None, help="target model (target.model)")
-    b.add_argument("--dtype", default=None, help="target.dtype")
-    b.add_argument("--device", default=None, help="target.device")
-    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (Spec-Bench); > 0 = sampling")
-    b.add_argument("--top-p", type=float, default=1.0)
-    b.add_argument("--top-k", type=int, default=0)
-    b.add_argument("--seed", type=int, default=0, help="base seed; each (question, turn) derives its own")
-    b.add_argument("--pld-tokens", type=int, default=10, help="hf-pld's prompt_lookup_num_tokens")
+    b.add_argument("--max-new-tokens", type=int, help="default 128")
+    b.add_argument("--target", help="target model (target.model)")
+    b.add_argument("--dtype", help="target.dtype")
+    b.add_argument("--device", help="target.device")
+    b.add_argument("--temperature", type=float, help="0 = greedy (Spec-Bench); > 0 = sampling")
+    b.add_argument("--top-p", type=float)
+    b.add_argument("--top-k", type=int)
+    b.add_argument("--seed", type=int, help="base seed; each (question, turn) derives its own")
+    b.add_argument("--pld-tokens", type=int, help="hf-pld's prompt_lookup_num_tokens")
     b.add_argument(
         "--tie-threshold",
         type=float,
-        default=1e-3,
         help="a first difference is a near-tie if the top-2 logit gap <= this x max(1, |top-1 logit|)",
     )
-    b.add_argument("--out", default=None, help="output folder: bench.json, bench.md, *.png (default runs/bench)")
-    b.add_argument("--results-doc", default=None, help="also write this Markdown results page (docs/results.md)")
-    b.add_argument("--threads", type=int, default=None, help="torch threads for the run (default: torch's)")
+    b.add_argument("--out", help="output folder: bench.json, bench.md, *.png (default runs/bench)")
+    b.add_argument("--results-doc", help="also write this Markdown results page (docs/results.md)")
+    b.add_argument("--threads", type=int, help="torch threads for the run (default: torch's)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.add_argument(
         "--render",
         metavar="BENCH_JSON",
-        default=None,
         help="run nothing: re-make the report (Markdown, plots, --results-doc) from an earlier bench.json",
     )
     b.add_argument(
@@ -267,13 +271,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     entry = get_registry().get(args.proposer)
     if entry.cls.train_config_class is None:
         raise BadInputError(f"proposer '{entry.name}' has nothing to train")
-    from omegaconf import OmegaConf
 
-    config = structured(entry.cls.train_config_class, OmegaConf.from_dotlist(key_values(args.overrides)), "train")
+    config = structured(entry.cls.train_config_class, merged_options(args.config, args.overrides), "train")
     loaded = load_model(args.target, dtype="float32", device=args.device, quiet=True)
     metrics = entry.cls.train(config, loaded.model, loaded.tokenizer, resume=args.resume)
     print(json.dumps(metrics.get("heldout", metrics)))
     return 0
+
+
+def merged_options(path: str | None, overrides: list[str]) -> Any:
+    """A `--config` YAML of options (a mapping; a packaged name works too) with KEY=VALUE overrides on top."""
+    from omegaconf import OmegaConf
+
+    from specframe.config import load_yaml, with_overrides
+
+    return with_overrides(load_yaml(path) if path else OmegaConf.create({}), key_values(overrides))
 
 
 def cmd_data_distill(args: argparse.Namespace) -> int:
@@ -311,38 +323,30 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from omegaconf import OmegaConf
+
     from specframe.bench import BenchOptions, main_table, render, run_bench
+    from specframe.config import load_yaml, structured
 
     def names(text: str) -> list[str]:
         return [n.strip() for n in text.split(",") if n.strip()]
 
-    if args.render:
-        doc = render(args.render, args.out, args.results_doc)
+    given = vars(args)  # only the flags given on the command line (the parser suppresses absent ones)
+    if given.get("render"):
+        doc = render(args.render, given.get("out"), given.get("results_doc"))
         print("\n".join(main_table(doc)))
         return 0
-
-    options = BenchOptions(
-        proposers=names(args.proposers),
-        baselines=names(args.baselines),
-        subtasks=names(args.subtasks),
-        limit=args.limit,
-        questions=args.questions,
-        max_new_tokens=args.max_new_tokens,
-        target=args.target,
-        dtype=args.dtype,
-        device=args.device,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        overrides=list(args.overrides),
-        pld_tokens=args.pld_tokens,
-        tie_threshold=args.tie_threshold,
-        out=args.out or "runs/bench",
-        results_doc=args.results_doc,
-        progress=not args.no_progress,
-        threads=args.threads,
-    )
+    flags = {k: v for k, v in given.items() if k in {f.name for f in fields(BenchOptions)}}
+    for key in ("proposers", "baselines", "subtasks"):
+        if key in flags:
+            flags[key] = names(flags[key])
+    if given.get("no_progress"):
+        flags["progress"] = False
+    from_file = load_yaml(args.config) if given.get("config") else OmegaConf.create({})
+    overrides = [*(from_file.pop("overrides", None) or []), *key_values(flags.pop("overrides", []))]
+    options = structured(BenchOptions, OmegaConf.merge(from_file, flags, {"overrides": overrides}), "bench")
     doc = run_bench(options)
     print("\n".join(main_table(doc)))
     wrote = [f"{options.out}/bench.json", f"{options.out}/bench.md", f"{options.out}/*.png"]

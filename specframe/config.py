@@ -100,25 +100,36 @@ def packaged_configs() -> list[str]:
     return sorted(f.name for f in folder.iterdir() if f.name.endswith(".yaml")) if folder.is_dir() else []
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> SpecframeConfig:
-    """Merge defaults, an optional YAML file and `KEY=VALUE` overrides into a validated SpecframeConfig."""
-    from specframe.plugins import get_registry
-
+def load_yaml(path: str | Path) -> DictConfig:
+    """A YAML config file (or a packaged config by name) holding a mapping; errors name the file."""
     try:
-        raw = OmegaConf.load(find_config(path)) if path else OmegaConf.create({})
-        if not isinstance(raw, DictConfig):
-            raise ConfigError(f"config file '{path}' must hold a mapping")
+        raw = OmegaConf.load(find_config(path))
     except OmegaConfBaseException as e:
         raise ConfigError(f"bad config: {one_line(e)}") from e
     except (yaml.YAMLError, UnicodeDecodeError) as e:  # (OmegaConf passes a file's YAML and encoding errors on)
         raise ConfigError(f"config file '{path}' is not valid YAML: {' '.join(str(e).split())}") from e
-    for item in overrides or []:  # one at a time, so that an error names the override
+    if not isinstance(raw, DictConfig):
+        raise ConfigError(f"config file '{path}' must hold a mapping")
+    return raw
+
+
+def with_overrides(raw: DictConfig, overrides: list[str]) -> DictConfig:
+    """`raw` with KEY=VALUE overrides merged in, one at a time, so that an error names the override."""
+    for item in overrides:
         try:
             raw = OmegaConf.merge(raw, OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as e:
             raise ConfigError(f"bad config: {one_line(e)}") from e
         except yaml.YAMLError as e:  # (a value is parsed as YAML)
             raise ConfigError(f"override '{item}': the value is not valid YAML ({' '.join(str(e).split())})") from e
+    return raw
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> SpecframeConfig:
+    """Merge defaults, an optional YAML file and `KEY=VALUE` overrides into a validated SpecframeConfig."""
+    from specframe.plugins import get_registry
+
+    raw = with_overrides(load_yaml(path) if path else OmegaConf.create({}), overrides or [])
     proposer_raw = raw.pop("proposer", None) or OmegaConf.create({})
     if not isinstance(proposer_raw, DictConfig):
         raise ConfigError("proposer must be a mapping with at least 'name'")

@@ -294,6 +294,37 @@ def test_sampling_reports_speed_not_identity(tiny_dirs, questions, tmp_path):
     assert "--temperature 0.8" in doc["command"] and "sampling (temperature 0.8" in (tmp_path / "bench.md").read_text()
 
 
+def test_a_config_file_sets_options_and_flags_win(tiny_dirs, questions, tmp_path):
+    import yaml
+
+    settings = {
+        "target": str(tiny_dirs["target"]),
+        "questions": str(questions),
+        "proposers": ["none"],
+        "baselines": [],
+        "subtasks": ["translation"],
+        "limit": 1,
+        "max_new_tokens": 5,
+        "out": str(tmp_path / "from-file"),
+        "progress": False,
+        "overrides": ["target.dtype=float32"],
+    }
+    (tmp_path / "bench.yaml").write_text(yaml.safe_dump(settings))
+    code, _, err = run_cli(
+        "bench", "--config", str(tmp_path / "bench.yaml"), "--max-new-tokens", "3", "target.fast_cpu_kernels=false"
+    )
+    assert code == 0, err
+    s = json.loads((tmp_path / "from-file" / "bench.json").read_text())["settings"]
+    assert s["subtasks"] == ["translation"] and s["limit"] == 1 and s["max_new_tokens"] == 3  # (the flag won)
+    assert s["overrides"] == [
+        "target.dtype=float32",
+        "target.fast_cpu_kernels=false",
+    ]  # the file's, then the command line's
+    (tmp_path / "bad.yaml").write_text("limits: 3\n")
+    code, _, err = run_cli("bench", "--config", str(tmp_path / "bad.yaml"))
+    assert code == 2 and "bench.limits" in err, err
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

@@ -81,3 +81,23 @@ def test_key_with_nothing_after_the_equals_sign_sets_a_text_option_to_the_empty_
     from specframe.training.draft import DraftTrainConfig
 
     assert structured(DraftTrainConfig, OmegaConf.from_dotlist(["features_cache="]), "train").features_cache == ""
+
+
+@pytest.mark.parametrize("proposer", ["draft", "medusa", "eagle"])
+def test_the_packaged_training_configs_are_valid_for_their_trainer(proposer):
+    from specframe.config import load_yaml, structured
+    from specframe.plugins import get_registry
+
+    config = structured(
+        get_registry().get(proposer).cls.train_config_class, load_yaml(f"train-{proposer}.yaml"), "train"
+    )
+    assert config.data == "runs/distill/smollm2-135m-instruct.jsonl" and config.out == f"runs/{proposer}"
+
+
+def test_the_packaged_bench_config_is_valid():
+    from specframe.bench import BenchOptions
+    from specframe.config import load_yaml, structured
+
+    options = structured(BenchOptions, load_yaml("bench-cpu.yaml"), "bench")
+    options.validate()
+    assert options.limit == 5 and options.threads == 2 and "union" in options.proposers

@@ -302,6 +302,7 @@ def test_cli_trains_medusa(tmp_path, tiny_dirs, capsys):
 
     base = load_model(str(tiny_dirs["target"]), dtype="float32", device="cpu", quiet=True).model
     write_distill_data(tmp_path / "d.jsonl", base, n=20)
+    # Options from a config file (the packaged recipe), KEY=VALUE arguments winning over it.
     code = main(
         [
             "train",
@@ -309,6 +310,8 @@ def test_cli_trains_medusa(tmp_path, tiny_dirs, capsys):
             "medusa",
             "--target",
             str(tiny_dirs["target"]),
+            "--config",
+            "train-medusa.yaml",
             f"data={tmp_path}/d.jsonl",
             f"out={tmp_path}/heads",
             "epochs=1",
@@ -320,4 +323,6 @@ def test_cli_trains_medusa(tmp_path, tiny_dirs, capsys):
     )
     assert code == 0
     assert "top1" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    saved = json.loads((tmp_path / "heads" / "medusa_config.json").read_text())["train_config"]
+    assert saved["num_heads"] == 2 and saved["tree_nodes"] == 16 and saved["epochs"] == 1
     assert main(["train", "--proposer", "medusa", "--target", str(tiny_dirs["target"]), "stage=5"]) == 2
