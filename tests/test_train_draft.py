@@ -1,15 +1,18 @@
 import copy
+import json
 
 import pytest
 import torch
 
 from specframe import SpeculativeDecoder
+from specframe.data import read_distill
 from specframe.decoder import target_info
 from specframe.errors import ConfigError, ModelLoadError
 from specframe.proposers.draft import DraftConfig, DraftProposer
 from specframe.shared_draft import as_full_vocab_model, load_shared_draft
 from specframe.testing.conformance import reference_greedy
 from specframe.testing.tiny import tiny_llama, write_distill_data
+from specframe.training.common import split_heldout
 from specframe.training.draft import DraftTrainConfig, train_draft
 
 
@@ -205,6 +208,30 @@ def test_resume_with_other_layers_is_refused_before_the_features_are_extracted(t
     target, cfg, _ = trained
     other = DraftTrainConfig(**{**cfg.__dict__, "layers": 2, "features_cache": str(tmp_path / "fresh")})
     with pytest.raises(ConfigError, match="checkpoint in .* was saved with other parameters .*model.layers.1"):
+        train_draft(other, target, None, resume=True, log=lambda m: None)
+    assert not (tmp_path / "fresh").exists()
+
+
+@pytest.mark.parametrize(
+    "change, what",
+    [
+        ({"seed": 1}, "seed"),  # (another seed splits the prompts differently: held-out ones were trained on)
+        ({"heldout_fraction": 0.3}, "held-out split"),
+        ({"vocab_size": 12}, "vocabulary"),
+        ({"max_length": 9}, "max_length"),
+        ({"data": "fewer"}, "training data"),
+    ],
+)
+def test_resume_with_other_data_or_options_is_refused_before_extraction(trained, tmp_path, change, what):
+    target, cfg, _ = trained
+    if change.get("data") == "fewer":
+        lines = open(cfg.data).read().splitlines(keepends=True)
+        held = {e.id for e in split_heldout(read_distill(cfg.data), cfg.heldout_fraction, cfg.seed)[1]}
+        kept = [line for line in lines if json.loads(line)["id"] in held or lines.index(line) % 2]
+        (tmp_path / "fewer.jsonl").write_text("".join(kept))
+        change = {"data": str(tmp_path / "fewer.jsonl")}
+    other = DraftTrainConfig(**{**cfg.__dict__, **change, "epochs": 4, "features_cache": str(tmp_path / "fresh")})
+    with pytest.raises(ConfigError, match=f"checkpoint in .* was trained with another {what}"):
         train_draft(other, target, None, resume=True, log=lambda m: None)
     assert not (tmp_path / "fresh").exists()
 

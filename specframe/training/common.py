@@ -146,14 +146,54 @@ def check_checkpoint_params(folder: Path, named_params: dict[str, torch.Tensor])
         )
 
 
-def resuming_from(ckpt: Path, named_params: dict[str, torch.Tensor], resume: bool) -> bool:
-    """Whether this run resumes from `ckpt`; if so its parameters are checked first, so a run with other options
-    is refused before the costly feature extraction rather than after it."""
+RUN_PARTS = {  # what a resumed run must share with its checkpoint (`run_identity`), in words, most specific first
+    "seed": "seed (it splits the data and orders the batches)",
+    "max_length": "max_length",
+    "heldout": "held-out split (data or heldout_fraction)",
+    "train": "training data",
+    "vocabulary": "vocabulary (vocab_size, data, or the init_from/init_heads it started from)",
+}
+
+
+def run_identity(cfg: TrainRunConfig, train_ex: list, held_ex: list, vocab_ids: torch.Tensor) -> dict:
+    """What a resumed run must share with the checkpoint it continues (epochs and the learning rate may change):
+    the examples on each side of the split, the cut, the seed and the vocabulary."""
+    import hashlib
+
+    def digest(lines) -> str:
+        h = hashlib.sha256()
+        for line in lines:
+            h.update(line.encode())
+        return h.hexdigest()[:16]
+
+    def examples(split: list) -> str:
+        return digest(f"{e.id}:{e.prompt_ids}:{e.response_ids}\n" for e in sorted(split, key=lambda e: e.id))
+
+    return {
+        "train": examples(train_ex),
+        "heldout": examples(held_ex),
+        "max_length": cfg.max_length,
+        "seed": cfg.seed,
+        "vocabulary": digest([",".join(str(int(t)) for t in vocab_ids.tolist())]),
+    }
+
+
+def resuming_from(ckpt: Path, named_params: dict[str, torch.Tensor], resume: bool, run: dict | None = None) -> bool:
+    """Whether this run resumes from `ckpt`; if so its parameters, and its `run_identity` when given, are checked
+    first, so a run with other options or data is refused before the costly feature extraction."""
     if not resume:
         return False
     if not (ckpt / "state.json").is_file():  # (a mistyped `out` never silently starts a new run)
         raise ConfigError(f"--resume: no checkpoint in {ckpt} (train without --resume to start a new run)")
     check_checkpoint_params(ckpt, named_params)
+    saved = json.loads((ckpt / "state.json").read_text()).get("run")
+    if run is not None and saved is not None:  # (checkpoints from before this check carry none)
+        differ = [k for k in RUN_PARTS if saved.get(k) != run.get(k)]
+        if differ:
+            raise ConfigError(
+                f"the checkpoint in {ckpt} was trained with another {RUN_PARTS[differ[0]]}: resume with the same "
+                "data and options, or train into a new out folder"
+            )
     return True
 
 
@@ -192,7 +232,8 @@ def resume_from(ckpt: Path, params: dict, optimizer: torch.optim.Optimizer, *, r
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, done_steps: int = 0):
     """Linear warm-up (at most 50 steps), then cosine decay to 0 at `total_steps`; a resumed run passes the
-    steps already done, so the schedule continues where the checkpoint stopped."""
+    steps already done, so with unchanged epochs the schedule continues where the checkpoint stopped (with more,
+    the cosine is stretched over the new total and the rate rises again at the resume point)."""
     import math
 
     warmup = min(50, total_steps // 10 + 1)

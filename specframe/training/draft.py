@@ -30,6 +30,7 @@ from specframe.training.common import (
     optimizer_step,
     resume_from,
     resuming_from,
+    run_identity,
     save_checkpoint,
     start_run,
     warmup_cosine,
@@ -145,7 +146,8 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
     # The teacher: the target's cached features (one bfloat16 pass shared with the Medusa and EAGLE trainers)
     # through its LM-head rows for the draft's vocabulary, computed per batch (never stored as log-probs).
     ckpt = out / "checkpoint"
-    resuming = resuming_from(ckpt, params, resume)  # (other parameters refused before the extraction)
+    run = run_identity(cfg, train_ex, held_ex, vocab_ids)
+    resuming = resuming_from(ckpt, params, resume, run)  # (other parameters or data refused before the extraction)
     train_feats, held_feats = split_features(cfg, target, train_ex, held_ex)
     train_seqs = [Sequence(f.ids.tolist(), f.first_target, f.features) for f in train_feats]
     held_seqs = [Sequence(f.ids.tolist(), f.first_target) for f in held_feats]
@@ -196,7 +198,7 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
             f"epoch {epoch + 1}: train KL {running:.3f}; held-out top-1 agreement {metrics['top1_agreement']:.3f}, "
             f"alpha {metrics['alpha']:.3f}"
         )
-        save_checkpoint(ckpt, params, optimizer, {"epoch": epoch + 1, "history": history})
+        save_checkpoint(ckpt, params, optimizer, {"epoch": epoch + 1, "history": history, "run": run})
     final = {
         "heldout": history[-1],
         "history": history,

@@ -244,7 +244,14 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
     from tqdm import tqdm
 
     from specframe.proposers.eagle import build_drafter, save_drafter
-    from specframe.training.common import resume_from, resuming_from, save_checkpoint, start_run, warmup_cosine
+    from specframe.training.common import (
+        resume_from,
+        resuming_from,
+        run_identity,
+        save_checkpoint,
+        start_run,
+        warmup_cosine,
+    )
     from specframe.training.features import check_extra_layers, split_features
 
     out = Path(cfg.out)
@@ -267,7 +274,8 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
     if not cfg.init_from:
         drafter = build_drafter(target, vocab_ids, cfg.init_from_last_layer, tuple(cfg.fuse_layers))
     params = dict(drafter.named_parameters())
-    resuming = resuming_from(ckpt, params, resume)  # (other parameters refused before the extraction)
+    run = run_identity(cfg, train_ex, held_ex, vocab_ids)
+    resuming = resuming_from(ckpt, params, resume, run)  # (other parameters or data refused before the extraction)
     full_head = target.get_output_embeddings().weight.detach().float()
     vocab_size = full_head.shape[0]
     train_feats, held_feats = split_features(cfg, target, train_ex, held_ex, tuple(cfg.fuse_layers))
@@ -329,6 +337,7 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
             "history": history,
             "fuse_layers": cfg.fuse_layers,
             "self_fed_steps": cfg.self_fed_steps,
+            "run": run,
         }
         save_checkpoint(ckpt, params, optimizer, state)
     final = {

@@ -35,6 +35,7 @@ from specframe.training.common import (
     optimizer_step,
     resume_from,
     resuming_from,
+    run_identity,
     save_checkpoint,
     start_run,
     warmup_cosine,
@@ -271,7 +272,8 @@ def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
 
     params = dict(heads.named_parameters())
     ckpt = Path(cfg.out) / "checkpoint"
-    resuming = resuming_from(ckpt, params, resume)  # (other parameters refused before the extraction)
+    run = run_identity(cfg, train_ex, held_ex, vocab_ids)
+    resuming = resuming_from(ckpt, params, resume, run)  # (other parameters or data refused before the extraction)
     train_feats, held_feats = split_features(cfg, target, train_ex, held_ex)
     x_train, y_train = stack_features(train_feats, cfg.num_heads, cfg.prompt_positions)
     x_held, y_held = stack_features(held_feats, cfg.num_heads)
@@ -301,7 +303,7 @@ def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
         m = evaluate(heads.eval(), lm_rows, vocab_ids, x_held, y_held)
         history.append({"epoch": epoch + 1, "train_loss": running, "seconds": time.perf_counter() - t0, **m})
         log(f"epoch {epoch + 1}: train loss {running:.3f}; {summary(m, best_tree(m['path_counts'], cfg.tree_nodes))}")
-        save_checkpoint(ckpt, params, optimizer, {"epoch": epoch + 1, "history": history})
+        save_checkpoint(ckpt, params, optimizer, {"epoch": epoch + 1, "history": history, "run": run})
     final, tree = _final(history, cfg, x_train.shape[0], x_held.shape[0])
     return final, tree, target, {"adapter": None}
 
@@ -348,7 +350,9 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     batches = make_batches(seqs, cfg.batch_size, cfg.seed)
     out = Path(cfg.out)
     ckpt = out / "checkpoint"
-    start, history = resume_from(ckpt, params, optimizer, resuming=resuming_from(ckpt, params, resume), log=log)
+    run = run_identity(cfg, train_ex, held_ex, vocab_ids)
+    resuming = resuming_from(ckpt, params, resume, run)
+    start, history = resume_from(ckpt, params, optimizer, resuming=resuming, log=log)
     schedule = warmup_cosine(optimizer, len(batches) * cfg.epochs, start * len(batches))
 
     def heldout() -> tuple[dict, int]:
@@ -395,7 +399,7 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
             f"epoch {epoch + 1}: train loss {running:.3f}, KL to the original {keep.item():.4f}; "
             f"{summary(m, best_tree(m['path_counts'], cfg.tree_nodes))}"
         )
-        save_checkpoint(ckpt, params, optimizer, {"epoch": epoch + 1, "history": history})
+        save_checkpoint(ckpt, params, optimizer, {"epoch": epoch + 1, "history": history, "run": run})
     if not history:
         raise ConfigError(f"nothing to train: the checkpoint in {ckpt} already has {start} epochs")
     final, tree = _final(history, cfg, sum(len(s.ids) for s in seqs), n_held)
