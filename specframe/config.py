@@ -129,7 +129,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Merge defaults, an optional YAML file and `KEY=VALUE` overrides into a validated SpecframeConfig."""
     from specframe.plugins import get_registry
 
-    raw = with_overrides(load_yaml(path) if path else OmegaConf.create({}), overrides or [])
+    from_file = load_yaml(path) if path else OmegaConf.create({})
+    raw = with_overrides(from_file, overrides or [])
+    file_proposer = from_file.get("proposer")
+    if isinstance(file_proposer, DictConfig) and isinstance(raw.get("proposer"), DictConfig):
+        # Another proposer named over the file's (`--config eagle.yaml --proposer none`): the file's proposer
+        # options belong to its own proposer, so only the overrides' apply to the one chosen.
+        if file_proposer.get("name", "none") != raw.proposer.get("name", "none"):
+            raw = with_overrides(OmegaConf.merge(from_file, {"proposer": None}), overrides or [])
     proposer_raw = raw.pop("proposer", None) or OmegaConf.create({})
     if not isinstance(proposer_raw, DictConfig):
         raise ConfigError("proposer must be a mapping with at least 'name'")

@@ -101,3 +101,12 @@ def test_the_packaged_bench_config_is_valid():
     options = structured(BenchOptions, load_yaml("bench-cpu.yaml"), "bench")
     options.validate()
     assert options.limit == 5 and options.threads == 2 and "union" in options.proposers
+
+
+def test_another_proposer_over_a_config_file_drops_only_the_file_s_proposer_options():
+    cfg = load_config(
+        "eagle.yaml", ["proposer.name=draft", "proposer.num_speculative_tokens=2", "target.dtype=float32"]
+    )
+    assert cfg.proposer_name == "draft" and cfg.proposer.num_speculative_tokens == 2
+    assert cfg.target.model == load_config("eagle.yaml").target.model and cfg.target.dtype == "float32"
+    assert load_config("eagle.yaml", ["proposer.name=eagle", "proposer.tree=false"]).proposer.tree is False
