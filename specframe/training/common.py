@@ -112,6 +112,11 @@ def collate(
     return ids, attn, loss
 
 
+def on_device(tensors: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A batch (e.g. `collate`'s, built on the CPU) moved to the model's device."""
+    return tuple(t.to(device) for t in tensors)
+
+
 def save_checkpoint(
     folder: Path, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, state: dict
 ) -> None:

@@ -27,6 +27,7 @@ from specframe.training.common import (
     TrainRunConfig,
     collate,
     make_batches,
+    on_device,
     optimizer_step,
     resume_from,
     resuming_from,
@@ -79,7 +80,7 @@ class TeacherReference:
 def teacher_reference(target, vocab_ids, seqs, pad: int, batch_size: int = 8) -> TeacherReference:
     ref = TeacherReference(batch_size, [], [])
     for i in range(0, len(seqs), batch_size):
-        ids, attn, mask = collate(seqs[i : i + batch_size], pad)
+        ids, attn, mask = on_device(collate(seqs[i : i + batch_size], pad), target.device)
         logits = target(input_ids=ids, attention_mask=attn).logits[mask].float()
         ref.greedy.append(logits.argmax(-1))
         ref.p_in_vocab.append(logits.softmax(-1)[:, vocab_ids])
@@ -97,7 +98,7 @@ def evaluate(draft, reference: TeacherReference, vocab_ids, seqs, pad: int) -> d
     if len(reference.greedy) != batches:
         raise ValueError(f"the reference holds {len(reference.greedy)} batches, these sequences make {batches}")
     for b, i in enumerate(range(0, len(seqs), size)):
-        ids, attn, mask = collate(seqs[i : i + size], pad)
+        ids, attn, mask = on_device(collate(seqs[i : i + size], pad), draft.device)
         if int(mask.sum()) != len(reference.greedy[b]):
             raise ValueError(f"batch {b}: {int(mask.sum())} positions, the reference has {len(reference.greedy[b])}")
         q = draft(input_ids=ids, attention_mask=attn).logits[mask].float().softmax(-1)
@@ -152,7 +153,7 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
     train_seqs = [Sequence(f.ids.tolist(), f.first_target, f.features) for f in train_feats]
     held_seqs = [Sequence(f.ids.tolist(), f.first_target) for f in held_feats]
     in_vocab = torch.zeros(vocab_size, dtype=torch.bool)
-    in_vocab[vocab_ids] = True
+    in_vocab[vocab_ids.cpu()] = True
     coverage = sum(int(in_vocab[torch.tensor(e.response_ids)].sum()) for e in held_ex if e.response_ids) / max(
         1, sum(len(e.response_ids) for e in held_ex)
     )
@@ -169,6 +170,7 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
     start_epoch, history = resume_from(ckpt, params, optimizer, resuming=resuming, log=log)
     schedule = warmup_cosine(optimizer, total_steps, start_epoch * steps_per_epoch)
 
+    vocab_ids = vocab_ids.to(target.device)  # (the coverage above counted on the CPU)
     teacher_head = target.get_output_embeddings().weight.detach()[vocab_ids].float()  # [K, hidden]
     # float32, once per run (the target is frozen); not needed when resuming a run that already finished
     reference = teacher_reference(target, vocab_ids, held_seqs, pad) if start_epoch < cfg.epochs else None
@@ -184,9 +186,10 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
         t0, running = time.perf_counter(), None
         for b in bar:
             ids, attn, mask = collate(batches[b], pad)
-            with torch.no_grad():
+            with torch.no_grad():  # (the cached features stay on the CPU: only the batch's go to the device)
                 hidden = torch.cat([s.features[mask[i, : len(s.ids)]] for i, s in enumerate(batches[b])])
-                p_log = (hidden.float() @ teacher_head.T).log_softmax(-1)
+                p_log = (hidden.to(teacher_head.device).float() @ teacher_head.T).log_softmax(-1)
+            ids, attn, mask = on_device((ids, attn, mask), draft.device)
             h = draft.model(input_ids=ids, attention_mask=attn).last_hidden_state[mask]
             q_log = draft.lm_head(h).float().log_softmax(-1)
             loss = (p_log.exp() * (p_log - q_log)).sum(-1).mean()  # KL(p || q)

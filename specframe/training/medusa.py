@@ -32,6 +32,7 @@ from specframe.errors import ConfigError, ModelLoadError
 from specframe.fingerprint import mark_adapter, target_fingerprint
 from specframe.training.common import (
     TrainRunConfig,
+    on_device,
     optimizer_step,
     resume_from,
     resuming_from,
@@ -167,8 +168,8 @@ def evaluate(heads, lm_rows: torch.Tensor, vocab_ids: torch.Tensor, x: torch.Ten
     counts: Counter[str] = Counter()
     positions = 0
     for i in range(0, x.shape[0], 1024):
-        xb = x[i : i + 1024].to(lm_rows.dtype)
-        yb = y[i : i + 1024]
+        xb = x[i : i + 1024].to(lm_rows.device, lm_rows.dtype)
+        yb = y[i : i + 1024].to(lm_rows.device)
         ranks = heads.logits(xb, lm_rows).topk(min(PATH_RANKS, len(vocab_ids)), dim=-1).indices  # [K, B, R]
         cand = vocab_ids[ranks]  # target ids
         hit = cand == yb.T[:, :, None]  # [K, B, R]
@@ -228,6 +229,8 @@ def train_medusa(cfg: MedusaTrainConfig, target, tokenizer, resume: bool = False
             )
     else:
         heads = MedusaHeads(hidden, cfg.num_heads, cfg.layers)
+    heads.to(target.device)  # (features and batches are built on the CPU and moved per batch)
+    vocab_ids, index = vocab_ids.to(target.device), index.to(target.device)
     log(
         f"medusa stage {cfg.stage}: {cfg.num_heads} heads x {cfg.layers} blocks, vocabulary {len(vocab_ids)}; "
         f"{len(train_ex)} train / {len(held_ex)} held-out sequences (responses)"
@@ -295,8 +298,8 @@ def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
         t0, running = time.perf_counter(), None
         for s in bar:
             idx = order[s * cfg.batch_size : (s + 1) * cfg.batch_size]
-            logits = heads.logits(x_train[idx].float(), lm_rows)
-            loss = _heads_loss(logits, y_train[idx], index, cfg.head_decay)
+            logits = heads.logits(x_train[idx].to(lm_rows.device).float(), lm_rows)
+            loss = _heads_loss(logits, y_train[idx].to(lm_rows.device), index, cfg.head_decay)
             running = optimizer_step(loss, params, optimizer, schedule, running, decay=0.98)
             if s % 20 == 0:
                 bar.set_postfix(loss=f"{running:.3f}", lr=f"{schedule.get_last_lr()[0]:.1e}")
@@ -369,17 +372,18 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
         t0, running = time.perf_counter(), None
         for b in bar:
             ids, attn, mask = collate(batches[b], pad=0, prompt_positions=cfg.prompt_positions)
-            with torch.no_grad(), model.disable_adapter():
-                p_log = target(input_ids=ids, attention_mask=attn).logits[mask].float().log_softmax(-1)
-            feat = base.model(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, T, H] adapted
-            q_log = base.lm_head(feat[mask]).float().log_softmax(-1)
-            keep = (p_log.exp() * (p_log - q_log)).sum(-1).mean()
-            labels = torch.cat(
+            labels = torch.cat(  # (from the batch on the CPU, then moved with it)
                 [
                     head_labels(ids[i, : int(attn[i].sum())], s.first_target, cfg.num_heads, cfg.prompt_positions)[1]
                     for i, s in enumerate(batches[b])
                 ]
             )
+            ids, attn, mask, labels = on_device((ids, attn, mask, labels), lm_rows.device)
+            with torch.no_grad(), model.disable_adapter():
+                p_log = target(input_ids=ids, attention_mask=attn).logits[mask].float().log_softmax(-1)
+            feat = base.model(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, T, H] adapted
+            q_log = base.lm_head(feat[mask]).float().log_softmax(-1)
+            keep = (p_log.exp() * (p_log - q_log)).sum(-1).mean()
             logits = heads.logits(feat[mask], lm_rows)
             loss = _heads_loss(logits, labels, index, cfg.head_decay) + cfg.keep_weight * keep
             running = optimizer_step(loss, params, optimizer, schedule, running)
