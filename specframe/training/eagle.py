@@ -126,8 +126,10 @@ def collate_features(
 
 def level_masks(loss: torch.Tensor, levels: int) -> list[torch.Tensor]:
     """Counted outputs of passes 1..levels from `collate_features`' `loss` [B, T-1]: entry s-1 is [B, T-s],
-    true where pass s's prediction (of f_{i+s}) lies in the response and its chain starts where drafting can
-    start (pass 1 counts input i there: its root is the last prompt token or later)."""
+    true where pass s's prediction (of f_{i+s}) and its chain's start are both counted by `loss`, i.e. predict
+    response tokens. (The first, input P-2 with P = first_target, predicts the first response token, which
+    decoding never drafts: the target emits it at prefill. So the held-out metrics count one chain per
+    sequence and level that decoding does not draft, under 1% of positions on the distilled data.)"""
     width = loss.shape[1]
     return [loss[:, s:] & loss[:, : width - s] for s in range(levels)]  # (s = 0: `loss` itself)
 
