@@ -142,15 +142,27 @@ def load_shared_draft(
     """Rebuild a saved shared draft on `target`, its own weights in `dtype` (default: the target's); returns
     (draft, vocab_ids). Refuses a draft made for another target."""
     p = Path(path)
-    meta = json.loads((p / "draft_config.json").read_text())
-    check_fingerprint(meta.get("target"), target, f"draft '{p}'")
-    vocab_ids = torch.tensor(json.loads((p / "draft_vocab.json").read_text()), dtype=torch.long)
-    draft = build_shared_draft(target, meta["llama_config"]["num_hidden_layers"], vocab_ids)
-    state = load_file(p / "model.safetensors")
-    missing = set(own_state_dict(draft)) - set(state)
-    if missing:
-        raise ModelLoadError(f"draft '{p}' is missing weights: {sorted(missing)[:3]}")
-    draft.load_state_dict({k: v.to(target.dtype) for k, v in state.items()}, strict=False)
+    try:
+        meta = json.loads((p / "draft_config.json").read_text())
+        check_fingerprint(meta.get("target"), target, f"draft '{p}'")
+        vocab_ids = torch.tensor(json.loads((p / "draft_vocab.json").read_text()), dtype=torch.long)
+        layers = meta["llama_config"]["num_hidden_layers"]
+        state = load_file(p / "model.safetensors")
+    except (OSError, KeyError, TypeError, ValueError, RuntimeError) as e:  # (json's errors are ValueErrors)
+        raise ModelLoadError(f"draft '{p}' is incomplete or corrupt: {type(e).__name__}: {e}") from e
+    vocab = target.get_output_embeddings().weight.shape[0]
+    if vocab_ids.dim() != 1 or not len(vocab_ids) or int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= vocab:
+        raise ModelLoadError(f"draft '{p}': draft_vocab.json must list token ids in [0, {vocab})")
+    draft = build_shared_draft(target, layers, vocab_ids)
+    own = set(own_state_dict(draft))
+    missing, unknown = sorted(own - set(state)), sorted(set(state) - own)
+    if missing or unknown:
+        what = f"is missing weights: {missing[:3]}" if missing else f"holds weights its config does not: {unknown[:3]}"
+        raise ModelLoadError(f"draft '{p}' {what} (draft_config.json says {layers} layers)")
+    try:
+        draft.load_state_dict({k: v.to(target.dtype) for k, v in state.items()}, strict=False)
+    except RuntimeError as e:  # (shapes that differ from the config's)
+        raise ModelLoadError(f"draft '{p}': weights do not fit its config: {' '.join(str(e).split())[:300]}") from e
     if dtype is not None and dtype != target.dtype:  # convert the draft's own parts, never the shared embedding
         for part in (draft.model.layers, draft.model.norm, draft.lm_head):
             part.to(dtype)

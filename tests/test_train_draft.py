@@ -326,3 +326,30 @@ def test_init_from_refuses_what_it_cannot_continue(trained, tmp_path):
         train_draft(DraftTrainConfig(**{**base, "init_from": cfg.out}), other, None, log=lambda m: None)
     with pytest.raises(ConfigError, match="train.init_from and train.init_layers"):
         DraftTrainConfig(init_from=cfg.out, init_layers=[0, 1])
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: (d / "draft_vocab.json").unlink(), "incomplete or corrupt: FileNotFoundError"),
+        (lambda d: (d / "draft_vocab.json").write_text("[1, 99]"), "must list token ids in \\[0, 16\\)"),
+        (lambda d: edit_meta(d, lambda m: m.pop("target")), "target fingerprint is missing"),
+        (lambda d: edit_meta(d, lambda m: m["llama_config"].update(num_hidden_layers=2)), "is missing weights"),
+        (lambda d: edit_meta(d, lambda m: m.pop("llama_config")), "incomplete or corrupt: KeyError"),
+    ],
+)
+def test_a_damaged_draft_folder_is_named(trained, tmp_path, damage, message):
+    import shutil
+
+    target, cfg, _ = trained
+    folder = tmp_path / "damaged"
+    shutil.copytree(cfg.out, folder)
+    damage(folder)
+    with pytest.raises(ModelLoadError, match=f"draft '{folder}'.*{message}"):
+        load_shared_draft(folder, target)
+
+
+def edit_meta(folder, change):
+    meta = json.loads((folder / "draft_config.json").read_text())
+    change(meta)
+    (folder / "draft_config.json").write_text(json.dumps(meta))
