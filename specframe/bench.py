@@ -115,6 +115,8 @@ class BenchOptions:
 
     def validate(self) -> None:
         """Raise BadInputError (exit 2) on options that cannot run, before any model is loaded."""
+        if not str(self.out).strip():
+            raise BadInputError("--out must name a folder (it would write the report into the current one)")
         unknown = [s for s in self.subtasks if s not in SUBTASKS]
         if unknown:
             raise BadInputError(f"unknown subtask '{unknown[0]}'; known: {', '.join(SUBTASKS)}")

@@ -323,9 +323,8 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    import dataclasses
     from dataclasses import fields
-
-    from omegaconf import OmegaConf
 
     from specframe.bench import BenchOptions, main_table, render, run_bench
     from specframe.config import load_yaml, structured
@@ -344,9 +343,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             flags[key] = names(flags[key])
     if given.get("no_progress"):
         flags["progress"] = False
-    from_file = load_yaml(args.config) if given.get("config") else OmegaConf.create({})
-    overrides = [*(from_file.pop("overrides", None) or []), *key_values(flags.pop("overrides", []))]
-    options = structured(BenchOptions, OmegaConf.merge(from_file, flags, {"overrides": overrides}), "bench")
+    # The file through OmegaConf (validated, interpolated); the flags, typed by argparse, as given (a path with
+    # "${" in it stays text); overrides: the file's, then the command line's.
+    options = structured(BenchOptions, load_yaml(args.config) if given.get("config") else None, "bench")
+    overrides = [*options.overrides, *key_values(flags.pop("overrides", []))]
+    options = dataclasses.replace(options, **flags, overrides=overrides)
     doc = run_bench(options)
     print("\n".join(main_table(doc)))
     wrote = [f"{options.out}/bench.json", f"{options.out}/bench.md", f"{options.out}/*.png"]

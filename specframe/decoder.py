@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,9 +67,13 @@ class SpeculativeDecoder:
         self.device = self.info.device
         self.who = f"proposer '{proposer.name}'" + (f" (plugin '{plugin}')" if plugin else "")
         states = getattr(model.config, "num_hidden_layers", None)  # hidden states: the embeddings + each layer
-        for layer in proposer.hidden_state_layers:
-            if not isinstance(layer, int) or isinstance(layer, bool):
-                raise ProposerError(f"{self.who} asks for hidden_state_layers {layer!r}: not a layer index")
+        for asked in proposer.hidden_state_layers:
+            try:
+                layer = None if isinstance(asked, bool) else operator.index(asked)  # (numpy and torch integers too)
+            except TypeError:
+                layer = None
+            if layer is None:
+                raise ProposerError(f"{self.who} asks for hidden_state_layers {asked!r}: not a layer index")
             if states is not None and not -(states + 1) <= layer <= states:
                 raise ProposerError(
                     f"{self.who} asks for hidden state {layer}; the target has {states + 1} (indices 0 to {states})"

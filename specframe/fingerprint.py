@@ -56,15 +56,17 @@ def mark_adapter(merged: torch.nn.Module, base: dict[str, Any], adapter_file: st
     object.__setattr__(merged, _OWN, {**base, ADAPTER_KEY: digest})
 
 
-def fingerprint_mismatch(saved: Any, model: torch.nn.Module) -> str | None:
-    """Why `saved` (a `target_fingerprint`) is not `model`'s, in words; None when it is."""
+def fingerprint_mismatch(saved: Any, model: torch.nn.Module, adapter: bool = True) -> str | None:
+    """Why `saved` (a `target_fingerprint`) is not `model`'s, in words; None when it is. With `adapter` False a
+    merged adapter is not compared (the base model's weights are): for artifacts that only propose, whose
+    exactness never depends on the target, while Medusa-2 heads are trained together with their adapter."""
     have = target_fingerprint(model)
     if not isinstance(saved, dict) or not isinstance(saved.get("weights_sha256"), dict):
         return "its target fingerprint is missing or in an older format (retrain it with this specframe)"
     for key in ("vocab_size", "hidden_size"):
         if saved.get(key) != have[key]:
             return f"{key.replace('_', ' ')} {saved.get(key)} there, {have[key]} here"
-    if saved.get(ADAPTER_KEY) != have.get(ADAPTER_KEY):
+    if adapter and saved.get(ADAPTER_KEY) != have.get(ADAPTER_KEY):
         if saved.get(ADAPTER_KEY) is None:
             return "it was made for the target without an adapter, and this target has one merged"
         if have.get(ADAPTER_KEY) is None:
@@ -77,10 +79,10 @@ def fingerprint_mismatch(saved: Any, model: torch.nn.Module) -> str | None:
     return None
 
 
-def check_fingerprint(saved: Any, model: torch.nn.Module, what: str) -> None:
-    """Raise ModelLoadError naming `what` unless `saved` is `model`'s fingerprint."""
+def check_fingerprint(saved: Any, model: torch.nn.Module, what: str, adapter: bool = True) -> None:
+    """Raise ModelLoadError naming `what` unless `saved` is `model`'s fingerprint (see `fingerprint_mismatch`)."""
     from specframe.errors import ModelLoadError
 
-    why = fingerprint_mismatch(saved, model)
+    why = fingerprint_mismatch(saved, model, adapter)
     if why is not None:
         raise ModelLoadError(f"{what} was made for another target: {why}")

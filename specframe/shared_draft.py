@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -144,12 +145,14 @@ def load_shared_draft(
     p = Path(path)
     try:
         meta = json.loads((p / "draft_config.json").read_text())
-        check_fingerprint(meta.get("target"), target, f"draft '{p}'")
+        check_fingerprint(meta.get("target"), target, f"draft '{p}'", adapter=False)
         vocab_ids = torch.tensor(json.loads((p / "draft_vocab.json").read_text()), dtype=torch.long)
         layers = meta["llama_config"]["num_hidden_layers"]
         state = load_file(p / "model.safetensors")
-    except (OSError, KeyError, TypeError, ValueError, RuntimeError) as e:  # (json's errors are ValueErrors)
+    except (OSError, KeyError, TypeError, ValueError, RuntimeError, SafetensorError) as e:  # (json's: ValueError)
         raise ModelLoadError(f"draft '{p}' is incomplete or corrupt: {type(e).__name__}: {e}") from e
+    if not is_count(layers):
+        raise ModelLoadError(f"draft '{p}': llama_config.num_hidden_layers must be an integer >= 1, got {layers!r}")
     vocab = target.get_output_embeddings().weight.shape[0]
     if vocab_ids.dim() != 1 or not len(vocab_ids) or int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= vocab:
         raise ModelLoadError(f"draft '{p}': draft_vocab.json must list token ids in [0, {vocab})")

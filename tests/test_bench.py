@@ -334,6 +334,8 @@ def test_a_config_file_sets_options_and_flags_win(tiny_dirs, questions, tmp_path
         (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),
         (["--baselines", "vllm"], "unknown baseline 'vllm'"),
         (["--proposers", "none,lookahead"], "unknown proposer 'lookahead'; installed:"),
+        (["--proposers", "none", "--out", ""], "--out must name a folder"),
+        (["--proposers", "none", "--questions", "/no/${where}.jsonl"], "questions file '/no/${where}.jsonl' does not"),
         (["--proposers", "none", "sampling.temperature=1"], "'sampling' is neither 'target' nor a proposer"),
         (["--proposers", "none", "--top-p", "0"], "--top-p must be in (0, 1]"),
         (["--proposers", "medusa", "--baselines", ""], "nothing to run: every method was skipped"),

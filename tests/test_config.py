@@ -110,3 +110,8 @@ def test_another_proposer_over_a_config_file_drops_only_the_file_s_proposer_opti
     assert cfg.proposer_name == "draft" and cfg.proposer.num_speculative_tokens == 2
     assert cfg.target.model == load_config("eagle.yaml").target.model and cfg.target.dtype == "float32"
     assert load_config("eagle.yaml", ["proposer.name=eagle", "proposer.tree=false"]).proposer.tree is False
+
+
+def test_a_config_file_whose_proposer_section_names_none_keeps_its_options(tmp_path):
+    (tmp_path / "c.yaml").write_text("proposer:\n  num_speculative_tokens: 7\n")
+    assert load_config(tmp_path / "c.yaml", ["proposer.name=draft"]).proposer.num_speculative_tokens == 7

@@ -158,7 +158,7 @@ def test_hidden_state_layers_the_target_lacks_are_named_when_the_decoder_is_buil
     proposer.hidden_state_layers = layers
     with pytest.raises(ProposerError, match=re.escape(f"proposer 'none' (plugin 'p') {message}")):
         SpeculativeDecoder(target, proposer, plugin="p")
-    proposer.hidden_state_layers = (-3, 2)  # the embeddings and the last layer's output
+    proposer.hidden_state_layers = (-3, torch.tensor(2))  # the embeddings and the last layer's output
     SpeculativeDecoder(target, proposer, plugin="p")
 
 

@@ -336,6 +336,8 @@ def test_init_from_refuses_what_it_cannot_continue(trained, tmp_path):
         (lambda d: edit_meta(d, lambda m: m.pop("target")), "target fingerprint is missing"),
         (lambda d: edit_meta(d, lambda m: m["llama_config"].update(num_hidden_layers=2)), "is missing weights"),
         (lambda d: edit_meta(d, lambda m: m.pop("llama_config")), "incomplete or corrupt: KeyError"),
+        (lambda d: edit_meta(d, lambda m: m["llama_config"].update(num_hidden_layers="x")), "must be an integer"),
+        (lambda d: truncate(d / "model.safetensors"), "incomplete or corrupt: SafetensorError"),
     ],
 )
 def test_a_damaged_draft_folder_is_named(trained, tmp_path, damage, message):
@@ -353,3 +355,17 @@ def edit_meta(folder, change):
     meta = json.loads((folder / "draft_config.json").read_text())
     change(meta)
     (folder / "draft_config.json").write_text(json.dumps(meta))
+
+
+def truncate(file, size=100):
+    file.write_bytes(file.read_bytes()[:size])
+
+
+def test_a_draft_for_the_base_model_serves_it_with_an_adapter_merged(trained, tmp_path):
+    from specframe.fingerprint import mark_adapter, target_fingerprint
+
+    target, cfg, _ = trained
+    adapted = copy.deepcopy(target)
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"an adapter")
+    mark_adapter(adapted, target_fingerprint(target), tmp_path / "adapter_model.safetensors")
+    load_shared_draft(cfg.out, adapted)  # (exactness never depends on the draft; Medusa heads do refuse this)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
@@ -282,7 +283,7 @@ def load_drafter(
         meta = json.loads(meta_file.read_text())
         vocab_ids = torch.tensor(json.loads((p / "eagle_vocab.json").read_text()), dtype=torch.long)
         state = load_file(p / "model.safetensors")
-    except (OSError, json.JSONDecodeError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:  # (json.JSONDecodeError is a ValueError)
         raise ModelLoadError(f"EAGLE drafter '{p}' is unreadable: {e}") from e
     if meta.get("format") != FORMAT:
         raise ModelLoadError(f"'{meta_file}' is not a {FORMAT} file (format {meta.get('format')!r})")
@@ -290,7 +291,7 @@ def load_drafter(
         raise ModelLoadError(
             f"'{meta_file}' is {FORMAT} version {meta.get('version')!r}; this specframe reads versions 1 and 2"
         )
-    check_fingerprint(meta.get("target"), target, f"EAGLE drafter '{p}'")
+    check_fingerprint(meta.get("target"), target, f"EAGLE drafter '{p}'", adapter=False)
     fuse_layers = meta.get("fuse_layers", [])
     try:
         if not isinstance(fuse_layers, list):

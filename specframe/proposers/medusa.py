@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -175,7 +176,7 @@ def load_heads(path: str | Path, target: torch.nn.Module) -> tuple[MedusaHeads, 
         meta = json.loads(cfg_file.read_text())
         vocab_ids = torch.tensor(json.loads((path / "medusa_vocab.json").read_text()), dtype=torch.long)
         state = load_file(path / "model.safetensors")
-    except (OSError, json.JSONDecodeError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:  # (json.JSONDecodeError is a ValueError)
         raise ModelLoadError(f"medusa heads '{path}' are incomplete or corrupt: {e}") from e
     if meta.get("format") != FORMAT:
         raise ModelLoadError(f"medusa heads '{path}': format {meta.get('format')!r}, expected {FORMAT!r}")

@@ -399,7 +399,11 @@ def run_suite(
     """Run every check for one proposer class (built with random weights) on each device, in each dtype
     (default float32)."""
     # Bad names fail before anything runs, with the model loader's errors; dtypes reported by canonical name.
-    devices = list(dict.fromkeys(str(resolve_device(d)) for d in devices or available_devices()))  # "auto" -> cpu/cuda
+    names = []
+    for device in devices or available_devices():
+        resolved = resolve_device(device)  # (bad names fail here)
+        names.append(str(resolved) if device == "auto" else device)  # "auto" becomes the device it resolves to
+    devices = list(dict.fromkeys(names))
     dtypes = [str(resolve_dtype(t, torch.device("cpu"))).removeprefix("torch.") for t in dtypes or ["float32"]]
     report = Report(proposer_cls.name)
     threads = torch.get_num_threads()
