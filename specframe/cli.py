@@ -324,7 +324,6 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     import dataclasses
-    from dataclasses import fields
 
     from specframe.bench import BenchOptions, main_table, render, run_bench
     from specframe.config import load_yaml, structured
@@ -337,7 +336,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         doc = render(args.render, given.get("out"), given.get("results_doc"))
         print("\n".join(main_table(doc)))
         return 0
-    flags = {k: v for k, v in given.items() if k in {f.name for f in fields(BenchOptions)}}
+    flags = {k: v for k, v in given.items() if k in {f.name for f in dataclasses.fields(BenchOptions)}}
     for key in ("proposers", "baselines", "subtasks"):
         if key in flags:
             flags[key] = names(flags[key])

@@ -131,16 +131,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
     from_file = load_yaml(path) if path else OmegaConf.create({})
     raw = with_overrides(from_file, overrides or [])
-    file_proposer = from_file.get("proposer")
-    if (
-        isinstance(file_proposer, DictConfig)
-        and "name" in file_proposer
-        and isinstance(raw.get("proposer"), DictConfig)
-    ):
-        # Another proposer named over the one the file names (`--config eagle.yaml --proposer none`): the file's
-        # proposer options belong to its own proposer, so only the overrides' apply to the one chosen. (A file
-        # whose proposer section names none keeps its options for whichever proposer is named.)
-        if file_proposer.name != raw.proposer.get("name", "none"):
+    # Another proposer named over the one the file names (`--config eagle.yaml --proposer none`): the file's
+    # proposer options belong to its own proposer, so only the overrides' apply to the one chosen. (A file whose
+    # proposer section names none keeps its options for whichever proposer is named.)
+    named, chosen = from_file.get("proposer"), raw.get("proposer")
+    if isinstance(named, DictConfig) and "name" in named and isinstance(chosen, DictConfig):
+        if named.name != chosen.get("name", "none"):
             raw = with_overrides(OmegaConf.merge(from_file, {"proposer": None}), overrides or [])
     proposer_raw = raw.pop("proposer", None) or OmegaConf.create({})
     if not isinstance(proposer_raw, DictConfig):

@@ -183,16 +183,16 @@ def run_identity(cfg: TrainRunConfig, train_ex: list, held_ex: list, vocab_ids: 
     }
 
 
-def resuming_from(ckpt: Path, named_params: dict[str, torch.Tensor], resume: bool, run: dict | None = None) -> bool:
-    """Whether this run resumes from `ckpt`; if so its parameters, and its `run_identity` when given, are checked
-    first, so a run with other options or data is refused before the costly feature extraction."""
+def resuming_from(ckpt: Path, named_params: dict[str, torch.Tensor], resume: bool, run: dict) -> bool:
+    """Whether this run resumes from `ckpt`; if so its parameters and its `run_identity` are checked first, so a
+    run with other options or data is refused before the costly feature extraction."""
     if not resume:
         return False
     if not (ckpt / "state.json").is_file():  # (a mistyped `out` never silently starts a new run)
         raise ConfigError(f"--resume: no checkpoint in {ckpt} (train without --resume to start a new run)")
     check_checkpoint_params(ckpt, named_params)
     saved = json.loads((ckpt / "state.json").read_text()).get("run")
-    if run is not None and saved is not None:  # (checkpoints from before this check carry none)
+    if saved is not None:  # (checkpoints from before this check carry none)
         differ = [k for k in RUN_PARTS if saved.get(k) != run.get(k)]
         if differ:
             raise ConfigError(
