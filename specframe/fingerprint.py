@@ -11,11 +11,15 @@ model, or the same embeddings with other layers, does not match.
 A PEFT adapter merged at load time (`target.adapter`) is fingerprinted as the base model's weights plus the
 adapter file's sha256: merging in bfloat16 rounds differently from merging in float32, so the merged weights
 themselves could not be matched across dtypes.
+
+The same artifacts list the target's token ids their reduced output vocabulary covers; `read_vocab_ids` reads
+such a list and refuses one that does not fit the target.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +90,20 @@ def check_fingerprint(saved: Any, model: torch.nn.Module, what: str, adapter: bo
     why = fingerprint_mismatch(saved, model, adapter)
     if why is not None:
         raise ModelLoadError(f"{what} was made for another target: {why}")
+
+
+def read_vocab_ids(file: str | Path, vocab_size: int, what: str) -> torch.Tensor:
+    """The token ids listed in the JSON file `file` as a LongTensor; ModelLoadError naming `what` unless they are
+    a non-empty list of distinct integers in [0, vocab_size). (A float would be truncated by `torch.tensor`,
+    and a repeated id would give one token two rows of a draft distribution.)"""
+    from specframe.errors import ModelLoadError
+
+    name = Path(file).name
+    ids = json.loads(Path(file).read_text())  # (OSError and ValueError are the caller's "unreadable")
+    if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
+        raise ModelLoadError(f"{what}: {name} must be a non-empty JSON list of token ids (integers)")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise ModelLoadError(f"{what}: {name} lists token ids outside the target's vocabulary [0, {vocab_size})")
+    if len(set(ids)) != len(ids):
+        raise ModelLoadError(f"{what}: {name} lists a token id more than once")
+    return torch.tensor(ids, dtype=torch.long)

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specframe.errors import ConfigError, ModelLoadError, is_count
-from specframe.fingerprint import check_fingerprint, target_fingerprint
+from specframe.fingerprint import check_fingerprint, read_vocab_ids, target_fingerprint
 
 FORMAT = "specframe-shared-draft"
 
@@ -146,16 +146,15 @@ def load_shared_draft(
     try:
         meta = json.loads((p / "draft_config.json").read_text())
         check_fingerprint(meta.get("target"), target, f"draft '{p}'", adapter=False)
-        vocab_ids = torch.tensor(json.loads((p / "draft_vocab.json").read_text()), dtype=torch.long)
+        vocab_ids = read_vocab_ids(
+            p / "draft_vocab.json", target.get_output_embeddings().weight.shape[0], f"draft '{p}'"
+        )
         layers = meta["llama_config"]["num_hidden_layers"]
         state = load_file(p / "model.safetensors")
     except (OSError, KeyError, TypeError, ValueError, RuntimeError, SafetensorError) as e:  # (json's: ValueError)
         raise ModelLoadError(f"draft '{p}' is incomplete or corrupt: {type(e).__name__}: {e}") from e
     if not is_count(layers):
         raise ModelLoadError(f"draft '{p}': llama_config.num_hidden_layers must be an integer >= 1, got {layers!r}")
-    vocab = target.get_output_embeddings().weight.shape[0]
-    if vocab_ids.dim() != 1 or not len(vocab_ids) or int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= vocab:
-        raise ModelLoadError(f"draft '{p}': draft_vocab.json must list token ids in [0, {vocab})")
     draft = build_shared_draft(target, layers, vocab_ids)
     own = set(own_state_dict(draft))
     missing, unknown = sorted(own - set(state)), sorted(set(state) - own)

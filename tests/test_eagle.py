@@ -1,5 +1,6 @@
 import copy
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -253,7 +254,6 @@ def test_saved_drafter_round_trips_and_decodes_exactly(trained):
 
 
 def test_tree_shape_saved_with_the_drafter_is_the_default(trained, tmp_path):
-    import shutil
 
     target, cfg, _, _ = trained
     info = target_info(target)
@@ -313,7 +313,6 @@ def test_self_fed_step_training_and_last_layer_init(tmp_path):
 
 
 def test_fused_drafter_trains_saves_version_2_and_round_trips(tmp_path):
-    import shutil
 
     from safetensors.torch import load_file
 
@@ -528,6 +527,10 @@ def test_missing_or_wrong_model_folders_are_refused(tmp_path, trained):
     wide = tiny_llama(vocab_size=24, seed=0, hidden_size=32, num_layers=1)
     with pytest.raises(ModelLoadError, match="made for another target: vocab size 16 there, 24 here"):
         EagleProposer.from_config(EagleConfig(model=cfg.out), target_info(wide))
+    shutil.copytree(cfg.out, tmp_path / "bad-vocab")
+    (tmp_path / "bad-vocab" / "eagle_vocab.json").write_text("[0, 16]")
+    with pytest.raises(ModelLoadError, match="bad-vocab': eagle_vocab.json lists token ids outside .*\\[0, 16\\)"):
+        load_drafter(tmp_path / "bad-vocab", target)
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,8 @@ import copy
 import pytest
 import torch
 
-from specframe.fingerprint import fingerprint_mismatch, mark_adapter, target_fingerprint
+from specframe.errors import ModelLoadError
+from specframe.fingerprint import fingerprint_mismatch, mark_adapter, read_vocab_ids, target_fingerprint
 from specframe.testing.tiny import tiny_llama
 
 
@@ -59,3 +60,23 @@ def test_a_merged_adapter_is_the_base_fingerprint_plus_the_adapter_file(model, t
     assert "another PEFT adapter" in fingerprint_mismatch(saved, other)
     # An artifact that only proposes (a draft, an EAGLE drafter) compares the base weights alone.
     assert fingerprint_mismatch(base, merged, adapter=False) is None
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[1, 99]", r"lists token ids outside the target's vocabulary \[0, 16\)"),
+        ("[-1, 2]", "lists token ids outside the target's vocabulary"),
+        ("[1, 2, 1]", "lists a token id more than once"),
+        ("[1, 2.5]", "must be a non-empty JSON list of token ids"),  # torch.tensor would have truncated it to 2
+        ("[1, true]", "must be a non-empty JSON list of token ids"),
+        ("[]", "must be a non-empty JSON list"),
+        ('{"0": 1}', "must be a non-empty JSON list"),
+    ],
+)
+def test_vocabulary_lists_that_do_not_fit_the_target_are_named(tmp_path, text, message):
+    (tmp_path / "x_vocab.json").write_text(text)
+    with pytest.raises(ModelLoadError, match=f"heads 'h': x_vocab.json {message}"):
+        read_vocab_ids(tmp_path / "x_vocab.json", 16, "heads 'h'")
+    (tmp_path / "x_vocab.json").write_text("[3, 0, 15]")
+    assert read_vocab_ids(tmp_path / "x_vocab.json", 16, "heads 'h'").tolist() == [3, 0, 15]

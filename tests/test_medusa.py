@@ -1,4 +1,5 @@
 import json
+import shutil
 
 import pytest
 import torch
@@ -150,6 +151,10 @@ def test_heads_for_another_target_are_refused(trained, tmp_path):
     (tmp_path / "medusa_config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match="incomplete or corrupt"):
         load_heads(tmp_path, other)
+    shutil.copytree(cfg.out, tmp_path / "dup")
+    (tmp_path / "dup" / "medusa_vocab.json").write_text("[1, 2, 2]")
+    with pytest.raises(ModelLoadError, match="medusa heads .*dup': medusa_vocab.json lists a token id more than once"):
+        load_heads(tmp_path / "dup", other)
 
 
 def test_resume_continues_after_the_last_epoch(trained, tmp_path):

@@ -332,7 +332,8 @@ def test_init_from_refuses_what_it_cannot_continue(trained, tmp_path):
     "damage, message",
     [
         (lambda d: (d / "draft_vocab.json").unlink(), "incomplete or corrupt: FileNotFoundError"),
-        (lambda d: (d / "draft_vocab.json").write_text("[1, 99]"), "must list token ids in \\[0, 16\\)"),
+        (lambda d: (d / "draft_vocab.json").write_text("[1, 99]"), "outside the target's vocabulary \\[0, 16\\)"),
+        (lambda d: (d / "draft_vocab.json").write_text("[1, 1]"), "lists a token id more than once"),
         (lambda d: edit_meta(d, lambda m: m.pop("target")), "target fingerprint is missing"),
         (lambda d: edit_meta(d, lambda m: m["llama_config"].update(num_hidden_layers=2)), "is missing weights"),
         (lambda d: edit_meta(d, lambda m: m.pop("llama_config")), "incomplete or corrupt: KeyError"),

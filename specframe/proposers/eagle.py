@@ -272,7 +272,7 @@ def load_drafter(
 ):
     """(drafter, vocab_ids, metadata) from a saved folder; refuses a drafter made for another target. `option`
     is the config key that named the folder (for the error when it is not a drafter folder)."""
-    from specframe.fingerprint import check_fingerprint
+    from specframe.fingerprint import check_fingerprint, read_vocab_ids
 
     p = Path(path)
     meta_file = p / "eagle_config.json"
@@ -281,7 +281,8 @@ def load_drafter(
         raise ModelLoadError(f"{option} '{path}' {what}; train one with `specframe train --proposer eagle`")
     try:
         meta = json.loads(meta_file.read_text())
-        vocab_ids = torch.tensor(json.loads((p / "eagle_vocab.json").read_text()), dtype=torch.long)
+        vocab = target.get_input_embeddings().weight.shape[0]
+        vocab_ids = read_vocab_ids(p / "eagle_vocab.json", vocab, f"EAGLE drafter '{p}'")
         state = load_file(p / "model.safetensors")
     except (OSError, ValueError, SafetensorError) as e:  # (json.JSONDecodeError is a ValueError)
         raise ModelLoadError(f"EAGLE drafter '{p}' is unreadable: {e}") from e
@@ -305,11 +306,9 @@ def load_drafter(
         )
     cfg = LlamaConfig(**meta["llama_config"])
     cfg._attn_implementation = "sdpa"
-    hidden, vocab = target.get_input_embeddings().weight.shape[1], target.get_input_embeddings().weight.shape[0]
+    hidden = target.get_input_embeddings().weight.shape[1]
     if cfg.hidden_size != hidden or cfg.vocab_size != len(vocab_ids):
         raise ModelLoadError(f"EAGLE drafter '{p}' is inconsistent: hidden {cfg.hidden_size}, {len(vocab_ids)} ids")
-    if len(vocab_ids) and (int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= vocab):
-        raise ModelLoadError(f"EAGLE drafter '{p}' lists token ids outside the target's vocabulary")
     drafter = EagleDrafter(cfg, tuple(fuse_layers))
     missing = set(drafter.own_state_dict()) - set(state)
     if missing:

@@ -30,7 +30,7 @@ from torch import nn
 
 from specframe.cpu_kernels import few_rows_linear
 from specframe.errors import ConfigError, ModelLoadError
-from specframe.fingerprint import fingerprint_mismatch, target_fingerprint
+from specframe.fingerprint import fingerprint_mismatch, read_vocab_ids, target_fingerprint
 from specframe.models import check_proposer_dtype, proposer_dtype
 from specframe.proposer import (
     Acceptance,
@@ -174,13 +174,14 @@ def load_heads(path: str | Path, target: torch.nn.Module) -> tuple[MedusaHeads, 
         )
     try:
         meta = json.loads(cfg_file.read_text())
-        vocab_ids = torch.tensor(json.loads((path / "medusa_vocab.json").read_text()), dtype=torch.long)
+        vocab = target.get_output_embeddings().weight.shape[0]
+        vocab_ids = read_vocab_ids(path / "medusa_vocab.json", vocab, f"medusa heads '{path}'")
         state = load_file(path / "model.safetensors")
     except (OSError, ValueError, SafetensorError) as e:  # (json.JSONDecodeError is a ValueError)
         raise ModelLoadError(f"medusa heads '{path}' are incomplete or corrupt: {e}") from e
     if meta.get("format") != FORMAT:
         raise ModelLoadError(f"medusa heads '{path}': format {meta.get('format')!r}, expected {FORMAT!r}")
-    hidden, vocab = target.config.hidden_size, target.get_output_embeddings().weight.shape[0]
+    hidden = target.config.hidden_size
     if meta["hidden_size"] != hidden or meta["target_vocab_size"] != vocab:
         raise ModelLoadError(
             f"medusa heads '{path}' were trained for a target with hidden size {meta['hidden_size']} and "
@@ -191,8 +192,6 @@ def load_heads(path: str | Path, target: torch.nn.Module) -> tuple[MedusaHeads, 
         adapter = meta.get("adapter")
         hint = f" (they were trained with the Medusa-2 adapter '{adapter}': target.adapter=...)" if adapter else ""
         raise ModelLoadError(f"medusa heads '{path}' were made for another target: {why}{hint}")
-    if int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= vocab:
-        raise ModelLoadError(f"medusa heads '{path}': vocabulary ids out of range [0, {vocab})")
     heads = MedusaHeads(hidden, meta["num_heads"], meta["layers"])
     try:
         heads.load_state_dict({k: v.float() for k, v in state.items()})
