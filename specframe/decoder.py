@@ -297,14 +297,38 @@ TREE_ATTENTION = ("eager", "sdpa", "specframe_sdpa")  # attention implementation
 
 
 def check_tree_attention(model: torch.nn.Module) -> None:
-    """Tree verification needs the target's attention to apply an arbitrary 4-D mask; others (e.g. flash
-    attention) would silently attend across branches."""
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    """Tree verification needs the target's attention to apply an arbitrary 4-D mask (others, e.g. flash
+    attention, would silently attend across branches) and to see positions only through `position_ids`."""
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
     if impl is not None and impl not in TREE_ATTENTION:
         raise BadInputError(
             f"the target's attention implementation '{impl}' cannot apply a token tree's attention mask: load it "
             "with attn_implementation='sdpa' (or 'eager') to verify trees"
         )
+    why = slot_positions(config)
+    if why:
+        raise BadInputError(
+            f"the target (model type '{getattr(config, 'model_type', '?')}') {why}, so the nodes of a token tree, "
+            "which sit side by side in the cache, would be scored at the wrong distances: use a proposer that "
+            "drafts chains (e.g. draft, or eagle with proposer.tree=false)"
+        )
+
+
+def slot_positions(config: Any) -> str | None:
+    """How a model reads positions from cache slots rather than from `position_ids` (None when it does not):
+    ALiBi biases (Bloom, MPT, Falcon with `alibi`) and GPT-Neo's local-attention windows are computed from
+    slots, which equal positions in a chain but not in a tree."""
+    model_type = getattr(config, "model_type", None)
+    if (
+        model_type == "bloom"
+        or getattr(config, "alibi", False)
+        or getattr(getattr(config, "attn_config", None), "alibi", False)
+    ):
+        return "adds ALiBi attention biases by cache slot"
+    if model_type == "gpt_neo" and "local" in (getattr(config, "attention_layers", None) or []):
+        return "applies its local-attention window by cache slot"
+    return None
 
 
 def pick_hidden(out: Any, layers: tuple[int, ...], rows: slice | torch.Tensor) -> dict[int, torch.Tensor]:

@@ -319,3 +319,64 @@ def test_a_tree_needs_an_attention_that_applies_its_mask(target, info):
             tree.generate([1, 2, 3], max_new_tokens=6)
     finally:
         target.set_attn_implementation("sdpa")
+
+
+def slot_position_models():
+    """Tiny targets that read positions from cache slots: ALiBi (Bloom, MPT, Falcon with alibi) and GPT-Neo's
+    local attention; and their relatives that do not (Falcon with rotary embeddings, GPT-Neo all global)."""
+    import transformers as T
+
+    small = {"vocab_size": 16, "bos_token_id": None, "eos_token_id": None}
+    configs = {
+        "bloom": T.BloomConfig(hidden_size=16, n_layer=2, n_head=2, **small),
+        "mpt": T.MptConfig(d_model=16, n_layers=2, n_heads=2, max_seq_len=64, **small),
+        "falcon-alibi": T.FalconConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, alibi=True, **small),
+        "gpt_neo-local": T.GPTNeoConfig(
+            hidden_size=16,
+            num_layers=2,
+            num_heads=2,
+            attention_types=[[["global", "local"], 1]],
+            window_size=4,
+            max_position_embeddings=64,
+            **small,
+        ),
+        "falcon-rope": T.FalconConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, alibi=False, **small),
+        "gpt_neo-global": T.GPTNeoConfig(
+            hidden_size=16,
+            num_layers=2,
+            num_heads=2,
+            attention_types=[[["global"], 2]],
+            max_position_embeddings=64,
+            **small,
+        ),
+    }
+    models = {}
+    for name, config in configs.items():
+        config.initializer_range = 0.5  # (peaked logits: no near-ties in the greedy comparisons)
+        torch.manual_seed(0)
+        model = T.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+        model.generation_config.eos_token_id = None
+        models[name] = model
+    return models
+
+
+def test_targets_that_read_positions_from_cache_slots_verify_chains_but_refuse_trees():
+    # Tree nodes sit side by side in the cache: ALiBi biases or a local window computed from slots would score a
+    # node behind its siblings at the wrong distance (before: GPT-Neo's greedy output differed, MPT's logits
+    # were off by 1e-2, Bloom and Falcon crashed with a bare ValueError).
+    prompt = [(3 * j * j + 1) % 16 for j in range(9)]  # longer than GPT-Neo's window of 4
+    for name, model in slot_position_models().items():
+        info = target_info(model)
+        want = reference_greedy(model, prompt, 12)
+        assert self_draft_decoder(model).generate(prompt, max_new_tokens=12).token_ids == want, name
+        siblings = Proposal(
+            torch.tensor([want[1], want[1] ^ 1]), torch.tensor([-1, -1]), torch.ones(2, dtype=torch.bool)
+        )
+        tree = SpeculativeDecoder(
+            model, Malformed(info, lambda s, p=siblings: p if s.max_depth >= 1 else Proposal.empty(s.tokens.device))
+        )
+        if name in ("falcon-rope", "gpt_neo-global"):
+            assert tree.generate(prompt, max_new_tokens=12).token_ids == want, name
+        else:
+            with pytest.raises(BadInputError, match="by cache slot, so the nodes of a token tree"):
+                tree.generate(prompt, max_new_tokens=12)
