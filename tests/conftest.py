@@ -1,17 +1,13 @@
 import pytest
-import torch
 
 from specframe.decoder import target_info
-from specframe.testing.tiny import tiny_llama
+from specframe.testing.tiny import one_thread, tiny_llama
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny models run fastest single-threaded, and a busy second core would otherwise stall every matmul.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def single_threaded():
+    with one_thread():  # tiny models run fastest single-threaded
+        yield
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from specframe.proposers.eagle import EagleConfig, EagleProposer, load_drafter
 from specframe.sampling import SamplingParams
 from specframe.testing.conformance import reference_greedy
 from specframe.testing.suite import ProposerConformance
-from specframe.testing.tiny import tiny_llama, write_distill_data
+from specframe.testing.tiny import one_thread, tiny_llama, write_distill_data
 from specframe.training.eagle import EagleTrainConfig, train_eagle
 
 TREE = EagleConfig(depth=3, top_k=3, total_tokens=8)
@@ -192,7 +192,6 @@ def test_max_depth_zero_keeps_the_state_consistent():
 
 def tiny_run(tmp, num_layers: int, examples: int, **options):
     """A tiny target with self-distillation data in `tmp`, and a fast training config for it."""
-    torch.set_num_threads(1)
     target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=num_layers)
     write_distill_data(tmp / "d.jsonl", target, n=examples, response_length=10)
     settings = dict(vocab_size=12, epochs=6, lr=1e-2, batch_size=4, heldout_fraction=0.25, token_weight=1.0)
@@ -206,9 +205,10 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eagle")
     # One layer: its greedy continuations are predictable enough for a tiny drafter to learn in seconds
     # (a 3-layer random target is barely predictable even by a bigram table).
-    target, cfg = tiny_run(tmp, num_layers=1, examples=120, out=str(tmp / "eagle"))
-    logs = []
-    metrics = train_eagle(cfg, target, None, log=logs.append)
+    with one_thread():  # (a module fixture sets up before the per-test one_thread fixture)
+        target, cfg = tiny_run(tmp, num_layers=1, examples=120, out=str(tmp / "eagle"))
+        logs = []
+        metrics = train_eagle(cfg, target, None, log=logs.append)
     return target, cfg, metrics, logs
 
 
@@ -277,9 +277,12 @@ def test_tree_shape_saved_with_the_drafter_is_the_default(trained, tmp_path):
             EagleProposer.from_config(EagleConfig(model=str(tuned)), info)
 
 
-def test_resume_continues_after_the_last_epoch(trained):
+def test_resume_continues_after_the_last_epoch(trained, tmp_path):
     target, cfg, _, _ = trained
-    more = EagleTrainConfig(**{**cfg.__dict__, "epochs": cfg.epochs + 1, "self_fed_steps": 2})
+    shutil.copytree(cfg.out, tmp_path / "eagle")  # (the module's drafter stays as trained for the other tests)
+    more = EagleTrainConfig(
+        **{**cfg.__dict__, "epochs": cfg.epochs + 1, "self_fed_steps": 2, "out": str(tmp_path / "eagle")}
+    )
     logs = []
     metrics = train_eagle(more, target, None, resume=True, log=logs.append)
     assert any("resumed" in m and f"epoch {cfg.epochs}" in m for m in logs)

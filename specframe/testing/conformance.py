@@ -31,7 +31,7 @@ from specframe.decoder import SpeculativeDecoder, target_info
 from specframe.models import resolve_device, resolve_dtype
 from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer
 from specframe.sampling import SamplingParams, sampling_probs
-from specframe.testing.tiny import available_devices, tiny_llama
+from specframe.testing.tiny import available_devices, one_thread, tiny_llama
 
 ALPHA = 1e-3  # a check fails when its p-value is below this
 SAMPLES = 4000  # generate calls per chi-square test
@@ -406,9 +406,7 @@ def run_suite(
     devices = list(dict.fromkeys(names))
     dtypes = [str(resolve_dtype(t, torch.device("cpu"))).removeprefix("torch.") for t in dtypes or ["float32"]]
     report = Report(proposer_cls.name)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only add synchronisation cost
-    try:
+    with one_thread():
         for device, dtype in itertools.product(devices, dtypes):
             checks: list[Callable[[], CheckResult]] = [
                 lambda d=device, t=dtype: check_greedy(proposer_cls, d, config, t),
@@ -425,6 +423,4 @@ def run_suite(
                     log(r.line(seconds=True))
             if power if power is not None else not quick:
                 report.results += check_power(device, log=log, dtype=dtype)
-    finally:
-        torch.set_num_threads(threads)
     return report

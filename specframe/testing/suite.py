@@ -14,11 +14,10 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import pytest
-import torch
 
 from specframe.proposer import Proposer
 from specframe.testing import conformance
-from specframe.testing.tiny import available_devices
+from specframe.testing.tiny import available_devices, one_thread
 
 
 def require_proposers(*names: str) -> None:
@@ -41,10 +40,8 @@ class ProposerConformance:
 
     @pytest.fixture(autouse=True)
     def _one_thread(self):  # (a method, so that it applies to subclasses in any module)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # tiny models: threads only add synchronisation cost
-        yield
-        torch.set_num_threads(threads)
+        with one_thread():
+            yield
 
     def test_greedy_identical_to_target(self, device: str) -> None:
         _assert(conformance.check_greedy(self.proposer_class, device, self.proposer_config))

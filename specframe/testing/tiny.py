@@ -2,8 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """PyTorch on one thread for the duration: tiny models gain nothing from threads but synchronisation cost
+    (and a busy second core would stall every matmul). The previous count is restored."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def tiny_llama(

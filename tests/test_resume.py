@@ -1,0 +1,69 @@
+"""An interrupted training run, resumed with `--resume`, ends with the same weights as a run never interrupted:
+the checkpoint restores the weights, the optimizer's moments, the learning-rate schedule and the data order."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specframe.testing.tiny import tiny_llama, write_distill_data
+from specframe.training.draft import DraftTrainConfig, train_draft
+from specframe.training.eagle import EagleTrainConfig, train_eagle
+from specframe.training.medusa import MedusaTrainConfig, train_medusa
+
+COMMON = dict(epochs=3, lr=1e-2, batch_size=8, heldout_fraction=0.2, vocab_size=12)
+TRAINERS = {
+    "draft": (train_draft, lambda **kw: DraftTrainConfig(layers=1, **kw)),
+    "medusa": (train_medusa, lambda **kw: MedusaTrainConfig(num_heads=2, tree_nodes=4, **kw)),
+    "medusa-2": (train_medusa, lambda **kw: MedusaTrainConfig(stage=2, num_heads=2, tree_nodes=4, lora_rank=2, **kw)),
+    "eagle": (train_eagle, lambda **kw: EagleTrainConfig(fuse_layers=[0, 1], **kw)),
+}
+
+
+class Interrupted(Exception):
+    pass
+
+
+def interrupt_at(text: str):
+    """A `log` that stops the run (as Ctrl-C would) when it is about to report `text`: for "epoch 2:" that is
+    after epoch 2's training and before its checkpoint, so the resumed run redoes epoch 2."""
+
+    def log(message: str) -> None:
+        if message.startswith(text):
+            raise Interrupted(message)
+
+    return log
+
+
+def weights(folder) -> dict[str, torch.Tensor]:
+    """A run's trained tensors: the saved model's, and a Medusa-2 run's adapter's."""
+    found = load_file(f"{folder}/model.safetensors")
+    if (folder / "adapter").is_dir():
+        found.update({f"adapter.{k}": v for k, v in load_file(f"{folder}/adapter/adapter_model.safetensors").items()})
+    return found
+
+
+@pytest.mark.parametrize("name", list(TRAINERS))
+def test_an_interrupted_run_resumed_ends_where_an_uninterrupted_one_does(tmp_path, name):
+    train, make = TRAINERS[name]
+    data = tmp_path / "d.jsonl"
+    write_distill_data(data, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), n=40)
+
+    def run(out: str, **kw):  # a fresh target each time: stage 2 adapts the model it is given
+        target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
+        cfg = make(data=str(data), out=str(tmp_path / out), features_cache=str(tmp_path / "features"), **COMMON)
+        return train(cfg, target, None, **kw)
+
+    straight = run("straight", log=lambda m: None)
+    with pytest.raises(Interrupted):
+        run("resumed", log=interrupt_at("epoch 2:"))
+    after_epoch_1 = load_file(tmp_path / "resumed" / "checkpoint" / "model.safetensors")
+    logs: list[str] = []
+    resumed = run("resumed", resume=True, log=logs.append)
+    assert any("resumed" in m and "epoch 1" in m for m in logs), logs
+    a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    assert [h["epoch"] for h in resumed["history"]] == [h["epoch"] for h in straight["history"]]
+    # Not vacuous: the resumed run trained on from epoch 1's checkpoint.
+    last = load_file(tmp_path / "resumed" / "checkpoint" / "model.safetensors")
+    assert last.keys() == after_epoch_1.keys() and any(not torch.equal(last[k], after_epoch_1[k]) for k in last)
+    # Not vacuous: the weights moved from where epoch 1 left them.
