@@ -298,8 +298,8 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise BadInputError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if not args.temperature >= 0:  # (also nan)
-        raise BadInputError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 <= args.temperature < float("inf"):  # (also nan)
+        raise BadInputError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     # (the benchmark's own questions are never training prompts, whatever file they come in)
     path = args.prompts or shared_data_file(DEFAULT_PROMPTS)
     prompts = read_prompts(path, benchmark_turns=default_benchmark_turns())[: args.limit]

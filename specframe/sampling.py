@@ -30,8 +30,8 @@ class SamplingParams:
 
 def check_sampling(temperature: float, top_k: int, top_p: float, prefix: str = "sampling.") -> None:
     """Raise ConfigError naming the key of the first out-of-range sampling value."""
-    if not temperature >= 0.0:  # also rejects NaN
-        raise ConfigError(f"{prefix}temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0.0 <= temperature < float("inf"):  # also rejects NaN
+        raise ConfigError(f"{prefix}temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
     if not (0.0 < top_p <= 1.0):
         raise ConfigError(f"{prefix}top_p must be in (0, 1], got {top_p}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
@@ -43,6 +43,9 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     x = logits.float() if logits.dtype not in (torch.float32, torch.float64) else logits
     if params.greedy:
         return torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).to(x.dtype)
+    dtype = x.dtype
+    if params.temperature < torch.finfo(dtype).tiny:  # (it would round to 0 in float32, and 0 / 0 is nan)
+        x = x.double()
     # (shifted by the row's maximum first: softmax is unchanged, and a tiny temperature cannot overflow to inf)
     x = (x - x.amax(-1, keepdim=True)) / params.temperature
     vocab = x.shape[-1]
@@ -58,7 +61,7 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
-    return x.softmax(-1)
+    return x.softmax(-1).to(dtype)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:

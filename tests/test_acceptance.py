@@ -98,3 +98,13 @@ def test_bonus_token_after_a_fully_accepted_chain():
     logits = torch.tensor([[9.0, 0.0, 0.0], [0.0, 9.0, 0.0], [0.0, 0.0, 9.0]])
     path, nxt = TreeAcceptance()(logits, Proposal.chain(torch.tensor([0, 1])), SamplingParams(0.0), torch.Generator())
     assert path == [0, 1] and nxt == 2
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_sampled_bonus_token_comes_from_the_leafs_row(seed):
+    # Rows peaked on tokens 0, 1 and 2: the chain [0, 1] is accepted, and the token after it is drawn from the
+    # leaf's row (token 2), not from its parent's (token 1) or the root's.
+    logits = torch.tensor([[30.0, 0.0, 0.0], [0.0, 30.0, 0.0], [0.0, 0.0, 30.0]])
+    chain = Proposal.chain(torch.tensor([0, 1]), draft_probs=torch.tensor([[0.8, 0.1, 0.1], [0.1, 0.8, 0.1]]))
+    path, nxt = TreeAcceptance()(logits, chain, SamplingParams(1.0), torch.Generator().manual_seed(seed))
+    assert path == [0, 1] and nxt == 2

@@ -81,6 +81,7 @@ def test_greedy_output_identical_across_proposers(capsys, tiny_dirs):
         (["--proposer", "none", "bogus.key=1"], "unknown config key 'bogus'"),
         (["--proposer", "none", "sampling.top_k=abc"], "sampling.top_k"),
         (["--proposer", "none", "--temperature", "-1"], "sampling.temperature"),
+        (["--proposer", "none", "--temperature", "inf"], "sampling.temperature"),
         (["--proposer", "none", "--top-p", "1.5"], "sampling.top_p"),
         (["--proposer", "none", "--top-p", "0"], "sampling.top_p"),
         (["--proposer", "none", "--top-k", "-1"], "sampling.top_k"),

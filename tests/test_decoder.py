@@ -380,3 +380,23 @@ def test_targets_that_read_positions_from_cache_slots_verify_chains_but_refuse_t
         else:
             with pytest.raises(BadInputError, match="by cache slot, so the nodes of a token tree"):
                 tree.generate(prompt, max_new_tokens=12)
+
+
+def test_tree_stats_count_depth_as_proposed_tokens_and_nodes_apart(target, info):
+    # Each step proposes two siblings (depth 1, 2 nodes), one of them the target's greedy token: every step
+    # accepts 1 of 1 proposed level. (DESIGN: acceptance_rate = accepted / tree depth proposed.)
+    prompt, n = [1, 2, 3], 9
+    want = reference_greedy(target, prompt, n)
+
+    def siblings(state):
+        if state.max_depth < 1:
+            return Proposal.empty(state.tokens.device)
+        right = want[len(state.tokens) - len(prompt)]
+        return Proposal(torch.tensor([(right + 1) % 8, right]), torch.tensor([-1, -1]), torch.ones(2, dtype=torch.bool))
+
+    res = SpeculativeDecoder(target, Malformed(info, siblings)).generate(prompt, max_new_tokens=n)
+    assert res.token_ids == want
+    s, steps = res.stats, 4  # prefill emits 1 token, then 4 steps of 2 tokens
+    assert s["target_forwards"] == 1 + steps and s["mean_accepted_length"] == n / (1 + steps)
+    assert s["proposed_tokens"] == steps and s["proposed_nodes"] == 2 * steps
+    assert s["accepted_tokens"] == steps and s["acceptance_rate"] == 1.0 and s["accepted_by_position"] == [steps]

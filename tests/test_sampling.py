@@ -17,9 +17,11 @@ def test_temperature_then_normalise():
     assert p.dtype == torch.float32
 
 
-def test_a_tiny_temperature_is_near_greedy_not_nan():
-    # (dividing the raw logits by 1e-40 overflows to inf, and softmax of inf is nan)
-    p = sampling_probs(torch.tensor([3.0, 1.0, 0.5, 3.0 - 1e-6]), SamplingParams(1e-40))
+@pytest.mark.parametrize("temperature", [1e-40, 1e-46, 5e-324])
+def test_a_tiny_temperature_is_near_greedy_not_nan(temperature):
+    # (dividing the raw logits by 1e-40 overflows to inf, and softmax of inf is nan; below float32's smallest
+    # number the temperature itself rounds to 0 in float32, and the top logit's 0 / 0 is nan)
+    p = sampling_probs(torch.tensor([3.0, 1.0, 0.5, 3.0 - 1e-6]), SamplingParams(temperature))
     assert torch.equal(p, torch.tensor([1.0, 0.0, 0.0, 0.0]))
 
 
@@ -64,8 +66,21 @@ def test_transform_applies_row_wise_to_batches():
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k"),
         ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),  # (inf / inf is nan where a draft's logit is -inf)
     ],
 )
 def test_bad_values_name_the_key(kwargs, key):
     with pytest.raises(ConfigError, match=f"sampling.{key}"):
         SamplingParams(**kwargs)
+
+
+def test_temperature_comes_before_top_k_and_top_p():
+    # DESIGN's order: temperature, then top-k, then top-p. At T = 0.5 the top token holds 0.87 of the mass, so
+    # top-p 0.8 keeps it alone; cutting before the temperature (0.64 at T = 1) would keep two tokens.
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    assert sampling_probs(logits, SamplingParams(0.5, top_p=0.8)).tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert (sampling_probs(logits, SamplingParams(1.0, top_p=0.8)) > 0).tolist() == [True, True, False, False]
+    # All three: top-k 3 renormalises [0.865, 0.117, 0.016] before top-p 0.95 (0.865 + 0.117 = 0.982 reaches it).
+    p = sampling_probs(logits, SamplingParams(0.5, top_k=3, top_p=0.95))
+    assert (p > 0).tolist() == [True, True, False, False]
+    assert torch.allclose(p[:2], (logits[:2] / 0.5).softmax(-1))
