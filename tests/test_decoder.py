@@ -114,6 +114,26 @@ def test_generation_stops_at_the_context_window():
     assert len(res.token_ids) == 9
 
 
+def test_a_draft_with_a_shorter_window_stops_drafting_at_its_end():
+    # A GPT-2 draft (learned positions, 16 of them) for a target with 256: past its window it proposes nothing
+    # and the target decodes alone (before: IndexError inside the draft's position embedding).
+    import transformers as T
+
+    target = tiny_llama(vocab_size=8, seed=0)
+    config = T.GPT2Config(vocab_size=8, n_embd=16, n_layer=1, n_head=2, n_positions=16, bos_token_id=None)
+    config.eos_token_id = None
+    torch.manual_seed(0)
+    draft = T.GPT2LMHeadModel(config).eval()
+    drafted = []
+    proposer = DraftProposer(DraftConfig(num_speculative_tokens=3), target_info(target), draft)
+    propose = proposer.propose
+    proposer.propose = lambda state: drafted.append((len(state.tokens), len(p := propose(state)))) or p
+    res = SpeculativeDecoder(target, proposer).generate([1, 2, 3], max_new_tokens=30)
+    assert res.token_ids == reference_greedy(target, [1, 2, 3], 30)
+    assert all(n <= max(16 - length + 1, 0) for length, n in drafted) and drafted[-1][1] == 0
+    assert any(length + n == 17 for length, n in drafted if n)  # it drafts right up to its last position
+
+
 def test_hidden_states_of_kept_positions_reach_the_proposer(target, info):
     got = []
 

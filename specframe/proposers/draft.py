@@ -91,6 +91,9 @@ class DraftProposer(Proposer):
         self.model = model
         self.vocab_ids = vocab_ids  # target ids of the draft's logit columns (a reduced vocabulary), or None
         self.width = min(model.get_output_embeddings().weight.shape[0], target.vocab_size)
+        # The draft's own context window: past it the draft proposes nothing and the target decodes alone (a
+        # model with learned positions, e.g. GPT-2, would fail there).
+        self.window = getattr(model.config, "max_position_embeddings", None) or 10**9
         self.cache = None
         self.cached = 0  # how many leading tokens of the sequence the draft's cache holds
         self.fed_drafts = 0  # drafted tokens of the last proposal that were fed into the draft's cache
@@ -156,7 +159,8 @@ class DraftProposer(Proposer):
 
     @torch.no_grad()
     def propose(self, state: DecodeState) -> Proposal:
-        gamma = min(self.gamma, state.max_depth)
+        # Drafted token i is predicted at position len(tokens) - 1 + i, which must lie inside the draft's window.
+        gamma = max(min(self.gamma, state.max_depth, self.window - len(state.tokens) + 1), 0)
         self.fed_drafts = 0
         if gamma == 0:
             return Proposal.empty(state.tokens.device)
