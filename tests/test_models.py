@@ -336,6 +336,25 @@ def test_adapter_is_loaded_and_merged(tiny_dir: Path, lora_dir: Path, tiny_model
     assert torch.equal(ours, logits(reference))
 
 
+def test_a_configs_target_section_reaches_the_loaded_decoder(tiny_dir: Path, lora_dir: Path) -> None:
+    # target.dtype, target.device and target.adapter, end to end: config -> load_target -> SpeculativeDecoder.
+    from peft import PeftModel
+
+    from specframe import SpeculativeDecoder
+    from specframe.config import load_config
+
+    keys = [f"target.model={tiny_dir}", "target.dtype=bfloat16", "target.device=cpu", f"target.adapter={lora_dir}"]
+    decoder = SpeculativeDecoder.from_config(load_config(overrides=["proposer.name=none", *keys]))
+    assert decoder.model.dtype == torch.bfloat16 and decoder.device == torch.device("cpu")
+    ours = logits(decoder.model).float()
+    merged = logits(PeftModel.from_pretrained(tiny_llama(), str(lora_dir)).merge_and_unload())
+    base = logits(tiny_llama())
+    # (merged in bfloat16, so it is the float32 merge only up to bfloat16 rounding, and far from the base model)
+    assert (ours - merged).abs().max() < 0.25 * (ours - base).abs().max()
+    plain = SpeculativeDecoder.from_config(load_config(overrides=["proposer.name=none", keys[0]]))
+    assert plain.model.dtype == torch.float32 and torch.equal(logits(plain.model), base)  # (auto on CPU: float32)
+
+
 def test_adapter_for_another_hidden_size_refused(tmp_path: Path, tiny_dir: Path) -> None:
     other = get_peft_model(tiny_llama(hidden=48), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     other.save_pretrained(tmp_path)
