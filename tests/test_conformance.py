@@ -206,6 +206,7 @@ class TestEagleBf16(ProposerConformance):
     proposer_config = EagleConfig(depth=3, top_k=3, total_tokens=8, dtype="bfloat16")
 
 
+@pytest.mark.slow  # (two pytest subprocesses: about 20 s)
 def test_the_pytest_plugin_gives_plugin_authors_the_marker_and_the_fixture(tmp_path):
     # A plugin author's test folder, outside this project (no pyproject: nothing configured but the plugin).
     import subprocess

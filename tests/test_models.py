@@ -400,15 +400,20 @@ def test_adapter_given_as_model(lora_dir: Path) -> None:
 # ------------------------------------------------------------------------------------------------ hub ids
 
 
-@pytest.mark.parametrize("offline", [True, False])
-def test_hub_id_unreachable_fails_fast(offline: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    # offline=False: here the hub is unreachable (probe); where it is reachable the repo does not exist. Either
-    # way a clear ModelLoadError, quickly, not huggingface_hub's retries.
-    if offline:
+@pytest.mark.parametrize("hub", ["offline", "refused", "as-is"])
+def test_hub_id_unreachable_fails_fast(hub: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # "refused": an endpoint that refuses connections, on any machine. "as-is": this machine's network; here the
+    # hub is unreachable (probe), where it is reachable the repo does not exist. Every way a clear
+    # ModelLoadError, quickly, not huggingface_hub's retries.
+    if hub == "offline":
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     else:
         monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
         monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    if hub == "refused":
+        from huggingface_hub import constants
+
+        monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # (the discard port: nothing listens)
     monkeypatch.chdir(tmp_path)  # so the id cannot be a relative path
     start = time.monotonic()
     with pytest.raises(ModelLoadError, match="specframe-test-nonexistent/no-such-model-0"):
