@@ -12,8 +12,8 @@ A PEFT adapter merged at load time (`target.adapter`) is fingerprinted as the ba
 adapter file's sha256: merging in bfloat16 rounds differently from merging in float32, so the merged weights
 themselves could not be matched across dtypes.
 
-The same artifacts list the target's token ids their reduced output vocabulary covers; `read_vocab_ids` reads
-such a list and refuses one that does not fit the target.
+`read_artifact` reads such an artifact's folder, and `check_vocab_ids` the target's token ids that its reduced
+output vocabulary lists, refusing a list that does not fit the target.
 """
 
 from __future__ import annotations
@@ -92,18 +92,36 @@ def check_fingerprint(saved: Any, model: torch.nn.Module, what: str, adapter: bo
         raise ModelLoadError(f"{what} was made for another target: {why}")
 
 
-def read_vocab_ids(file: str | Path, vocab_size: int, what: str) -> torch.Tensor:
-    """The token ids listed in the JSON file `file` as a LongTensor; ModelLoadError naming `what` unless they are
-    a non-empty list of distinct integers in [0, vocab_size). (A float would be truncated by `torch.tensor`,
-    and a repeated id would give one token two rows of a draft distribution.)"""
+def read_artifact(folder: Path, kind: str, what: str) -> tuple[dict[str, Any], Any, dict[str, torch.Tensor]]:
+    """(metadata, listed vocabulary, tensors) of a trained artifact's folder: `{kind}_config.json`,
+    `{kind}_vocab.json` (JSON, checked by `check_vocab_ids` once the target is known to fit) and
+    `model.safetensors`. ModelLoadError naming `what` when a file is missing or corrupt."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     from specframe.errors import ModelLoadError
 
-    name = Path(file).name
-    ids = json.loads(Path(file).read_text())  # (OSError and ValueError are the caller's "unreadable")
-    if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
-        raise ModelLoadError(f"{what}: {name} must be a non-empty JSON list of token ids (integers)")
-    if min(ids) < 0 or max(ids) >= vocab_size:
-        raise ModelLoadError(f"{what}: {name} lists token ids outside the target's vocabulary [0, {vocab_size})")
-    if len(set(ids)) != len(ids):
-        raise ModelLoadError(f"{what}: {name} lists a token id more than once")
-    return torch.tensor(ids, dtype=torch.long)
+    try:
+        meta = json.loads((folder / f"{kind}_config.json").read_text())
+        listed = json.loads((folder / f"{kind}_vocab.json").read_text())
+        tensors = load_file(folder / "model.safetensors")
+    except (OSError, ValueError, SafetensorError) as e:  # (json.JSONDecodeError is a ValueError)
+        raise ModelLoadError(f"{what} is incomplete or corrupt: {type(e).__name__}: {e}") from e
+    if not isinstance(meta, dict):
+        raise ModelLoadError(f"{what} is incomplete or corrupt: {kind}_config.json holds no JSON object")
+    return meta, listed, tensors
+
+
+def check_vocab_ids(listed: Any, vocab_size: int, what: str, file: str) -> torch.Tensor:
+    """The token ids an artifact's vocabulary file `file` lists, as a LongTensor; ModelLoadError naming `what`
+    unless they are a non-empty list of distinct integers in [0, vocab_size). (A float would be truncated by
+    `torch.tensor`, and a repeated id would give one token two rows of a draft distribution.)"""
+    from specframe.errors import ModelLoadError
+
+    if not isinstance(listed, list) or not listed or not all(type(t) is int for t in listed):
+        raise ModelLoadError(f"{what}: {file} must be a non-empty JSON list of token ids (integers)")
+    if min(listed) < 0 or max(listed) >= vocab_size:
+        raise ModelLoadError(f"{what}: {file} lists token ids outside the target's vocabulary [0, {vocab_size})")
+    if len(set(listed)) != len(listed):
+        raise ModelLoadError(f"{what}: {file} lists a token id more than once")
+    return torch.tensor(listed, dtype=torch.long)

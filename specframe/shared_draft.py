@@ -19,12 +19,11 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specframe.errors import ConfigError, ModelLoadError, is_count
-from specframe.fingerprint import check_fingerprint, read_vocab_ids, target_fingerprint
+from specframe.fingerprint import check_fingerprint, check_vocab_ids, read_artifact, target_fingerprint
 
 FORMAT = "specframe-shared-draft"
 
@@ -143,16 +142,14 @@ def load_shared_draft(
     """Rebuild a saved shared draft on `target`, its own weights in `dtype` (default: the target's); returns
     (draft, vocab_ids). Refuses a draft made for another target."""
     p = Path(path)
+    what = f"draft '{p}'"
+    meta, listed, state = read_artifact(p, "draft", what)
+    check_fingerprint(meta.get("target"), target, what, adapter=False)
+    vocab_ids = check_vocab_ids(listed, target.get_output_embeddings().weight.shape[0], what, "draft_vocab.json")
     try:
-        meta = json.loads((p / "draft_config.json").read_text())
-        check_fingerprint(meta.get("target"), target, f"draft '{p}'", adapter=False)
-        vocab_ids = read_vocab_ids(
-            p / "draft_vocab.json", target.get_output_embeddings().weight.shape[0], f"draft '{p}'"
-        )
         layers = meta["llama_config"]["num_hidden_layers"]
-        state = load_file(p / "model.safetensors")
-    except (OSError, KeyError, TypeError, ValueError, RuntimeError, SafetensorError) as e:  # (json's: ValueError)
-        raise ModelLoadError(f"draft '{p}' is incomplete or corrupt: {type(e).__name__}: {e}") from e
+    except (KeyError, TypeError) as e:
+        raise ModelLoadError(f"{what} is incomplete or corrupt: {type(e).__name__}: {e}") from e
     if not is_count(layers):
         raise ModelLoadError(f"draft '{p}': llama_config.num_hidden_layers must be an integer >= 1, got {layers!r}")
     draft = build_shared_draft(target, layers, vocab_ids)

@@ -534,6 +534,11 @@ def test_missing_or_wrong_model_folders_are_refused(tmp_path, trained):
     (tmp_path / "bad-vocab" / "eagle_vocab.json").write_text("[0, 16]")
     with pytest.raises(ModelLoadError, match="bad-vocab': eagle_vocab.json lists token ids outside .*\\[0, 16\\)"):
         load_drafter(tmp_path / "bad-vocab", target)
+    shutil.copy(f"{cfg.out}/eagle_vocab.json", tmp_path / "bad-vocab")
+    meta = json.loads((tmp_path / "bad-vocab" / "eagle_config.json").read_text())
+    (tmp_path / "bad-vocab" / "eagle_config.json").write_text(json.dumps({**meta, "llama_config": [1]}))
+    with pytest.raises(ModelLoadError, match="bad-vocab' is incomplete or corrupt: llama_config: TypeError"):
+        load_drafter(tmp_path / "bad-vocab", target)
 
 
 @pytest.mark.parametrize(

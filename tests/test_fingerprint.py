@@ -1,10 +1,11 @@
 import copy
+import json
 
 import pytest
 import torch
 
 from specframe.errors import ModelLoadError
-from specframe.fingerprint import fingerprint_mismatch, mark_adapter, read_vocab_ids, target_fingerprint
+from specframe.fingerprint import check_vocab_ids, fingerprint_mismatch, mark_adapter, target_fingerprint
 from specframe.testing.tiny import tiny_llama
 
 
@@ -74,9 +75,7 @@ def test_a_merged_adapter_is_the_base_fingerprint_plus_the_adapter_file(model, t
         ('{"0": 1}', "must be a non-empty JSON list"),
     ],
 )
-def test_vocabulary_lists_that_do_not_fit_the_target_are_named(tmp_path, text, message):
-    (tmp_path / "x_vocab.json").write_text(text)
+def test_vocabulary_lists_that_do_not_fit_the_target_are_named(text, message):
     with pytest.raises(ModelLoadError, match=f"heads 'h': x_vocab.json {message}"):
-        read_vocab_ids(tmp_path / "x_vocab.json", 16, "heads 'h'")
-    (tmp_path / "x_vocab.json").write_text("[3, 0, 15]")
-    assert read_vocab_ids(tmp_path / "x_vocab.json", 16, "heads 'h'").tolist() == [3, 0, 15]
+        check_vocab_ids(json.loads(text), 16, "heads 'h'", "x_vocab.json")
+    assert check_vocab_ids([3, 0, 15], 16, "heads 'h'", "x_vocab.json").tolist() == [3, 0, 15]

@@ -157,7 +157,12 @@ def test_heads_for_another_target_are_refused(trained, tmp_path):
     shutil.copytree(cfg.out, tmp_path / "dup")
     (tmp_path / "dup" / "medusa_vocab.json").write_text("[1, 2, 2]")
     with pytest.raises(ModelLoadError, match="medusa heads .*dup': medusa_vocab.json lists a token id more than once"):
-        load_heads(tmp_path / "dup", other)
+        load_heads(tmp_path / "dup", trained[0])
+    meta = json.loads((tmp_path / "dup" / "medusa_config.json").read_text())
+    del meta["num_heads"]
+    (tmp_path / "dup" / "medusa_config.json").write_text(json.dumps(meta))
+    with pytest.raises(ModelLoadError, match="dup' are incomplete or corrupt: medusa_config.json lacks 'num_heads'"):
+        load_heads(tmp_path / "dup", trained[0])
 
 
 def test_resume_continues_after_the_last_epoch(trained, tmp_path):

@@ -37,8 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
@@ -272,20 +271,14 @@ def load_drafter(
 ):
     """(drafter, vocab_ids, metadata) from a saved folder; refuses a drafter made for another target. `option`
     is the config key that named the folder (for the error when it is not a drafter folder)."""
-    from specframe.fingerprint import check_fingerprint, read_vocab_ids
+    from specframe.fingerprint import check_fingerprint, check_vocab_ids, read_artifact
 
     p = Path(path)
     meta_file = p / "eagle_config.json"
     if not meta_file.is_file():
         what = "does not exist" if not p.exists() else "holds no eagle_config.json (not an EAGLE drafter folder)"
         raise ModelLoadError(f"{option} '{path}' {what}; train one with `specframe train --proposer eagle`")
-    try:
-        meta = json.loads(meta_file.read_text())
-        vocab = target.get_input_embeddings().weight.shape[0]
-        vocab_ids = read_vocab_ids(p / "eagle_vocab.json", vocab, f"EAGLE drafter '{p}'")
-        state = load_file(p / "model.safetensors")
-    except (OSError, ValueError, SafetensorError) as e:  # (json.JSONDecodeError is a ValueError)
-        raise ModelLoadError(f"EAGLE drafter '{p}' is unreadable: {e}") from e
+    meta, listed, state = read_artifact(p, "eagle", f"EAGLE drafter '{p}'")
     if meta.get("format") != FORMAT:
         raise ModelLoadError(f"'{meta_file}' is not a {FORMAT} file (format {meta.get('format')!r})")
     if meta.get("version") not in (1, 2):
@@ -293,6 +286,8 @@ def load_drafter(
             f"'{meta_file}' is {FORMAT} version {meta.get('version')!r}; this specframe reads versions 1 and 2"
         )
     check_fingerprint(meta.get("target"), target, f"EAGLE drafter '{p}'", adapter=False)
+    vocab = target.get_input_embeddings().weight.shape[0]
+    vocab_ids = check_vocab_ids(listed, vocab, f"EAGLE drafter '{p}'", "eagle_vocab.json")
     fuse_layers = meta.get("fuse_layers", [])
     try:
         if not isinstance(fuse_layers, list):
@@ -304,7 +299,12 @@ def load_drafter(
         raise ModelLoadError(
             f"EAGLE drafter '{p}' is inconsistent: version {meta['version']} with fuse_layers {fuse_layers}"
         )
-    cfg = LlamaConfig(**meta["llama_config"])
+    try:
+        cfg = LlamaConfig(**meta["llama_config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(
+            f"EAGLE drafter '{p}' is incomplete or corrupt: llama_config: {type(e).__name__}: {e}"
+        ) from e
     cfg._attn_implementation = "sdpa"
     hidden = target.get_input_embeddings().weight.shape[1]
     if cfg.hidden_size != hidden or cfg.vocab_size != len(vocab_ids):

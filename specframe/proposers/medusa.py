@@ -24,13 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from specframe.cpu_kernels import few_rows_linear
 from specframe.errors import ConfigError, ModelLoadError
-from specframe.fingerprint import fingerprint_mismatch, read_vocab_ids, target_fingerprint
+from specframe.fingerprint import check_vocab_ids, fingerprint_mismatch, read_artifact, target_fingerprint
 from specframe.models import check_proposer_dtype, proposer_dtype
 from specframe.proposer import (
     Acceptance,
@@ -172,30 +171,32 @@ def load_heads(path: str | Path, target: torch.nn.Module) -> tuple[MedusaHeads, 
         raise ModelLoadError(
             f"medusa heads '{path}': no medusa_config.json (train with specframe train --proposer medusa)"
         )
-    try:
-        meta = json.loads(cfg_file.read_text())
-        vocab = target.get_output_embeddings().weight.shape[0]
-        vocab_ids = read_vocab_ids(path / "medusa_vocab.json", vocab, f"medusa heads '{path}'")
-        state = load_file(path / "model.safetensors")
-    except (OSError, ValueError, SafetensorError) as e:  # (json.JSONDecodeError is a ValueError)
-        raise ModelLoadError(f"medusa heads '{path}' are incomplete or corrupt: {e}") from e
+    meta, listed, state = read_artifact(path, "medusa", f"medusa heads '{path}'")
+    vocab = target.get_output_embeddings().weight.shape[0]
     if meta.get("format") != FORMAT:
         raise ModelLoadError(f"medusa heads '{path}': format {meta.get('format')!r}, expected {FORMAT!r}")
     hidden = target.config.hidden_size
-    if meta["hidden_size"] != hidden or meta["target_vocab_size"] != vocab:
+    try:
+        trained_hidden, trained_vocab, num_heads, layers = (
+            meta[k] for k in ("hidden_size", "target_vocab_size", "num_heads", "layers")
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"medusa heads '{path}' are incomplete or corrupt: medusa_config.json lacks {e}") from e
+    if trained_hidden != hidden or trained_vocab != vocab:
         raise ModelLoadError(
-            f"medusa heads '{path}' were trained for a target with hidden size {meta['hidden_size']} and "
-            f"{meta['target_vocab_size']} logits; this target has {hidden} and {vocab}"
+            f"medusa heads '{path}' were trained for a target with hidden size {trained_hidden} and "
+            f"{trained_vocab} logits; this target has {hidden} and {vocab}"
         )
     why = fingerprint_mismatch(meta.get("target"), target)
     if why is not None:
         adapter = meta.get("adapter")
         hint = f" (they were trained with the Medusa-2 adapter '{adapter}': target.adapter=...)" if adapter else ""
         raise ModelLoadError(f"medusa heads '{path}' were made for another target: {why}{hint}")
-    heads = MedusaHeads(hidden, meta["num_heads"], meta["layers"])
+    vocab_ids = check_vocab_ids(listed, vocab, f"medusa heads '{path}'", "medusa_vocab.json")
     try:
+        heads = MedusaHeads(hidden, num_heads, layers)
         heads.load_state_dict({k: v.float() for k, v in state.items()})
-    except RuntimeError as e:
+    except (RuntimeError, TypeError, ValueError) as e:
         raise ModelLoadError(f"medusa heads '{path}': weights do not match medusa_config.json: {e}") from e
     return heads, vocab_ids, meta
 
