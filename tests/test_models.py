@@ -53,9 +53,12 @@ def tiny_config(hidden: int = 32, layers: int = 2) -> LlamaConfig:
     )
 
 
-def tiny_llama(hidden: int = 32, layers: int = 2, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(tiny_config(hidden, layers)).eval()
+def untied_llama(hidden: int = 32, layers: int = 2, seed: int = 0) -> LlamaForCausalLM:
+    """A tiny random Llama with its own LM head (not tied to the embeddings) and 64 tokens, as the GGUF and
+    adapter tests need (specframe.testing.tiny's models tie them)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(tiny_config(hidden, layers)).eval()
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
@@ -143,7 +146,7 @@ def write_tiny_gguf(path: Path, model: LlamaForCausalLM, *, arch: str = "llama",
 
 @pytest.fixture(scope="module")
 def tiny_model() -> LlamaForCausalLM:
-    return tiny_llama()
+    return untied_llama()
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +173,7 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_model: LlamaForCaus
 def lora_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("lora")
     peft_model = get_peft_model(
-        tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        untied_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     )
     peft_model.save_pretrained(d)
     return d
@@ -332,7 +335,7 @@ def test_adapter_is_loaded_and_merged(tiny_dir: Path, lora_dir: Path, tiny_model
     assert str(lora_dir) in lm.source
     ours = logits(lm.model)
     assert not torch.allclose(ours, logits(tiny_model))
-    reference = PeftModel.from_pretrained(tiny_llama(), str(lora_dir)).merge_and_unload()
+    reference = PeftModel.from_pretrained(untied_llama(), str(lora_dir)).merge_and_unload()
     assert torch.equal(ours, logits(reference))
 
 
@@ -347,8 +350,8 @@ def test_a_configs_target_section_reaches_the_loaded_decoder(tiny_dir: Path, lor
     decoder = SpeculativeDecoder.from_config(load_config(overrides=["proposer.name=none", *keys]))
     assert decoder.model.dtype == torch.bfloat16 and decoder.device == torch.device("cpu")
     ours = logits(decoder.model).float()
-    merged = logits(PeftModel.from_pretrained(tiny_llama(), str(lora_dir)).merge_and_unload())
-    base = logits(tiny_llama())
+    merged = logits(PeftModel.from_pretrained(untied_llama(), str(lora_dir)).merge_and_unload())
+    base = logits(untied_llama())
     # (merged in bfloat16, so it is the float32 merge only up to bfloat16 rounding, and far from the base model)
     assert (ours - merged).abs().max() < 0.25 * (ours - base).abs().max()
     plain = SpeculativeDecoder.from_config(load_config(overrides=["proposer.name=none", keys[0]]))
@@ -356,7 +359,7 @@ def test_a_configs_target_section_reaches_the_loaded_decoder(tiny_dir: Path, lor
 
 
 def test_adapter_for_another_hidden_size_refused(tmp_path: Path, tiny_dir: Path) -> None:
-    other = get_peft_model(tiny_llama(hidden=48), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    other = get_peft_model(untied_llama(hidden=48), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     other.save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError, match="does not fit the base model") as e:
         load_model(str(tiny_dir), adapter=str(tmp_path), quiet=True)
@@ -365,7 +368,7 @@ def test_adapter_for_another_hidden_size_refused(tmp_path: Path, tiny_dir: Path)
 
 def test_adapter_with_extra_layers_refused(tmp_path: Path, tiny_dir: Path) -> None:
     # Same shapes, one layer more: peft would drop the extra tensors without a word.
-    other = get_peft_model(tiny_llama(layers=3), LoraConfig(r=4, target_modules=["q_proj"]))
+    other = get_peft_model(untied_llama(layers=3), LoraConfig(r=4, target_modules=["q_proj"]))
     other.save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError, match="match no module"):
         load_model(str(tiny_dir), adapter=str(tmp_path), quiet=True)
