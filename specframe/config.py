@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from specframe.errors import ConfigError
-from specframe.sampling import check_sampling
+from specframe.sampling import check_sampling, check_seed
 
 
 @dataclass
@@ -51,6 +51,7 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         check_sampling(self.temperature, self.top_k, self.top_p)
+        check_seed(self.seed)
 
 
 @dataclass
@@ -69,6 +70,8 @@ class GenerationConfig:
 def stop_strings(stop: str | list[str] | None, key: str = "stop") -> list[str]:
     """Stop strings as a list (one string is one stop string, not its characters); each must be non-empty text.
     The error names `key`: the config key, or the Python API's `stop` argument."""
+    if stop is not None and not isinstance(stop, str | list | tuple | ListConfig):
+        raise ConfigError(f"{key} must be a string or a list of strings, got {stop!r}")
     stop = [stop] if isinstance(stop, str) else list(stop or [])
     for s in stop:
         if not isinstance(s, str) or not s:
@@ -127,17 +130,35 @@ def with_overrides(raw: DictConfig, overrides: list[str]) -> DictConfig:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> SpecframeConfig:
     """Merge defaults, an optional YAML file and `KEY=VALUE` overrides into a validated SpecframeConfig."""
-    from specframe.plugins import get_registry
-
     from_file = load_yaml(path) if path else OmegaConf.create({})
     raw = with_overrides(from_file, overrides or [])
+    try:
+        return build_config(from_file, raw, overrides or [])
+    except OmegaConfBaseException as e:  # a whole section that cannot be resolved, e.g. `sampling: ${oops}`
+        key = getattr(e, "full_key", None) or next((k for k in raw if not resolves(raw, k)), None)
+        raise ConfigError(f"{f'{key}: ' if key else 'bad config: '}{one_line(e)}") from e
+
+
+def resolves(raw: DictConfig, key: Any) -> bool:
+    """Whether `raw[key]`, interpolations included, can be resolved."""
+    try:
+        OmegaConf.to_container(OmegaConf.masked_copy(raw, [key]), resolve=True)
+        return True
+    except OmegaConfBaseException:
+        return False
+
+
+def build_config(from_file: DictConfig, raw: DictConfig, overrides: list[str]) -> SpecframeConfig:
+    """`load_config`'s second half: the merged `raw` (a file's `from_file` plus `overrides`) validated."""
+    from specframe.plugins import get_registry
+
     # Another proposer named over the one the file names (`--config eagle.yaml --proposer none`): the file's
     # proposer options belong to its own proposer, so only the overrides' apply to the one chosen. (A file whose
     # proposer section names none keeps its options for whichever proposer is named.)
     named, chosen = from_file.get("proposer"), raw.get("proposer")
     if isinstance(named, DictConfig) and "name" in named and isinstance(chosen, DictConfig):
         if named.name != chosen.get("name", "none"):
-            raw = with_overrides(OmegaConf.merge(from_file, {"proposer": None}), overrides or [])
+            raw = with_overrides(OmegaConf.merge(from_file, {"proposer": None}), overrides)
     proposer_raw = raw.pop("proposer", None) or OmegaConf.create({})
     if not isinstance(proposer_raw, DictConfig):
         raise ConfigError("proposer must be a mapping with at least 'name'")
@@ -179,8 +200,8 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
     except TypeError as e:  # OmegaConf: e.g. `key.0=x` on a list field (a dotlist index makes a mapping)
         raise ConfigError(f"{prefix}: {one_line(e)} (set a list field whole, e.g. {prefix}.KEY=[a,b])") from e
     except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None)
-        where = f"{prefix}.{key}" if key else prefix
+        key = getattr(e, "full_key", None) or ""
+        where = key if key == prefix or key.startswith(prefix + ".") else f"{prefix}.{key}" if key else prefix
         raise ConfigError(f"{where}: {one_line(e)}") from e
 
 

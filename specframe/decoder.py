@@ -14,7 +14,7 @@ from specframe.config import stop_strings
 from specframe.errors import BadInputError, ProposerError, SpecframeError, is_count
 from specframe.kv_cache import keep_positions, new_cache, tree_attention_mask
 from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo, validate_proposal
-from specframe.sampling import SamplingParams
+from specframe.sampling import SamplingParams, check_seed
 
 Prompt = str | list[int] | list[dict[str, str]] | torch.Tensor
 
@@ -61,6 +61,7 @@ class SpeculativeDecoder:
         self.sampling = sampling or SamplingParams()  # defaults: greedy
         self.max_new_tokens = max_new_tokens
         self.stop = stop_strings(stop)
+        check_seed(seed, key="seed")
         self.seed = seed
         self.acceptance = acceptance or TreeAcceptance()
         self.info = target_info(model, tokenizer)
@@ -174,6 +175,7 @@ class SpeculativeDecoder:
             raise BadInputError(f"max_new_tokens must be an integer >= 1, got {max_new!r}")
         stop = self.stop if stop is None else stop_strings(stop)
         seed = self.seed if seed is None else seed
+        check_seed(seed, key="seed")
         generator = torch.Generator(device=self.device)
         if seed is None:
             generator.seed()  # a fresh random seed

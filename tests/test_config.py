@@ -42,11 +42,24 @@ def test_packaged_configs_load_by_name():
         (["generation.stop=['ok','']"], "generation.stop must hold non-empty strings"),
         (["proposer.name=draft", "proposer.num_speculative_tokens=0"], "proposer.num_speculative_tokens"),
         (["proposer.name=draft", "proposer.greedy=maybe"], "proposer.greedy"),
+        (["sampling.seed=99999999999999999999999"], r"sampling.seed must be an integer in \[0, 2\*\*64\)"),
+        (["sampling.seed=-1"], "sampling.seed must be an integer"),
+        (["generation.stop=5"], "generation.stop"),
+        # Interpolations that cannot be resolved, of a value and of a whole section: named, never doubled.
+        (["target.model=${oops}"], r"^target.model: Interpolation key 'oops' not found"),
+        (["sampling=${oops}"], r"^sampling: Interpolation key 'oops' not found"),
+        (["proposer=${oops}"], r"^proposer: Interpolation key 'oops' not found"),
     ],
 )
 def test_bad_config_names_the_full_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=overrides)
+
+
+def test_an_unresolvable_section_in_a_file_is_named(tmp_path):
+    (tmp_path / "c.yaml").write_text("sampling: ${oops}\n")
+    with pytest.raises(ConfigError, match="^sampling: Interpolation key 'oops' not found"):
+        load_config(tmp_path / "c.yaml")
 
 
 def test_missing_required_value_names_the_key(tmp_path):

@@ -106,6 +106,12 @@ def test_prompt_errors(target):
         dec.generate("hello")
     with pytest.raises(BadInputError, match="max_new_tokens"):
         dec.generate([1], max_new_tokens=0)
+    with pytest.raises(BadInputError, match=r"seed must be an integer in \[0, 2\*\*64\)"):
+        dec.generate([1], seed=2**70)
+    with pytest.raises(BadInputError, match="stop must be a string or a list of strings, got 5"):
+        dec.generate([1], stop=5)
+    with pytest.raises(BadInputError, match="seed must be an integer"):
+        SpeculativeDecoder(target, NoneProposer(NoneConfig(), target_info(target)), seed=1.5)
 
 
 def test_generation_stops_at_the_context_window():
