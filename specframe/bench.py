@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from specframe.data import read_jsonl, shared_data_file
-from specframe.errors import BadInputError, is_count
+from specframe.errors import BadInputError, check_output_path, is_count
 
 # Spec-Bench's six subtasks and the `category` values of question.jsonl that make them up.
 SUBTASKS: dict[str, tuple[str, ...]] = {
@@ -117,6 +117,9 @@ class BenchOptions:
         """Raise BadInputError (exit 2) on options that cannot run, before any model is loaded."""
         if not str(self.out).strip():
             raise BadInputError("--out must name a folder (it would write the report into the current one)")
+        check_output_path(self.out, "--out", folder=True)
+        if self.results_doc:
+            check_output_path(self.results_doc, "--results-doc", folder=False)
         unknown = [s for s in self.subtasks if s not in SUBTASKS]
         if unknown:
             raise BadInputError(f"unknown subtask '{unknown[0]}'; known: {', '.join(SUBTASKS)}")
@@ -596,6 +599,10 @@ def render(path: str | Path, out: str | Path | None = None, results_doc: str | N
     The numbers are recomputed from the stored per-turn records, so a report change needs no new run; the page
     still names the command that produced the records."""
     p = Path(path)
+    if out:
+        check_output_path(out, "--out", folder=True)
+    if results_doc:
+        check_output_path(results_doc, "--results-doc", folder=False)
     try:
         doc = json.loads(p.read_text())
     except (OSError, json.JSONDecodeError) as e:

@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from specframe.errors import BadInputError
+from specframe.errors import BadInputError, check_output_path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -293,7 +293,8 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
     from specframe.data import DEFAULT_PROMPTS, check_tag, distill, read_prompts, shared_data_file
     from specframe.models import load_model
 
-    check_tag(args.tag)  # (distill checks it too; here it fails before the model loads)
+    check_tag(args.tag)  # (distill checks these two too; here they fail before the model loads)
+    check_output_path(args.out, "--out", folder=False)
     for name in ("limit", "batch_size", "max_new_tokens", "max_prompt_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from specframe.errors import BadInputError, is_count
+from specframe.errors import BadInputError, check_output_path, is_count
 
 SHARED_DATA = Path("..") / "shared" / "data"  # from the project root
 DEFAULT_PROMPTS = "train_prompts/prompts.jsonl"  # under SHARED_DATA
@@ -172,9 +172,9 @@ def distill(
 
     check_tag(tag)
     out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_output_path(out, "--out", folder=False)
     done = {e.id for e in read_distill(out)} if out.exists() else set()
-    todo = []
+    todo, too_long = [], 0
     for row in prompts:
         if response_id(str(row["id"]), tag) in done:
             continue
@@ -184,6 +184,15 @@ def distill(
         ids = ids["input_ids"] if not isinstance(ids, list) else ids
         if len(ids) <= max_prompt_tokens:
             todo.append((str(row["id"]), row.get("source", ""), ids))
+        else:
+            too_long += 1
+    if too_long and not quiet:
+        print(
+            f"skipping {too_long} prompts longer than {max_prompt_tokens} tokens (--max-prompt-tokens)", file=sys.stderr
+        )
+    if not todo:
+        return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
     todo.sort(key=lambda t: len(t[2]))  # similar lengths per batch: little padding
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = tokenizer.eos_token_id

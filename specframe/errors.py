@@ -1,5 +1,9 @@
 """Exceptions. The CLI maps `BadInputError` (and subclasses) to exit code 2, anything else to 1."""
 
+from __future__ import annotations
+
+from pathlib import Path
+
 
 def is_count(value: object, minimum: int = 1) -> bool:
     """Whether `value` is an integer >= `minimum` (a bool is not one, though Python counts it as an int): the
@@ -29,3 +33,17 @@ class ProposerError(SpecframeError):
 
 class PluginError(SpecframeError):
     """A plugin could not be loaded or registered."""
+
+
+def check_output_path(path: str | Path, what: str, folder: bool) -> None:
+    """Raise BadInputError naming `what` (e.g. "--out") when `path` cannot be written as a folder (`folder`) or
+    as a file: it exists as the other kind, or the nearest existing parent is a file. Checked before a long job
+    starts, so that the job's results are not lost at the end."""
+    p = Path(path)
+    if folder and p.exists() and not p.is_dir():
+        raise BadInputError(f"{what} '{path}' is a file; it must name a folder")
+    if not folder and p.is_dir():
+        raise BadInputError(f"{what} '{path}' is a folder; it must name a file")
+    parent = next((q for q in p.absolute().parents if q.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise BadInputError(f"{what} '{path}' lies under '{parent}', which is a file")

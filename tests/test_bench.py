@@ -494,3 +494,16 @@ def test_near_tie_from_the_targets_logits():
         model.lm_head.weight[t2] = model.lm_head.weight[t1]
     tie = bench.explain_difference(model, context, [t1], [t2], 0, 1e-3)
     assert tie["gap"] == 0.0 and tie["near_tie"]
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_the_run(tiny_dirs, questions, tmp_path):
+    # (before: the whole run, then exit 1 at the end, with nothing or only part of it saved)
+    (tmp_path / "file").write_text("")
+    (tmp_path / "folder").mkdir()
+    code, _, err = run_cli(*bench_args(tiny_dirs, questions, tmp_path / "file", "--proposers", "none"))
+    assert code == 2 and "--out '" in err and "file' is a file; it must name a folder" in err, err
+    args = bench_args(tiny_dirs, questions, tmp_path / "o", "--proposers", "none", "--results-doc")
+    code, _, err = run_cli(*args, str(tmp_path / "folder"))
+    assert code == 2 and "folder' is a folder; it must name a file" in err and not (tmp_path / "o").exists(), err
+    code, _, err = run_cli("bench", "--render", str(tmp_path / "x.json"), "--results-doc", str(tmp_path / "folder"))
+    assert code == 2 and "--results-doc" in err and "is a folder" in err, err

@@ -43,6 +43,21 @@ def test_greedy_pass_is_the_target_greedy_response_and_resumes(tokenizer, tmp_pa
     assert run(model, tokenizer, out) == 0  # resumed: every prompt is done
 
 
+def test_prompts_over_the_limit_are_reported_and_nothing_is_written_when_none_is_left(tokenizer, tmp_path, capsys):
+    model = tiny_llama(vocab_size=8, seed=0)
+    out = tmp_path / "new" / "d.jsonl"
+    added = distill(model, tokenizer, PROMPTS, out, max_new_tokens=4, max_prompt_tokens=1)
+    assert added == 0 and not out.parent.exists()  # (before: an empty file, and "added 0" with no reason)
+    assert "skipping 12 prompts longer than 1 tokens (--max-prompt-tokens)" in capsys.readouterr().err
+
+
+def test_cli_refuses_an_out_that_is_a_folder_before_loading_the_target(capsys, tmp_path):
+    (tmp_path / "d.jsonl").mkdir()  # (before: "distillation data '...' does not exist")
+    code = distill_with_absent_target(tmp_path)
+    err = capsys.readouterr().err
+    assert code == 2 and "--out '" in err and "d.jsonl' is a folder; it must name a file" in err and "absent" not in err
+
+
 def test_a_tagged_pass_adds_second_responses_kept_with_their_prompt_in_the_split(tokenizer, tmp_path):
     model = tiny_llama(vocab_size=8, seed=0)
     out = tmp_path / "d.jsonl"
@@ -145,7 +160,7 @@ def test_cli_refuses_a_benchmark_question_as_a_prompt_before_loading_the_target(
 def test_cli_refuses_a_negative_temperature_before_loading_the_target(capsys, tmp_path):
     code = distill_with_absent_target(tmp_path, "--temperature", "-1")
     err = capsys.readouterr().err
-    assert code == 2 and "--temperature must be >= 0" in err and "absent" not in err
+    assert code == 2 and "--temperature must be a finite number >= 0" in err and "absent" not in err
 
 
 def test_shared_data_is_found_from_the_working_directory_first(tmp_path, monkeypatch):

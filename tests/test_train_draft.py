@@ -268,10 +268,27 @@ def test_init_layers_outside_the_target_are_named(tmp_path, layer):
         train_draft(cfg, target, None, log=lambda m: None)
 
 
-def test_a_features_cache_that_is_a_file_is_refused(tmp_path):
-    (tmp_path / "cache").write_text("")
-    with pytest.raises(ConfigError, match="train.features_cache .* is a file, not a folder"):
-        DraftTrainConfig(features_cache=str(tmp_path / "cache"))
+def test_output_folders_that_cannot_be_written_are_refused_before_training(tmp_path):
+    # (before: an `out` that is a file failed after the first epoch, at its checkpoint)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="train.features_cache '.*file' is a file; it must name a folder"):
+        DraftTrainConfig(features_cache=str(tmp_path / "file"))
+    with pytest.raises(ConfigError, match="train.out '.*file' is a file; it must name a folder"):
+        DraftTrainConfig(out=str(tmp_path / "file"))
+    with pytest.raises(ConfigError, match="train.out '.*file/draft' lies under '.*file', which is a file"):
+        DraftTrainConfig(out=str(tmp_path / "file" / "draft"))
+
+
+def test_training_into_another_kind_of_artifact_is_refused(trained, tmp_path):
+    # (before: a draft trained into a folder of Medusa heads replaced their weights, and the heads failed to load)
+    from specframe.training.eagle import EagleTrainConfig
+    from specframe.training.medusa import MedusaTrainConfig
+
+    _, cfg, _ = trained
+    for other in (MedusaTrainConfig, EagleTrainConfig):
+        with pytest.raises(ConfigError, match=f"holds a trained draft artifact .*training a {other.artifact} there"):
+            other(out=cfg.out)
+    assert DraftTrainConfig(out=cfg.out).out == cfg.out  # retraining a draft in place is allowed
 
 
 @pytest.mark.parametrize("field, value", [("layers", 0), ("heldout_fraction", 1.0), ("epochs", 0)])

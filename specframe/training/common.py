@@ -7,19 +7,24 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from specframe.data import DistillExample
-from specframe.errors import ConfigError, ModelLoadError
+from specframe.errors import BadInputError, ConfigError, ModelLoadError, check_output_path
+
+ARTIFACT_KINDS = ("draft", "medusa", "eagle")  # a trained artifact's folder holds `<kind>_config.json`
 
 
 @dataclass
 class TrainRunConfig:
     """The options every `specframe train --proposer NAME` shares; each trainer extends it (and may change a
     default by declaring the field again)."""
+
+    artifact: ClassVar[str] = ""  # the kind of artifact this trainer writes (one of ARTIFACT_KINDS)
 
     # Self-distillation data from `specframe data distill` (JSONL of prompt/response token ids).
     data: str = "runs/distill/smollm2-135m-instruct.jsonl"
@@ -54,8 +59,18 @@ class TrainRunConfig:
             raise ConfigError(f"train.heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
         if not str(self.out).strip():
             raise ConfigError("train.out must name a folder (it would write the artifact into the current one)")
-        if self.features_cache and Path(self.features_cache).exists() and not Path(self.features_cache).is_dir():
-            raise ConfigError(f"train.features_cache '{self.features_cache}' is a file, not a folder")
+        try:
+            check_output_path(self.out, "train.out", folder=True)
+            if self.features_cache:
+                check_output_path(self.features_cache, "train.features_cache", folder=True)
+        except BadInputError as e:
+            raise ConfigError(str(e)) from None
+        other = next((k for k in ARTIFACT_KINDS if (Path(self.out) / f"{k}_config.json").is_file()), None)
+        if other is not None and other != self.artifact:
+            raise ConfigError(
+                f"train.out '{self.out}' holds a trained {other} artifact ({other}_config.json): training a "
+                f"{self.artifact} there would mix the two; train into another folder"
+            )
 
 
 @dataclass

@@ -41,6 +41,8 @@ from specframe.training.features import split_features
 
 @dataclass
 class DraftTrainConfig(TrainRunConfig):
+    artifact = "draft"
+
     # Output folder for the trained draft (draft_config.json, draft_vocab.json, model.safetensors, card).
     out: str = "runs/draft"
     # Passes over the training split (the shipped SmolLM2-135M draft: 6).

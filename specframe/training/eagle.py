@@ -38,6 +38,8 @@ from specframe.training.common import TrainRunConfig, optimizer_step
 
 @dataclass
 class EagleTrainConfig(TrainRunConfig):
+    artifact = "eagle"
+
     # Output folder for the trained drafter (eagle_config.json, eagle_vocab.json, model.safetensors).
     out: str = "runs/eagle"
     # Passes over the training split.

@@ -47,6 +47,8 @@ PATH_RANKS = 10  # ranks per head considered in the path statistics
 
 @dataclass
 class MedusaTrainConfig(TrainRunConfig):
+    artifact = "medusa"
+
     # Output folder for the heads (medusa_config.json, medusa_vocab.json, model.safetensors; adapter/ in stage 2).
     out: str = "runs/medusa"
     # Passes over the training split.
