@@ -154,8 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("models", help="the offline default model(s)")
     msub = m.add_subparsers(dest="models_command", required=True)
-    pull = msub.add_parser("pull", help="download, verify and cache a model alias")
+    pull = msub.add_parser(
+        "pull", help="download, verify and cache a model alias; a cached copy is checked and pulled again if damaged"
+    )
     pull.add_argument("alias", nargs="?", default="smollm2-135m-instruct")
+    pull.add_argument("--force", action="store_true", help="pull again even when a complete copy is cached")
     pull.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     pull.set_defaults(run=cmd_models_pull)
     lst = msub.add_parser("list", help="aliases and where they are cached")
@@ -358,7 +361,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_models_pull(args: argparse.Namespace) -> int:
     from specframe.models import pull_default_model
 
-    print(pull_default_model(args.alias))
+    print(pull_default_model(args.alias, force=args.force, verify=True))
     return 0
 
 

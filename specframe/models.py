@@ -148,8 +148,30 @@ def _alias_dir(alias: str) -> Path:
     return cache_dir() / "models" / alias
 
 
+def _cache_problem(path: Path, checksums: bool = False) -> str | None:
+    """What is wrong with the cached copy in `path` (None when it is complete): not pulled, or a file whose size
+    (with `checksums`, whose sha256: seconds, for `specframe models pull`) differs from what the pull wrote.
+    Copies cached before the pull recorded its files are taken as they are."""
+    try:
+        marker = json.loads((path / _MARKER).read_text())
+    except (OSError, ValueError):
+        return "not cached"
+    if not (path / "config.json").is_file():
+        return "not cached"
+    for name, want in (marker.get("files") or {}).items():
+        f = path / name
+        size = f.stat().st_size if f.is_file() else None
+        if size is None:
+            return f"damaged: {name} is missing"
+        if size != want["bytes"]:
+            return f"damaged: {name} has {size} bytes, the pull wrote {want['bytes']}"
+        if checksums and _sha256_file(f) != want["sha256"]:
+            return f"damaged: {name} differs from what the pull wrote (sha256)"
+    return None
+
+
 def _is_cached(path: Path) -> bool:
-    return (path / _MARKER).is_file() and (path / "config.json").is_file()
+    return _cache_problem(path) is None
 
 
 def _say(quiet: bool, msg: str) -> None:
@@ -267,7 +289,13 @@ def load_model(
         if name in ALIASES:
             # The one-time pull always says what it does (it takes a while); `quiet` only hushes transformers.
             cached = pull_default_model(name, quiet=False)
-            model, tokenizer = _load_hf_dir(cached, kwargs)
+            try:
+                model, tokenizer = _load_hf_dir(cached, kwargs)
+            except ModelLoadError as e:
+                raise ModelLoadError(
+                    f"{e} (the cached copy of {name} may be damaged: `specframe models pull --force {name}` "
+                    "pulls it again)"
+                ) from e
             source = f"{name} ({cached})"
         elif path.is_dir():
             model, tokenizer = _load_hf_dir(path, kwargs)
@@ -584,12 +612,20 @@ def _apply_adapter(model: Any, adapter: str, base: str) -> Any:
 # ------------------------------------------------------------------------------------------------ pulling aliases
 
 
-def pull_default_model(alias: str = DEFAULT_ALIAS, *, quiet: bool = False, force: bool = False) -> Path:
-    """Make sure `alias` is cached as a Hugging Face directory (pulling it if needed) and return that directory."""
+def pull_default_model(
+    alias: str = DEFAULT_ALIAS, *, quiet: bool = False, force: bool = False, verify: bool = False
+) -> Path:
+    """Make sure `alias` is cached as a Hugging Face directory (pulling it if needed) and return that directory.
+    A copy whose files do not have the sizes (with `verify`, the sha256) the pull recorded is pulled again;
+    `force` pulls again whatever the copy."""
     spec = _get_alias(alias)
     final = _alias_dir(alias)
-    if _is_cached(final) and not force:
+    problem = _cache_problem(final, checksums=verify)
+    if problem is None and not force:
         return final
+    if problem and problem != "not cached":
+        _say(quiet, f"the cached copy of {alias} at {final} is {problem}: pulling it again")
+        force = True  # (replace the damaged copy)
     root = final.parent
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -617,6 +653,9 @@ def pull_default_model(alias: str = DEFAULT_ALIAS, *, quiet: bool = False, force
                 "gguf_sha256": spec.sha256,
                 "dtype": str(CACHE_DTYPE).removeprefix("torch."),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            marker["files"] = {
+                f.name: {"bytes": f.stat().st_size, "sha256": _sha256_file(f)} for f in sorted(partial.iterdir())
             }
             (partial / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
             # mkdtemp makes a private (0700) dir; the cache is ordinary readable data.
@@ -746,7 +785,7 @@ def _sha256_file(path: Path) -> str:
 
 
 def list_models() -> list[dict[str, str]]:
-    """Every alias: alias, description, status (`cached` or `not cached`) and its cache path."""
+    """Every alias: alias, description, status (`cached`, `not cached` or what is damaged) and its cache path."""
     rows = []
     for spec in ALIASES.values():
         path = _alias_dir(spec.name)
@@ -754,7 +793,7 @@ def list_models() -> list[dict[str, str]]:
             {
                 "alias": spec.name,
                 "description": spec.description,
-                "status": "cached" if _is_cached(path) else "not cached",
+                "status": _cache_problem(path) or "cached",
                 "path": str(path),
             }
         )

@@ -532,6 +532,38 @@ def test_alias_from_env_gguf(
     assert sm._is_cached(cached) and [p.name for p in (home / "models").iterdir()] == ["tiny-test"]
 
 
+def test_a_damaged_cached_copy_is_named_and_pulled_again(
+    home: Path, fake_alias: ModelAlias, tiny_gguf: Path, tiny_model: LlamaForCausalLM, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    from specframe.cli import main
+
+    monkeypatch.setenv(fake_alias.wheel_env, str(tiny_gguf))
+    cached = pull_default_model("tiny-test", quiet=True)
+    weights = cached / "model.safetensors"
+    whole = weights.read_bytes()
+    # Truncated: the sizes the pull recorded give it away (list, and the next load, which pulls it again).
+    weights.write_bytes(whole[: len(whole) // 2])
+    row = next(r for r in list_models() if r["alias"] == "tiny-test")
+    assert row["status"] == f"damaged: model.safetensors has {len(whole) // 2} bytes, the pull wrote {len(whole)}"
+    lm = load_model("tiny-test")
+    assert "is damaged: model.safetensors has" in capsys.readouterr().err and weights.read_bytes() == whole
+    assert torch.equal(logits(lm.model), logits(tiny_model))
+    # Same size, other bytes: only `models pull` (sha256) finds it, and repairs it.
+    weights.write_bytes(whole[:-8] + bytes(8))
+    assert main(["models", "pull", "tiny-test"]) == 0 and weights.read_bytes() == whole
+    assert "differs from what the pull wrote (sha256): pulling it again" in capsys.readouterr().err
+    # A copy that cannot be loaded says how to repair it; --force pulls again whatever the copy.
+    weights.write_bytes(whole[:-8] + bytes(8))
+    marker = json.loads((cached / sm._MARKER).read_text())
+    del marker["files"]  # (as a copy cached before the pull recorded its files)
+    (cached / sm._MARKER).write_text(json.dumps(marker))
+    weights.write_bytes(b"not safetensors")
+    with pytest.raises(ModelLoadError, match="may be damaged: `specframe models pull --force tiny-test`"):
+        load_model("tiny-test", quiet=True)
+    assert main(["models", "pull", "--force", "tiny-test"]) == 0 and weights.read_bytes() == whole
+
+
 def test_sha_mismatch_caches_nothing(
     home: Path, fake_alias: ModelAlias, tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
