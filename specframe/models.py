@@ -383,7 +383,21 @@ def _from_pretrained(src: str, what: str, **kwargs: Any) -> transformers.PreTrai
     try:
         model, info = AutoModelForCausalLM.from_pretrained(src, output_loading_info=True, **kwargs)
     except _load_errors() as e:
-        raise ModelLoadError(f"could not load model {what}: {_first_line(e)}") from e
+        if "ignore_mismatched_sizes" not in str(e):
+            raise ModelLoadError(f"could not load model {what}: {_first_line(e)}") from e
+        # transformers names the tensors whose shapes differ only in a log it has just printed (hushed when
+        # quiet): load again, letting them through, to name one; the model itself is refused either way.
+        try:
+            _, info = AutoModelForCausalLM.from_pretrained(
+                src, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
+            )
+            name, found, expected = next(iter(info.get("mismatched_keys") or ()))
+        except (*_load_errors(), StopIteration, TypeError, ValueError):
+            raise ModelLoadError(f"could not load model {what}: {_first_line(e)}") from e
+        raise ModelLoadError(
+            f"weights of {what} do not match its config: {name} has shape {list(found)} in the checkpoint, "
+            f"{list(expected)} in the config"
+        ) from e
     # transformers only warns about weights the checkpoint lacks and initialises them randomly: a silently
     # different model. Refuse instead.
     missing = sorted(info.get("missing_keys") or ())

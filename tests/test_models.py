@@ -258,6 +258,17 @@ def test_checkpoint_missing_a_tensor_refused(tmp_path: Path, tiny_dir: Path) -> 
         load_model(str(tmp_path), quiet=True)
 
 
+def test_weights_of_another_shape_than_the_config_are_named(tmp_path: Path, tiny_dir: Path) -> None:
+    # (transformers names them only in a log it prints first, hushed here: its error says "look at the above report")
+    config = json.loads((tiny_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 128}))
+    (tmp_path / "model.safetensors").write_bytes((tiny_dir / "model.safetensors").read_bytes())
+    with pytest.raises(
+        ModelLoadError, match=r"embed_tokens.weight has shape \[64, 32\] in the checkpoint, \[128, 32\]"
+    ):
+        load_model(str(tmp_path), quiet=True)
+
+
 def test_a_file_that_is_not_gguf(tmp_path: Path) -> None:
     f = tmp_path / "weights.safetensors"
     f.write_bytes(b"x")
