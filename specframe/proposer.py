@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from specframe.errors import ConfigError, ProposerError
+from specframe.errors import ConfigError, ModelLoadError, ProposerError
 from specframe.sampling import SamplingParams
 
 
@@ -159,6 +159,19 @@ def resolve_confidence_threshold(configured: float | None, saved: Any, what: str
         check_confidence_threshold(saved, what)
         configured = saved
     return float(configured or 0.0)
+
+
+def saved_shape_applies(meta: dict, device: torch.device, what: str) -> bool:
+    """Whether the proposal shape saved with an artifact (a draft's γ, Medusa's tree, EAGLE's tree shape) applies
+    on `device`. An artifact may say which device type the shape was measured on (`shape_tuned_on`, e.g. "cpu":
+    on a CPU a few more tokens per verification cost time, on a GPU they are nearly free); on another device
+    type the proposer's default for that device is used instead. Without the key the saved shape applies."""
+    tuned = meta.get("shape_tuned_on")
+    if tuned is None:
+        return True
+    if not isinstance(tuned, str) or not tuned:
+        raise ModelLoadError(f"shape_tuned_on in {what} must be a device type such as 'cpu', got {tuned!r}")
+    return tuned == device.type
 
 
 def validate_proposal(

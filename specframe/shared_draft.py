@@ -103,11 +103,16 @@ def save_shared_draft(
     (out / "draft_config.json").write_text(json.dumps(meta, indent=2))
 
 
+def saved_meta(path: str | Path) -> dict:
+    """A shared draft's draft_config.json (its folder is loaded and checked first, by `load_shared_draft`)."""
+    return json.loads((Path(path) / "draft_config.json").read_text())
+
+
 def saved_gamma(path: str | Path) -> int | None:
     """The γ saved with a shared draft (`num_speculative_tokens` in draft_config.json), or None; a value that
     is not an integer >= 1 is an error naming the file (never silently replaced by the default)."""
     file = Path(path) / "draft_config.json"
-    value = json.loads(file.read_text()).get("num_speculative_tokens")
+    value = saved_meta(path).get("num_speculative_tokens")
     if value is not None and not is_count(value):
         raise ModelLoadError(f"num_speculative_tokens in {file} must be an integer >= 1 or null, got {value!r}")
     return value
@@ -116,7 +121,7 @@ def saved_gamma(path: str | Path) -> int | None:
 def saved_threshold(path: str | Path) -> object:
     """The confidence threshold saved with a shared draft (`confidence_threshold` in draft_config.json), or
     None; the proposer validates it."""
-    return json.loads((Path(path) / "draft_config.json").read_text()).get("confidence_threshold")
+    return saved_meta(path).get("confidence_threshold")
 
 
 class CastEmbedding(torch.nn.Module):

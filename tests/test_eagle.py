@@ -588,3 +588,27 @@ def test_registered_and_configured():
     assert cfg.proposer_name == "eagle" and cfg.proposer.depth == 3 and cfg.proposer.tree is True
     with pytest.raises(ConfigError, match="proposer.top_k"):
         load_config("configs/eagle.yaml", ["proposer.top_k=0"])
+
+
+def test_a_tree_shape_tuned_on_a_cpu_is_not_used_on_other_devices(trained, tmp_path):
+    # The shipped drafter's one-token shape is the fastest on a CPU; on a GPU, where ~60 verified tokens cost
+    # what 1 does, the device's default (EAGLE-2's 60-node shape) applies. ("meta" stands in for a GPU here.)
+    import dataclasses
+
+    from specframe.proposers.eagle import ACCELERATOR_TREE_SHAPE
+
+    target, cfg, _, _ = trained
+    shutil.copytree(cfg.out, tmp_path / "tuned")
+    meta = json.loads((tmp_path / "tuned" / "eagle_config.json").read_text())
+    meta["tree_shape"] = {"depth": 1, "top_k": 1, "total_tokens": 1}
+    info = target_info(target)
+    elsewhere = dataclasses.replace(info, device=torch.device("meta"))
+    for tuned_on, on_cpu, on_meta in ((None, 1, 1), ("cpu", 1, ACCELERATOR_TREE_SHAPE["total_tokens"])):
+        (tmp_path / "tuned" / "eagle_config.json").write_text(json.dumps({**meta, "shape_tuned_on": tuned_on}))
+        config = EagleConfig(model=str(tmp_path / "tuned"))
+        assert EagleProposer.from_config(config, info).total_tokens == on_cpu, tuned_on
+        assert EagleProposer.from_config(config, elsewhere).total_tokens == on_meta, tuned_on
+    assert EagleProposer.from_config(EagleConfig(model=str(tmp_path / "tuned"), depth=2), elsewhere).depth == 2
+    (tmp_path / "tuned" / "eagle_config.json").write_text(json.dumps({**meta, "shape_tuned_on": 3}))
+    with pytest.raises(ModelLoadError, match="shape_tuned_on in .*eagle_config.json must be a device type"):
+        EagleProposer.from_config(EagleConfig(model=str(tmp_path / "tuned")), info)

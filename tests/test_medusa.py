@@ -342,3 +342,22 @@ def test_cli_trains_medusa(tmp_path, tiny_dirs, capsys):
     saved = json.loads((tmp_path / "heads" / "medusa_config.json").read_text())["train_config"]
     assert saved["num_heads"] == 2 and saved["tree_nodes"] == 16 and saved["epochs"] == 1
     assert main(["train", "--proposer", "medusa", "--target", str(tiny_dirs["target"]), "stage=5"]) == 2
+
+
+def test_a_tree_tuned_on_a_cpu_is_rebuilt_for_other_devices(trained, tmp_path):
+    # On another device type than the one the saved tree was chosen on, the tree is rebuilt from the heads'
+    # path statistics with ACCELERATOR_TREE_NODES nodes. ("meta" stands in for a GPU here.)
+    import dataclasses
+
+    from specframe.proposers.medusa import ACCELERATOR_TREE_NODES
+
+    target, cfg, _ = trained
+    shutil.copytree(cfg.out, tmp_path / "tuned")
+    meta = json.loads((tmp_path / "tuned" / "medusa_config.json").read_text())
+    meta.update(tree=[[0]], shape_tuned_on="cpu")
+    (tmp_path / "tuned" / "medusa_config.json").write_text(json.dumps(meta))
+    info = target_info(target)
+    config = MedusaConfig(model=str(tmp_path / "tuned"))
+    assert MedusaProposer.from_config(config, info).tree == [(0,)]
+    elsewhere = MedusaProposer.from_config(config, dataclasses.replace(info, device=torch.device("meta")))
+    assert elsewhere.tree == best_tree(meta["path_counts"], ACCELERATOR_TREE_NODES) and len(elsewhere.tree) > 1

@@ -387,3 +387,19 @@ def test_a_draft_for_the_base_model_serves_it_with_an_adapter_merged(trained, tm
     (tmp_path / "adapter_model.safetensors").write_bytes(b"an adapter")
     mark_adapter(adapted, target_fingerprint(target), tmp_path / "adapter_model.safetensors")
     load_shared_draft(cfg.out, adapted)  # (exactness never depends on the draft; Medusa heads do refuse this)
+
+
+def test_a_gamma_tuned_on_a_cpu_is_not_used_on_other_devices(trained, tmp_path):
+    import dataclasses
+    import shutil
+
+    from specframe.proposers.draft import DEFAULT_GAMMA
+
+    target, cfg, _ = trained
+    shutil.copytree(cfg.out, tmp_path / "tuned")
+    edit_meta(tmp_path / "tuned", lambda m: m.update(num_speculative_tokens=1, shape_tuned_on="cpu"))
+    info = target_info(target)
+    config = DraftConfig(model=str(tmp_path / "tuned"))
+    assert DraftProposer.from_config(config, info).gamma == 1
+    elsewhere = dataclasses.replace(info, device=torch.device("meta"))  # (standing in for a GPU)
+    assert DraftProposer.from_config(config, elsewhere).gamma == DEFAULT_GAMMA

@@ -24,6 +24,7 @@ from specframe.proposer import (
     TargetInfo,
     check_confidence_threshold,
     resolve_confidence_threshold,
+    saved_shape_applies,
 )
 from specframe.sampling import sampling_probs
 from specframe.training.draft import DraftTrainConfig
@@ -102,7 +103,7 @@ class DraftProposer(Proposer):
     def from_config(cls, config: DraftConfig, target: TargetInfo) -> DraftProposer:
         from specframe.artifacts import shipped_draft
         from specframe.models import load_model
-        from specframe.shared_draft import is_shared_draft, load_shared_draft, saved_gamma, saved_threshold
+        from specframe.shared_draft import is_shared_draft, load_shared_draft, saved_gamma, saved_meta, saved_threshold
 
         path = config.model or shipped_draft(target.name)
         dtype = proposer_dtype(config.dtype, target.dtype, target.device)
@@ -115,9 +116,8 @@ class DraftProposer(Proposer):
             threshold = saved_threshold(path)
             check_confidence_threshold(threshold, f"confidence_threshold in {path}/draft_config.json")
             model, vocab_ids = load_shared_draft(path, target.model, dtype)
-            return cls(
-                config, target, model, vocab_ids=vocab_ids, saved_gamma=saved_gamma(path), saved_threshold=threshold
-            )
+            gamma = saved_gamma(path) if saved_shape_applies(saved_meta(path), target.device, f"{path}") else None
+            return cls(config, target, model, vocab_ids=vocab_ids, saved_gamma=gamma, saved_threshold=threshold)
         loaded = load_model(path, dtype=dtype, device=str(target.device), quiet=True)
         return cls(config, target, loaded.model, loaded.tokenizer)
 

@@ -52,13 +52,16 @@ from specframe.proposer import (
     TargetInfo,
     check_confidence_threshold,
     resolve_confidence_threshold,
+    saved_shape_applies,
 )
 from specframe.training.eagle import EagleTrainConfig
 from specframe.training.features import check_extra_layers
 
 FORMAT = "specframe-eagle"
-# Tree shape when neither the config nor the drafter's folder (`tree_shape` in eagle_config.json) gives one.
+# Tree shape when neither the config nor the drafter's folder (`tree_shape` in eagle_config.json) gives one, on
+# a CPU (where each verified token costs a little) and on a GPU (where ~60 cost what 1 does: EAGLE-2's shape).
 DEFAULT_TREE_SHAPE = {"depth": 5, "top_k": 6, "total_tokens": 24}
+ACCELERATOR_TREE_SHAPE = {"depth": 6, "top_k": 10, "total_tokens": 60}
 
 # Weight names the drafter stores (everything else is the target's or recomputed).
 OWN_PREFIXES = ("fc.", "layer.", "norm.", "fuse.", "fuse_norms.")
@@ -346,7 +349,8 @@ class EagleProposer(Proposer):
         tree_shape: dict | None = None,
     ):
         super().__init__(config, target)
-        shape = {**DEFAULT_TREE_SHAPE, **(tree_shape or {})}  # the drafter's saved shape, then the defaults
+        default = DEFAULT_TREE_SHAPE if target.device.type == "cpu" else ACCELERATOR_TREE_SHAPE
+        shape = {**default, **(tree_shape or {})}  # the drafter's saved shape, then the device's defaults
         self.depth = config.depth if config.depth is not None else shape["depth"]
         self.top_k = config.top_k if config.top_k is not None else shape["top_k"]
         self.total_tokens = config.total_tokens if config.total_tokens is not None else shape["total_tokens"]
@@ -394,7 +398,8 @@ class EagleProposer(Proposer):
             if value is not None and not is_count(value):
                 raise ModelLoadError(f"tree_shape.{key} {where} must be an integer >= 1, got {value!r}")
         check_confidence_threshold(shape.get("confidence_threshold"), f"tree_shape.confidence_threshold {where}")
-        return cls(config, target, drafter, vocab_ids, meta.get("tree_shape"))
+        applies = saved_shape_applies(meta, target.device, f"{path}/eagle_config.json")
+        return cls(config, target, drafter, vocab_ids, meta.get("tree_shape") if applies else None)
 
     @classmethod
     def random(

@@ -39,6 +39,7 @@ from specframe.proposer import (
     TargetInfo,
     check_confidence_threshold,
     resolve_confidence_threshold,
+    saved_shape_applies,
 )
 from specframe.training.medusa import MedusaTrainConfig
 
@@ -56,6 +57,9 @@ DEFAULT_TREE: list[tuple[int, ...]] = (
     + [(0, 0, 1, 0), (0, 1, 0, 0)]
     + [(0, 0, 0, 0, 0)]
 )
+# Nodes of the tree built from the heads' path statistics on a device other than the one their saved tree was
+# chosen on (`shape_tuned_on`): on a GPU, verifying ~64 tokens costs what 1 does (Medusa's own trees have 63).
+ACCELERATOR_TREE_NODES = 64
 
 
 @dataclass
@@ -267,6 +271,8 @@ class MedusaProposer(Proposer):
             if not meta.get("path_counts"):
                 raise ConfigError(f"proposer.tree_nodes: heads '{path}' carry no path statistics; give proposer.tree")
             tree = best_tree(meta["path_counts"], config.tree_nodes)
+        elif meta.get("path_counts") and not saved_shape_applies(meta, target.device, f"{path}/medusa_config.json"):
+            tree = best_tree(meta["path_counts"], ACCELERATOR_TREE_NODES)  # (the saved tree was chosen for a CPU)
         else:
             tree = [tuple(c) for c in meta.get("tree") or DEFAULT_TREE if len(c) <= heads.num_heads]
         saved = meta.get("confidence_threshold")
