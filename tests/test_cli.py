@@ -39,7 +39,18 @@ def test_generate_json_with_a_draft(capsys, tiny_dirs):
     assert code == 0, err
     res = json.loads(out)
     assert set(res) == {"text", "token_ids", "stats"}
-    assert len(res["token_ids"]) <= 6 and isinstance(res["text"], str)
+    # The target's own greedy continuation (up to its EOS), and stats that agree with it.
+    from specframe.models import load_model
+    from specframe.testing.conformance import reference_greedy
+
+    target = load_model(str(tiny_dirs["target"]), quiet=True)
+    greedy = reference_greedy(target.model, target.tokenizer("a b c")["input_ids"], 6)
+    eos = target.tokenizer.eos_token_id
+    assert 1 <= len(res["token_ids"]) and res["token_ids"] == greedy[: greedy.index(eos) + 1 if eos in greedy else 6]
+    s = res["stats"]
+    assert s["new_tokens"] == len(res["token_ids"]) and s["target_forwards"] >= 1
+    assert s["mean_accepted_length"] == pytest.approx(s["new_tokens"] / s["target_forwards"])
+    assert res["text"] == target.tokenizer.decode(res["token_ids"], skip_special_tokens=True)
     assert {
         "new_tokens",
         "target_forwards",
