@@ -295,6 +295,7 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
     from specframe.bench import default_benchmark_turns
     from specframe.data import DEFAULT_PROMPTS, check_tag, distill, read_prompts, shared_data_file
     from specframe.models import load_model
+    from specframe.sampling import check_sampling
 
     check_tag(args.tag)  # (distill checks these two too; here they fail before the model loads)
     check_output_path(args.out, "--out", folder=False)
@@ -302,8 +303,7 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise BadInputError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if not 0 <= args.temperature < float("inf"):  # (also nan)
-        raise BadInputError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    check_sampling(args.temperature, 0, 1.0, prefix="--")
     # (the benchmark's own questions are never training prompts, whatever file they come in)
     path = args.prompts or shared_data_file(DEFAULT_PROMPTS)
     prompts = read_prompts(path, benchmark_turns=default_benchmark_turns())[: args.limit]

@@ -322,11 +322,7 @@ def slot_positions(config: Any) -> str | None:
     ALiBi biases (Bloom, MPT, Falcon with `alibi`) and GPT-Neo's local-attention windows are computed from
     slots, which equal positions in a chain but not in a tree."""
     model_type = getattr(config, "model_type", None)
-    if (
-        model_type == "bloom"
-        or getattr(config, "alibi", False)
-        or getattr(getattr(config, "attn_config", None), "alibi", False)
-    ):
+    if model_type in ("bloom", "mpt") or getattr(config, "alibi", False):  # (MPT adds ALiBi whatever its config says)
         return "adds ALiBi attention biases by cache slot"
     if model_type == "gpt_neo" and "local" in (getattr(config, "attention_layers", None) or []):
         return "applies its local-attention window by cache slot"

@@ -40,10 +40,15 @@ def check_output_path(path: str | Path, what: str, folder: bool) -> None:
     as a file: it exists as the other kind, or the nearest existing parent is a file. Checked before a long job
     starts, so that the job's results are not lost at the end."""
     p = Path(path)
-    if folder and p.exists() and not p.is_dir():
-        raise BadInputError(f"{what} '{path}' is a file; it must name a folder")
-    if not folder and p.is_dir():
-        raise BadInputError(f"{what} '{path}' is a folder; it must name a file")
-    parent = next((q for q in p.absolute().parents if q.exists()), None)
+    try:
+        if p.is_symlink() and not p.exists():
+            raise BadInputError(f"{what} '{path}' is a link to nothing")
+        if folder and p.exists() and not p.is_dir():
+            raise BadInputError(f"{what} '{path}' is a file; it must name a folder")
+        if not folder and p.is_dir():
+            raise BadInputError(f"{what} '{path}' is a folder; it must name a file")
+        parent = next((q for q in p.absolute().parents if q.exists()), None)
+    except OSError as e:  # (e.g. a folder on the way that may not be read)
+        raise BadInputError(f"{what} '{path}' cannot be checked: {e}") from e
     if parent is not None and not parent.is_dir():
         raise BadInputError(f"{what} '{path}' lies under '{parent}', which is a file")

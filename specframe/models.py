@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specframe.errors import ConfigError, ModelLoadError
+from specframe.errors import ConfigError, ModelLoadError, is_count
 
 if TYPE_CHECKING:
     import transformers
@@ -158,7 +158,19 @@ def _cache_problem(path: Path, checksums: bool = False) -> str | None:
         return "not cached"
     if not (path / "config.json").is_file():
         return "not cached"
-    for name, want in (marker.get("files") or {}).items():
+    files = marker.get("files", {}) if isinstance(marker, dict) else None
+    if not isinstance(files, dict) or not all(
+        isinstance(name, str)
+        and "/" not in name
+        and "\\" not in name
+        and name not in ("", ".", "..")
+        and isinstance(want, dict)
+        and is_count(want.get("bytes"), 0)
+        and isinstance(want.get("sha256"), str)
+        for name, want in files.items()
+    ):
+        return f"damaged: {_MARKER} is unreadable"
+    for name, want in files.items():
         f = path / name
         size = f.stat().st_size if f.is_file() else None
         if size is None:

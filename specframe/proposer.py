@@ -169,9 +169,10 @@ def saved_shape_applies(meta: dict, device: torch.device, what: str) -> bool:
     tuned = meta.get("shape_tuned_on")
     if tuned is None:
         return True
-    if not isinstance(tuned, str) or not tuned:
-        raise ModelLoadError(f"shape_tuned_on in {what} must be a device type such as 'cpu', got {tuned!r}")
-    return tuned == device.type
+    try:
+        return torch.device(tuned.strip().lower()).type == device.type  # ("cuda:0" is the device type cuda)
+    except (AttributeError, RuntimeError, TypeError) as e:
+        raise ModelLoadError(f"shape_tuned_on in {what} must be a device type such as 'cpu', got {tuned!r}") from e
 
 
 def validate_proposal(

@@ -30,8 +30,8 @@ class SamplingParams:
 
 def check_seed(seed: object, key: str = "sampling.seed") -> None:
     """Raise ConfigError naming `key` unless `seed` is None or an integer a torch.Generator takes."""
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
-        raise ConfigError(f"{key} must be an integer in [0, 2**64) or unset (a fresh seed), got {seed!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64):
+        raise ConfigError(f"{key} must be an integer in [-2**63, 2**64) or unset (a fresh seed), got {seed!r}")
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float, prefix: str = "sampling.") -> None:

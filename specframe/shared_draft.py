@@ -104,7 +104,7 @@ def save_shared_draft(
 
 
 def saved_meta(path: str | Path) -> dict:
-    """A shared draft's draft_config.json (its folder is loaded and checked first, by `load_shared_draft`)."""
+    """A shared draft's draft_config.json (read once it is known to be one: see `is_shared_draft`)."""
     return json.loads((Path(path) / "draft_config.json").read_text())
 
 

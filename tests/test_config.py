@@ -42,8 +42,8 @@ def test_packaged_configs_load_by_name():
         (["generation.stop=['ok','']"], "generation.stop must hold non-empty strings"),
         (["proposer.name=draft", "proposer.num_speculative_tokens=0"], "proposer.num_speculative_tokens"),
         (["proposer.name=draft", "proposer.greedy=maybe"], "proposer.greedy"),
-        (["sampling.seed=99999999999999999999999"], r"sampling.seed must be an integer in \[0, 2\*\*64\)"),
-        (["sampling.seed=-1"], "sampling.seed must be an integer"),
+        (["sampling.seed=99999999999999999999999"], r"sampling.seed must be an integer in \[-2\*\*63, 2\*\*64\)"),
+        (["sampling.seed=-9223372036854775809"], "sampling.seed must be an integer"),
         (["generation.stop=5"], "generation.stop"),
         # Interpolations that cannot be resolved, of a value and of a whole section: named, never doubled.
         (["target.model=${oops}"], r"^target.model: Interpolation key 'oops' not found"),

@@ -106,7 +106,7 @@ def test_prompt_errors(target):
         dec.generate("hello")
     with pytest.raises(BadInputError, match="max_new_tokens"):
         dec.generate([1], max_new_tokens=0)
-    with pytest.raises(BadInputError, match=r"seed must be an integer in \[0, 2\*\*64\)"):
+    with pytest.raises(BadInputError, match=r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"):
         dec.generate([1], seed=2**70)
     with pytest.raises(BadInputError, match="stop must be a string or a list of strings, got 5"):
         dec.generate([1], stop=5)
@@ -384,6 +384,16 @@ def slot_position_models():
         model.generation_config.eos_token_id = None
         models[name] = model
     return models
+
+
+def test_mpt_is_taken_as_alibi_whatever_its_config_says():
+    import transformers as T
+
+    from specframe.decoder import slot_positions
+
+    # (transformers' MptModel builds ALiBi biases without reading attn_config.alibi)
+    assert slot_positions(T.MptConfig(attn_config={"alibi": False})) == "adds ALiBi attention biases by cache slot"
+    assert slot_positions(T.LlamaConfig()) is None
 
 
 def test_targets_that_read_positions_from_cache_slots_verify_chains_but_refuse_trees():

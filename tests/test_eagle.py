@@ -1,5 +1,6 @@
 import copy
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -609,6 +610,17 @@ def test_a_tree_shape_tuned_on_a_cpu_is_not_used_on_other_devices(trained, tmp_p
         assert EagleProposer.from_config(config, info).total_tokens == on_cpu, tuned_on
         assert EagleProposer.from_config(config, elsewhere).total_tokens == on_meta, tuned_on
     assert EagleProposer.from_config(EagleConfig(model=str(tmp_path / "tuned"), depth=2), elsewhere).depth == 2
+    # A device written as a device ("cuda:0", "CPU") names its type; a saved threshold applies on every device.
+    shape = {**meta["tree_shape"], "confidence_threshold": 0.25}
+    for tuned_on in ("CPU", "cpu:0"):
+        (tmp_path / "tuned" / "eagle_config.json").write_text(
+            json.dumps({**meta, "tree_shape": shape, "shape_tuned_on": tuned_on})
+        )
+        assert EagleProposer.from_config(EagleConfig(model=str(tmp_path / "tuned")), info).total_tokens == 1
+        far = EagleProposer.from_config(EagleConfig(model=str(tmp_path / "tuned")), elsewhere)
+        assert far.total_tokens == ACCELERATOR_TREE_SHAPE["total_tokens"] and far.min_score == pytest.approx(
+            math.log(0.25)
+        )
     (tmp_path / "tuned" / "eagle_config.json").write_text(json.dumps({**meta, "shape_tuned_on": 3}))
     with pytest.raises(ModelLoadError, match="shape_tuned_on in .*eagle_config.json must be a device type"):
         EagleProposer.from_config(EagleConfig(model=str(tmp_path / "tuned")), info)

@@ -8,7 +8,7 @@ from specframe import SpeculativeDecoder
 from specframe.cli import main
 from specframe.decoder import target_info
 from specframe.errors import ConfigError, ModelLoadError
-from specframe.proposers.medusa import MedusaConfig, MedusaHeads, MedusaProposer, check_tree, load_heads
+from specframe.proposers.medusa import DEFAULT_TREE, MedusaConfig, MedusaHeads, MedusaProposer, check_tree, load_heads
 from specframe.testing.conformance import reference_greedy
 from specframe.testing.suite import ProposerConformance
 from specframe.testing.tiny import one_thread, tiny_llama, write_distill_data
@@ -361,3 +361,7 @@ def test_a_tree_tuned_on_a_cpu_is_rebuilt_for_other_devices(trained, tmp_path):
     assert MedusaProposer.from_config(config, info).tree == [(0,)]
     elsewhere = MedusaProposer.from_config(config, dataclasses.replace(info, device=torch.device("meta")))
     assert elsewhere.tree == best_tree(meta["path_counts"], ACCELERATOR_TREE_NODES) and len(elsewhere.tree) > 1
+    # Tuned on a GPU ("cuda:0" names the type cuda), used on a CPU: the CPU default tree, not the 64-node one.
+    (tmp_path / "tuned" / "medusa_config.json").write_text(json.dumps({**meta, "shape_tuned_on": "cuda:0"}))
+    on_cpu = MedusaProposer.from_config(config, info)
+    assert on_cpu.tree == [c for c in DEFAULT_TREE if len(c) <= 3]

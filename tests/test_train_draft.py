@@ -271,6 +271,9 @@ def test_init_layers_outside_the_target_are_named(tmp_path, layer):
 def test_output_folders_that_cannot_be_written_are_refused_before_training(tmp_path):
     # (before: an `out` that is a file failed after the first epoch, at its checkpoint)
     (tmp_path / "file").write_text("")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match="train.out '.*dangling' is a link to nothing"):
+        DraftTrainConfig(out=str(tmp_path / "dangling"))
     with pytest.raises(ConfigError, match="train.features_cache '.*file' is a file; it must name a folder"):
         DraftTrainConfig(features_cache=str(tmp_path / "file"))
     with pytest.raises(ConfigError, match="train.out '.*file' is a file; it must name a folder"):

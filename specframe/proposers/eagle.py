@@ -398,8 +398,9 @@ class EagleProposer(Proposer):
             if value is not None and not is_count(value):
                 raise ModelLoadError(f"tree_shape.{key} {where} must be an integer >= 1, got {value!r}")
         check_confidence_threshold(shape.get("confidence_threshold"), f"tree_shape.confidence_threshold {where}")
-        applies = saved_shape_applies(meta, target.device, f"{path}/eagle_config.json")
-        return cls(config, target, drafter, vocab_ids, meta.get("tree_shape") if applies else None)
+        if not saved_shape_applies(meta, target.device, f"{path}/eagle_config.json"):  # (the threshold still does)
+            shape = {k: v for k, v in shape.items() if k not in ("depth", "top_k", "total_tokens")}
+        return cls(config, target, drafter, vocab_ids, shape)
 
     @classmethod
     def random(

@@ -265,16 +265,18 @@ class MedusaProposer(Proposer):
         if not Path(path).is_dir():
             raise ModelLoadError(f"medusa heads '{path}' do not exist")
         heads, vocab_ids, meta = load_heads(path, target.model)
+        saved_applies = saved_shape_applies(meta, target.device, f"{path}/medusa_config.json")
         if config.tree is not None:
             tree = [tuple(c) for c in config.tree]
         elif config.tree_nodes is not None:
             if not meta.get("path_counts"):
                 raise ConfigError(f"proposer.tree_nodes: heads '{path}' carry no path statistics; give proposer.tree")
             tree = best_tree(meta["path_counts"], config.tree_nodes)
-        elif meta.get("path_counts") and not saved_shape_applies(meta, target.device, f"{path}/medusa_config.json"):
-            tree = best_tree(meta["path_counts"], ACCELERATOR_TREE_NODES)  # (the saved tree was chosen for a CPU)
+        elif not saved_applies and target.device.type != "cpu" and meta.get("path_counts"):
+            tree = best_tree(meta["path_counts"], ACCELERATOR_TREE_NODES)  # (the saved tree was chosen elsewhere)
         else:
-            tree = [tuple(c) for c in meta.get("tree") or DEFAULT_TREE if len(c) <= heads.num_heads]
+            saved = meta.get("tree") if saved_applies else None
+            tree = [tuple(c) for c in saved or DEFAULT_TREE if len(c) <= heads.num_heads]
         saved = meta.get("confidence_threshold")
         check_confidence_threshold(saved, f"confidence_threshold in {path}/medusa_config.json")
         return cls(config, target, heads, vocab_ids, tree, saved)
