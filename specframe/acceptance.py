@@ -82,8 +82,9 @@ class TreeAcceptance:
         else:
             new = (r - q).clamp_min_(0.0)
         total = new.sum()
-        # A zero residual only arises from rounding (r == q would have accepted every draw): keep r.
-        return new / total if total > 0 else r
+        # A zero residual only arises from rounding (r == q would have accepted every draw): keep r. (Chosen on
+        # the device: no host sync.)
+        return torch.where(total > 0, new / total, r)
 
     def bonus(
         self, logits: torch.Tensor, row: int, parent_row: int, params: SamplingParams, generator: torch.Generator

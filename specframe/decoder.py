@@ -66,6 +66,8 @@ class SpeculativeDecoder:
         self.acceptance = acceptance or TreeAcceptance()
         self.info = target_info(model, tokenizer)
         self.device = self.info.device
+        # The dtype of the hidden states the attention adds a tree mask to (an LM head may be kept in another).
+        self.mask_dtype = model.get_input_embeddings().weight.dtype
         self.who = f"proposer '{proposer.name}'" + (f" (plugin '{plugin}')" if plugin else "")
         states = getattr(model.config, "num_hidden_layers", None)  # hidden states: the embeddings + each layer
         for asked in proposer.hidden_state_layers:
@@ -215,7 +217,7 @@ class SpeculativeDecoder:
             else:
                 check_tree_attention(model)
                 positions = (past + torch.tensor([0, *depths], device=self.device))[None]
-                mask = tree_attention_mask(proposal.parents.tolist(), past, self.info.dtype, self.device)
+                mask = tree_attention_mask(proposal.parents.tolist(), past, self.mask_dtype, self.device)
             out = model(
                 input_ids=inputs,
                 position_ids=positions,

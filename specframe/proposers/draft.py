@@ -184,7 +184,8 @@ class DraftProposer(Proposer):
                     confidence *= best  # the argmax's own probability
             else:  # (with a threshold, q is the distribution just computed to decide)
                 x, q = self.draw(logits, state, dist if self.threshold > 0 else None)
-                confidence *= float(q[x])
+                if self.threshold > 0:  # (a host sync: only when a threshold needs it)
+                    confidence *= float(q[x])
                 qs.append(q)
             tokens.append(x)
             if i == gamma - 1 or confidence < self.threshold:  # no next token could reach the threshold

@@ -480,7 +480,7 @@ class EagleProposer(Proposer):
         # 1. Commit the real pairs: the last output predicts the root's feature.
         m = self.pending_feats.shape[0]
         if m:
-            positions = torch.arange(self.committed, self.committed + m)
+            positions = torch.arange(self.committed, self.committed + m, device=self.target.device)
             out = self._feed(self.pending_feats, self.pending_next, positions, torch.ones(m, m).tril().bool())
             self.committed += m
             self.root_feat = out[-1]
@@ -504,11 +504,13 @@ class EagleProposer(Proposer):
         base = self.committed  # position of the root; a node at depth d sits at base + d
         logp = torch.log_softmax(self.drafter.logits(root_feat), -1)
         vals, idx = logp.topk(k)
+        # (each level's candidates reach the host in one transfer: a GPU then waits once per level, not per node)
+        root_scores, root_tokens = torch.stack([vals.double(), self.vocab_ids[idx].double()]).tolist()
         # The best first token always; the others when they reach the threshold (all of them without one).
-        sure = [i for i, v in enumerate(vals.tolist()) if i == 0 or v >= self.min_score]
-        tok: list[int] = self.vocab_ids[idx[sure]].tolist()
+        sure = [i for i, v in enumerate(root_scores) if i == 0 or v >= self.min_score]
+        tok: list[int] = [int(root_tokens[i]) for i in sure]
         parent: list[int] = [-1] * len(sure)
-        score: list[float] = vals[sure].tolist()
+        score: list[float] = [root_scores[i] for i in sure]
         level: list[int] = [1] * len(sure)
         entry: dict[int, int] = {}  # node -> its entry index among the tree pairs fed to the drafter
         frontier = [i for i in range(len(sure)) if score[i] >= self.min_score]  # not a forced first token
@@ -527,7 +529,7 @@ class EagleProposer(Proposer):
                 allowed[i, fed + i] = True
             feats = torch.stack([pred[parent[x]] for x in frontier])
             toks = torch.tensor([tok[x] for x in frontier], device=self.target.device)
-            positions = torch.full((len(frontier),), base + d - 2)
+            positions = torch.full((len(frontier),), base + d - 2, device=self.target.device)
             out = self._feed(feats, toks, positions, allowed)
             for i, x in enumerate(frontier):
                 entry[x] = fed + i
@@ -535,9 +537,10 @@ class EagleProposer(Proposer):
             logp = torch.log_softmax(self.drafter.logits(out), -1)  # [F, K]
             cand = logp + torch.tensor([score[x] for x in frontier], device=logp.device)[:, None]
             vals, idx = cand.topk(k, dim=-1)  # each frontier node's k best children
+            child_scores, child_tokens = torch.stack([vals.double(), self.vocab_ids[idx].double()]).tolist()
             new = []
             for i, x in enumerate(frontier):
-                for v, j in zip(vals[i].tolist(), self.vocab_ids[idx[i]].tolist(), strict=True):
+                for v, j in zip(child_scores[i], map(int, child_tokens[i]), strict=True):
                     if v < self.min_score:
                         break  # vals are sorted: the rest are below the threshold too
                     new.append(len(tok))
