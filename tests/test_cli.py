@@ -234,3 +234,21 @@ def test_a_broken_plugin_is_one_warning_line(capsys, monkeypatch):
     assert code == 0 and "none" in out
     assert err.count("\n") == 1 and err.startswith("specframe: warning: plugin 'acme-broken'")
     monkeypatch.setattr(plugins, "_registry", None)
+
+
+@pytest.mark.parametrize(
+    "raised, code, line",
+    [
+        (RuntimeError("disk on fire"), 1, "specframe: error: disk on fire"),  # any other failure: exit 1, one line
+        (KeyboardInterrupt(), 130, "specframe: interrupted"),
+    ],
+)
+def test_failures_that_are_not_bad_input_exit_1_and_an_interrupt_130(capsys, monkeypatch, raised, code, line):
+    import specframe.models
+
+    def boom(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(specframe.models, "list_models", boom)
+    code_got, out, err = run(capsys, "models", "list")
+    assert (code_got, out, err) == (code, "", line + "\n")

@@ -436,3 +436,30 @@ def test_tree_stats_count_depth_as_proposed_tokens_and_nodes_apart(target, info)
     assert s["target_forwards"] == 1 + steps and s["mean_accepted_length"] == n / (1 + steps)
     assert s["proposed_tokens"] == steps and s["proposed_nodes"] == 2 * steps
     assert s["accepted_tokens"] == steps and s["acceptance_rate"] == 1.0 and s["accepted_by_position"] == [steps]
+
+
+class CharTokenizer(LetterTokenizer):
+    """Text to ids by character, no chat template: enough to reach the prompt checks for text and messages."""
+
+    def __call__(self, text):
+        return {"input_ids": [ord(c) % 8 for c in text]}
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        (torch.tensor([[1, 2]]), "a tensor prompt must be a 1-D tensor of token ids"),
+        (torch.tensor([1.0, 2.0]), "a tensor prompt must be a 1-D tensor of token ids"),
+        ([1, {"role": "user", "content": "ab"}], "a list prompt must hold token ids .int. or messages"),
+        ([{"role": "user"}], "a list prompt must hold token ids .int. or messages"),
+        ([{"role": "user", "content": 5}], "a message's content must be text, got int"),
+        ({"role": "user", "content": "ab"}, "unsupported prompt type dict"),
+        ("   ", "the prompt is empty"),
+        ("a\udcffb", "the prompt is not valid UTF-8 text"),
+    ],
+)
+def test_malformed_prompts_are_named(target, info, prompt, message):
+    dec = SpeculativeDecoder(target, NoneProposer(NoneConfig(), info), CharTokenizer())
+    with pytest.raises(BadInputError, match=message):
+        dec.generate(prompt, max_new_tokens=2)
+    assert dec.generate([{"role": "user", "content": "ab"}], max_new_tokens=2).token_ids  # (a good one runs)
