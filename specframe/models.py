@@ -403,8 +403,8 @@ def _from_pretrained(src: str, what: str, **kwargs: Any) -> transformers.PreTrai
             _, info = AutoModelForCausalLM.from_pretrained(
                 src, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
             )
-            name, found, expected = next(iter(info.get("mismatched_keys") or ()))
-        except (*_load_errors(), StopIteration, TypeError, ValueError):
+            name, found, expected = min(info.get("mismatched_keys") or ())  # (the first by name: stable)
+        except (*_load_errors(), TypeError, ValueError):
             raise ModelLoadError(f"could not load model {what}: {_first_line(e)}") from e
         raise ModelLoadError(
             f"weights of {what} do not match its config: {name} has shape {list(found)} in the checkpoint, "
