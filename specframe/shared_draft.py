@@ -108,20 +108,21 @@ def saved_meta(path: str | Path) -> dict:
     return json.loads((Path(path) / "draft_config.json").read_text())
 
 
-def saved_gamma(path: str | Path) -> int | None:
-    """The γ saved with a shared draft (`num_speculative_tokens` in draft_config.json), or None; a value that
-    is not an integer >= 1 is an error naming the file (never silently replaced by the default)."""
-    file = Path(path) / "draft_config.json"
-    value = saved_meta(path).get("num_speculative_tokens")
+def saved_gamma(meta: dict, path: str | Path) -> int | None:
+    """The γ saved with the shared draft in `path` (`num_speculative_tokens` in its draft_config.json, read as
+    `meta`), or None; a value that is not an integer >= 1 is an error naming the file (never silently replaced
+    by the default)."""
+    value = meta.get("num_speculative_tokens")
     if value is not None and not is_count(value):
+        file = Path(path) / "draft_config.json"
         raise ModelLoadError(f"num_speculative_tokens in {file} must be an integer >= 1 or null, got {value!r}")
     return value
 
 
-def saved_threshold(path: str | Path) -> object:
-    """The confidence threshold saved with a shared draft (`confidence_threshold` in draft_config.json), or
-    None; the proposer validates it."""
-    return saved_meta(path).get("confidence_threshold")
+def saved_threshold(meta: dict) -> object:
+    """The confidence threshold saved with a shared draft (`confidence_threshold` in its draft_config.json,
+    read as `meta`), or None; the proposer validates it."""
+    return meta.get("confidence_threshold")
 
 
 class CastEmbedding(torch.nn.Module):

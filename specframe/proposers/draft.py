@@ -113,11 +113,12 @@ class DraftProposer(Proposer):
                 "(alias, directory, hub id or .gguf) or train one with `specframe train --proposer draft`"
             )
         if is_shared_draft(path):
-            threshold = saved_threshold(path)
+            meta = saved_meta(path)
+            threshold = saved_threshold(meta)
             check_confidence_threshold(threshold, f"confidence_threshold in {path}/draft_config.json")
             model, vocab_ids = load_shared_draft(path, target.model, dtype)
-            applies = saved_shape_applies(saved_meta(path), target.device, f"{path}/draft_config.json")
-            gamma = saved_gamma(path) if applies else None
+            applies = saved_shape_applies(meta, target.device, f"{path}/draft_config.json")
+            gamma = saved_gamma(meta, path) if applies else None
             return cls(config, target, model, vocab_ids=vocab_ids, saved_gamma=gamma, saved_threshold=threshold)
         loaded = load_model(path, dtype=dtype, device=str(target.device), quiet=True)
         return cls(config, target, loaded.model, loaded.tokenizer)
