@@ -117,9 +117,7 @@ class BenchOptions:
         """Raise BadInputError (exit 2) on options that cannot run, before any model is loaded."""
         if not str(self.out).strip():
             raise BadInputError("--out must name a folder (it would write the report into the current one)")
-        check_output_path(self.out, "--out", folder=True)
-        if self.results_doc:
-            check_output_path(self.results_doc, "--results-doc", folder=False)
+        check_report_paths(self.out, self.results_doc)
         unknown = [s for s in self.subtasks if s not in SUBTASKS]
         if unknown:
             raise BadInputError(f"unknown subtask '{unknown[0]}'; known: {', '.join(SUBTASKS)}")
@@ -593,16 +591,21 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
     return doc
 
 
+def check_report_paths(out: str | Path | None, results_doc: str | None) -> None:
+    """Refuse (BadInputError) a report folder or results page that cannot be written, before any work."""
+    if out:
+        check_output_path(out, "--out", folder=True)
+    if results_doc:
+        check_output_path(results_doc, "--results-doc", folder=False)
+
+
 def render(path: str | Path, out: str | Path | None = None, results_doc: str | None = None) -> dict[str, Any]:
     """Re-make the summary, Markdown and plots of an earlier run from its bench.json (no generation).
 
     The numbers are recomputed from the stored per-turn records, so a report change needs no new run; the page
     still names the command that produced the records."""
     p = Path(path)
-    if out:
-        check_output_path(out, "--out", folder=True)
-    if results_doc:
-        check_output_path(results_doc, "--results-doc", folder=False)
+    check_report_paths(out, results_doc)
     try:
         doc = json.loads(p.read_text())
     except (OSError, json.JSONDecodeError) as e:

@@ -103,11 +103,6 @@ def save_shared_draft(
     (out / "draft_config.json").write_text(json.dumps(meta, indent=2))
 
 
-def saved_meta(path: str | Path) -> dict:
-    """A shared draft's draft_config.json (read once it is known to be one: see `is_shared_draft`)."""
-    return json.loads((Path(path) / "draft_config.json").read_text())
-
-
 def saved_gamma(meta: dict, path: str | Path) -> int | None:
     """The γ saved with the shared draft in `path` (`num_speculative_tokens` in its draft_config.json, read as
     `meta`), or None; a value that is not an integer >= 1 is an error naming the file (never silently replaced
@@ -144,9 +139,9 @@ class CastEmbedding(torch.nn.Module):
 
 def load_shared_draft(
     path: str | Path, target: torch.nn.Module, dtype: torch.dtype | None = None
-) -> tuple[LlamaForCausalLM, torch.Tensor]:
+) -> tuple[LlamaForCausalLM, torch.Tensor, dict]:
     """Rebuild a saved shared draft on `target`, its own weights in `dtype` (default: the target's); returns
-    (draft, vocab_ids). Refuses a draft made for another target."""
+    (draft, vocab_ids, metadata: its draft_config.json). Refuses a draft made for another target."""
     p = Path(path)
     what = f"draft '{p}'"
     meta, listed, state = read_artifact(p, "draft", what)
@@ -173,7 +168,7 @@ def load_shared_draft(
             part.to(dtype)
         draft.model.embed_tokens = CastEmbedding(target.get_input_embeddings(), dtype)
         draft.config.dtype = dtype
-    return draft.to(target.device).eval().requires_grad_(False), vocab_ids.to(target.device)
+    return draft.to(target.device).eval().requires_grad_(False), vocab_ids.to(target.device), meta
 
 
 def as_full_vocab_model(draft: LlamaForCausalLM, vocab_ids: torch.Tensor, vocab_size: int) -> LlamaForCausalLM:

@@ -7,7 +7,6 @@ drawing a sampled token), and saved values and bad values behave.
 """
 
 import copy
-import json
 import math
 
 import pytest
@@ -290,12 +289,10 @@ def test_saved_thresholds_are_the_default_and_the_config_overrides_them(tmp_path
         == 0.3
     )
     # draft: confidence_threshold in a shared draft's draft_config.json
-    from specframe.shared_draft import saved_meta, saved_threshold
+    from specframe.shared_draft import saved_threshold
 
-    (tmp_path / "draft_config.json").write_text(json.dumps({"confidence_threshold": 0.4}))
-    assert saved_threshold(saved_meta(tmp_path)) == 0.4
-    (tmp_path / "draft_config.json").write_text(json.dumps({}))
-    assert saved_threshold(saved_meta(tmp_path)) is None
+    assert saved_threshold({"confidence_threshold": 0.4}) == 0.4
+    assert saved_threshold({}) is None
     draft = DraftProposer.random(info, DraftConfig(), seed=0)
     assert DraftProposer(DraftConfig(), info, draft.model, None, saved_threshold=0.4).threshold == 0.4
     assert (

@@ -123,6 +123,29 @@ def distill_with_absent_target(tmp_path, *options: str) -> int:
     return main(["data", "distill", "--out", str(tmp_path / "d.jsonl"), "--target", str(tmp_path / "absent"), *options])
 
 
+def test_cli_distills_what_the_api_does_then_resumes_with_nothing_to_add(capsys, tmp_path, tokenizer, tiny_dirs):
+    """`specframe data distill` as a user runs it: a target directory (with a chat template), a prompts file;
+    it writes the rows the Python API writes for the same model, says how many, and a second run adds none."""
+    from transformers import AutoModelForCausalLM
+
+    from specframe.cli import main
+
+    target = tmp_path / "target"
+    AutoModelForCausalLM.from_pretrained(tiny_dirs["target"]).save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    out = tmp_path / "d.jsonl"
+    argv = ["data", "distill", "--target", str(target), "--prompts", str(prompts), "--out", str(out)]
+    argv += ["--dtype", "float32", "--device", "cpu", "--max-new-tokens", "4", "--batch-size", "5"]
+    assert main(argv) == 0
+    assert f"added {len(PROMPTS)} responses to {out}" in capsys.readouterr().err
+    model = AutoModelForCausalLM.from_pretrained(target)
+    run(model, tokenizer, tmp_path / "api.jsonl")
+    assert read_distill(out) == read_distill(tmp_path / "api.jsonl")
+    assert main(argv) == 0 and f"added 0 responses to {out}" in capsys.readouterr().err
+
+
 def test_cli_refuses_a_bad_tag_before_loading_the_target(capsys, tmp_path):
     code = distill_with_absent_target(tmp_path, "--prompts", str(tmp_path / "absent.jsonl"), "--tag", "a b")
     err = capsys.readouterr().err

@@ -74,6 +74,22 @@ def test_same_seed_same_output_under_sampling(target, info):
     assert a == b and any(x != a for x in c)
 
 
+def test_no_seed_draws_fresh_samples_and_leaves_the_global_generator_alone(target, info):
+    """seed=None (the default) seeds each call afresh: repeated calls differ (five identical 40-token samples
+    would need a near-deterministic target, which the same calls with seeds 0-4 rule out) and torch's global
+    generator is neither read nor advanced; a decoder-level seed makes every call repeat."""
+    dec = SpeculativeDecoder(target, DraftProposer.random(info, DraftConfig(num_speculative_tokens=2), seed=3))
+    seeded = {tuple(dec.generate([1, 2], max_new_tokens=40, temperature=1.0, seed=s).token_ids) for s in range(5)}
+    assert len(seeded) > 1  # (the target is not near-deterministic at temperature 1)
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    fresh = {tuple(dec.generate([1, 2], max_new_tokens=40, temperature=1.0).token_ids) for _ in range(5)}
+    assert len(fresh) > 1 and torch.equal(torch.get_rng_state(), before)
+    fixed = SpeculativeDecoder(dec.model, dec.proposer, seed=11)
+    runs = {tuple(fixed.generate([1, 2], max_new_tokens=40, temperature=1.0).token_ids) for _ in range(3)}
+    assert runs == {tuple(dec.generate([1, 2], max_new_tokens=40, temperature=1.0, seed=11).token_ids)}
+
+
 def test_eos_ends_generation_and_is_kept(target):
     ref = reference_greedy(target, [1, 2, 3], 12)
     target.generation_config.eos_token_id = ref[4]

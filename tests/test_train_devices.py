@@ -37,7 +37,12 @@ def test_every_trainer_runs_on_the_target_s_device(device, tmp_path):
     ]
     expected = reference_greedy(target, [1, 2, 3], 12)
     for proposer in proposers:
-        assert SpeculativeDecoder(target, proposer).generate([1, 2, 3], max_new_tokens=12).token_ids == expected
+        decoder = SpeculativeDecoder(target, proposer)
+        assert decoder.generate([1, 2, 3], max_new_tokens=12).token_ids == expected
+        # sampling runs the residual and q paths on the device too; a seed repeats it, token for token
+        sampled = [decoder.generate([1, 2, 3], max_new_tokens=12, temperature=1.0, top_k=8, seed=5) for _ in "ab"]
+        assert sampled[0].token_ids == sampled[1].token_ids and all(0 <= t < 16 for t in sampled[0].token_ids)
+        assert sampled[0].stats["proposed_tokens"] > 0
     # Medusa-2: LoRA through PEFT on the target's device (training only: loading needs the adapter merged).
     stage2 = MedusaTrainConfig(**common, out=str(tmp_path / "m2"), stage=2, num_heads=2, lora_rank=2, features_cache="")
     train_medusa(stage2, target, None, **quiet)

@@ -122,7 +122,8 @@ def test_trained_draft_is_exact_under_greedy_and_reduced_vocabulary(trained):
 
 def test_full_vocab_wrapper_matches_the_reduced_draft(trained):
     target, cfg, _ = trained
-    draft, vocab_ids = load_shared_draft(cfg.out, target)
+    draft, vocab_ids, meta = load_shared_draft(cfg.out, target)
+    assert meta["format"] == "specframe-shared-draft" and meta["llama_config"]["num_hidden_layers"] == 1
     full = as_full_vocab_model(draft, vocab_ids, 16)
     ids = torch.tensor([[1, 2, 3, 4]])
     small, big = draft(input_ids=ids).logits[0, -1], full(input_ids=ids).logits[0, -1]
@@ -134,7 +135,7 @@ def test_bf16_draft_leaves_the_shared_embedding_alone_and_stays_exact(trained):
     it shares, and greedy output is still the target's."""
     target, cfg, _ = trained
     before = target.get_input_embeddings().weight.clone()
-    draft, _ = load_shared_draft(cfg.out, target, torch.bfloat16)
+    draft, _, _ = load_shared_draft(cfg.out, target, torch.bfloat16)
     assert draft.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
     assert draft.lm_head.weight.dtype == torch.bfloat16
     assert target.get_input_embeddings().weight.dtype == torch.float32
@@ -183,7 +184,7 @@ def test_draft_for_another_target_is_refused(trained):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_draft_trained_in_float32_loads_on_the_target_in_half_precision(trained, dtype):
     target, cfg, _ = trained
-    draft, _ = load_shared_draft(cfg.out, copy.deepcopy(target).to(dtype))
+    draft, _, _ = load_shared_draft(cfg.out, copy.deepcopy(target).to(dtype))
     assert draft.dtype == dtype
 
 

@@ -103,7 +103,7 @@ class DraftProposer(Proposer):
     def from_config(cls, config: DraftConfig, target: TargetInfo) -> DraftProposer:
         from specframe.artifacts import shipped_draft
         from specframe.models import load_model
-        from specframe.shared_draft import is_shared_draft, load_shared_draft, saved_gamma, saved_meta, saved_threshold
+        from specframe.shared_draft import is_shared_draft, load_shared_draft, saved_gamma, saved_threshold
 
         path = config.model or shipped_draft(target.name)
         dtype = proposer_dtype(config.dtype, target.dtype, target.device)
@@ -113,10 +113,9 @@ class DraftProposer(Proposer):
                 "(alias, directory, hub id or .gguf) or train one with `specframe train --proposer draft`"
             )
         if is_shared_draft(path):
-            meta = saved_meta(path)
+            model, vocab_ids, meta = load_shared_draft(path, target.model, dtype)
             threshold = saved_threshold(meta)
             check_confidence_threshold(threshold, f"confidence_threshold in {path}/draft_config.json")
-            model, vocab_ids = load_shared_draft(path, target.model, dtype)
             applies = saved_shape_applies(meta, target.device, f"{path}/draft_config.json")
             gamma = saved_gamma(meta, path) if applies else None
             return cls(config, target, model, vocab_ids=vocab_ids, saved_gamma=gamma, saved_threshold=threshold)

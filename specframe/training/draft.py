@@ -117,7 +117,7 @@ def initial_draft(cfg: DraftTrainConfig, target) -> tuple[torch.nn.Module, torch
     if not is_shared_draft(folder):
         raise ConfigError(f"train.init_from '{folder}' is not a trained shared draft (no draft_config.json of one)")
     try:
-        draft, vocab_ids = load_shared_draft(folder, target)
+        draft, vocab_ids, _ = load_shared_draft(folder, target)
     except ModelLoadError as e:
         raise ConfigError(f"train.init_from: {e}") from e
     have = len(draft.model.layers)
