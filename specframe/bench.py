@@ -27,6 +27,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import statistics
 import sys
@@ -118,6 +119,10 @@ class BenchOptions:
         if not str(self.out).strip():
             raise BadInputError("--out must name a folder (it would write the report into the current one)")
         check_report_paths(self.out, self.results_doc)
+        for flag, names in (("subtasks", self.subtasks), ("proposers", self.proposers), ("baselines", self.baselines)):
+            twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+            if twice is not None:  # (a subtask would run twice; a method's two runs would pool under one name)
+                raise BadInputError(f"--{flag} lists '{twice}' twice")
         unknown = [s for s in self.subtasks if s not in SUBTASKS]
         if unknown:
             raise BadInputError(f"unknown subtask '{unknown[0]}'; known: {', '.join(SUBTASKS)}")
@@ -322,11 +327,22 @@ def hf_method(
 ) -> Method:
     """transformers `generate` on the shared target, on PyTorch's and transformers' own kernels; `extra` selects
     assisted or prompt-lookup decoding."""
+    from transformers import GenerationConfig
+
     from specframe.cpu_kernels import stock_kernels
 
     pad = eos_ids[0] if eos_ids else None
+    # As specframe's decoder: no token past the target's context window (transformers would go on past it).
+    window = getattr(model.config, "max_position_embeddings", None) or 10**9
+    # transformers fills every generate() setting left unset from the target's generation_config.json (a
+    # repetition penalty, say, or a minimum length); specframe's methods apply none of those, so the baselines
+    # run from a neutral config (a fresh one per call), as for a model that ships none; sampling settings are
+    # passed explicitly.
 
     def run(ids: list[int], max_new: int, seed: int) -> Output:
+        if len(ids) >= window:
+            raise BadInputError(f"the prompt has {len(ids)} tokens; the target's context window is {window}")
+        max_new = min(max_new, window - len(ids))
         x = torch.tensor([ids], device=model.device)
         kwargs: dict[str, Any] = {"max_new_tokens": max_new, "eos_token_id": eos_ids or None, "pad_token_id": pad}
         if options.greedy:
@@ -336,10 +352,14 @@ def hf_method(
             kwargs.update(do_sample=True, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
             torch.manual_seed(seed)
         counter.calls = 0
-        with stock_kernels(model):  # as a transformers user runs it (specframe/cpu_kernels.py)
-            t0 = time.perf_counter()
-            out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kwargs, **extra)
-            seconds = time.perf_counter() - t0
+        own, model.generation_config = model.generation_config, GenerationConfig()
+        try:
+            with stock_kernels(model):  # as a transformers user runs it (specframe/cpu_kernels.py)
+                t0 = time.perf_counter()
+                out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kwargs, **extra)
+                seconds = time.perf_counter() - t0
+        finally:
+            model.generation_config = own
         new = cut_at_eos(out[0, len(ids) :].tolist(), eos_ids)
         return Output(new, counter.calls, seconds, None)
 
@@ -432,7 +452,8 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
         try:
             built[name] = proposer(name)
         except BadInputError as e:  # no trained artifact for this target, or one that does not fit it
-            skipped[name] = one_line(e)
+            # (the proposer's config keys are `<name>.<key>` here, not `proposer.<key>` as in generate)
+            skipped[name] = re.sub(r"(?<![\w.])proposer\.", f"{name}.", one_line(e))
             continue
         entry = registry.get(name)
         decoder = SpeculativeDecoder(model, built[name], tokenizer=tokenizer, plugin=entry.plugin)

@@ -200,27 +200,39 @@ def validate_proposal(
         raise bad("tokens and parents must be int64 and deterministic bool")
     if n == 0:
         return []
-    if int(p.tokens.min()) < 0 or int(p.tokens.max()) >= vocab_size:
+    # The structure comes to the host in one transfer, then is checked in Python (a sync per check would stall
+    # a GPU several times a step; proposals are small).
+    structure = torch.cat([p.tokens, p.parents.to(p.tokens.device), p.deterministic.to(p.tokens.device, torch.long)])
+    flat = structure.tolist()
+    tokens, parents, deterministic = flat[:n], flat[n : 2 * n], flat[2 * n :]
+    if min(tokens) < 0 or max(tokens) >= vocab_size:
         raise bad(f"token id out of range [0, {vocab_size})")
-    idx = torch.arange(n, device=p.parents.device)
-    if bool(((p.parents < -1) | (p.parents >= idx)).any()):
+    if any(not -1 <= parent < i for i, parent in enumerate(parents)):
         raise bad("each parent must be -1 (the root) or an earlier node's index")
-    depths = p.depths()
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
     if max(depths) > max_depth:
         raise bad(f"tree depth {max(depths)} exceeds the allowed {max_depth}")
-    if not bool(p.deterministic.all()):
+    if not all(deterministic):
         q = p.draft_probs
         if not isinstance(q, torch.Tensor) or q.shape != (n, vocab_size):
             shape = None if not isinstance(q, torch.Tensor) else tuple(q.shape)
             raise bad(f"draft_probs must be [{n}, {vocab_size}] for sampled nodes, got {shape}")
         if device is not None and q.device != device:  # (acceptance compares q with the target's p)
             raise bad(f"draft_probs is on {q.device}, the target's logits on {device}")
-        rows = q[~p.deterministic].float()
-        if not bool(torch.isfinite(rows).all()) or bool((rows < 0).any()):
-            raise bad("draft_probs has negative or non-finite entries")
-        if not torch.allclose(rows.sum(-1), torch.ones_like(rows[:, 0]), atol=1e-3):
-            raise bad("draft_probs rows do not sum to 1")
+        # Rows of deterministic nodes are not read, so not checked; the three checks come back in one transfer.
+        rows, sampled = q.float(), ~p.deterministic.to(q.device)
+        broken = (~torch.isfinite(rows) | (rows < 0)).any(-1)
+        unnormalised = ~torch.isclose(rows.sum(-1), torch.ones_like(rows[:, 0]), rtol=0.0, atol=1e-3)
         # (a sampled token must have been drawn from its row: at q = 0 the rejection rule would accept it always)
-        if bool((rows.gather(1, p.tokens[~p.deterministic].to(rows.device)[:, None]) <= 0).any()):
+        impossible = rows.gather(1, p.tokens.to(q.device)[:, None])[:, 0] <= 0
+        flags = torch.stack([(broken & sampled).any(), (unnormalised & sampled).any(), (impossible & sampled).any()])
+        broken_rows, unnormalised_rows, impossible_token = flags.tolist()
+        if broken_rows:
+            raise bad("draft_probs has negative or non-finite entries")
+        if unnormalised_rows:
+            raise bad("draft_probs rows do not sum to 1")
+        if impossible_token:
             raise bad("a sampled node's token has draft probability 0 in its draft_probs row")
     return depths

@@ -9,6 +9,8 @@ import torch
 
 from specframe import bench
 from specframe.cli import main
+from specframe.errors import BadInputError
+from specframe.testing.conformance import reference_greedy
 from specframe.testing.tiny import tiny_llama
 
 QUESTIONS = [
@@ -147,6 +149,11 @@ def test_proposer_without_an_artifact_is_skipped_with_a_reason(full_run):
     _, doc, _, err = full_run
     # installed, but no trained heads ship for this (tiny) target
     assert "no Medusa heads ship" in doc["skipped"]["medusa"]
+    # the keys named are the bench's own (`medusa.model=...`), not generate's `proposer.model`
+    assert (
+        "medusa.model is required" in doc["skipped"]["medusa"]
+        and "pass medusa.model=<folder>" in doc["skipped"]["medusa"]
+    )
 
 
 def test_no_draft_skips_draft_and_hf_assisted(tiny_dirs, questions, tmp_path):
@@ -168,7 +175,7 @@ def test_no_draft_skips_draft_and_hf_assisted(tiny_dirs, questions, tmp_path):
     assert code == 0, err
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert list(doc["methods"]) == ["none"]
-    assert "proposer.model is required" in doc["skipped"]["draft"]
+    assert "draft.model is required" in doc["skipped"]["draft"]
     assert doc["skipped"]["hf-assisted"].startswith("no draft model")
 
 
@@ -211,6 +218,30 @@ def test_float32_copy_leaves_the_target_alone():
     assert next(copy32.parameters()).dtype == torch.float32 and next(model.parameters()).dtype == torch.bfloat16
     fp32 = tiny_llama(vocab_size=8, seed=0)
     assert bench.float32_copy(fp32) is fp32
+
+
+def test_hf_baselines_ignore_the_target_s_generation_config_and_stop_at_its_window():
+    """transformers fills unset generate() settings from the model's generation_config.json; a repetition penalty
+    there made `hf` differ from the target's greedy output (and specframe look inexact). And transformers goes
+    on past the context window, where specframe's decoder stops."""
+    from specframe.decoder import SpeculativeDecoder, target_info
+    from specframe.proposers.none import NoneConfig, NoneProposer
+
+    model = tiny_llama(vocab_size=8, seed=0, max_position_embeddings=16)
+    model.generation_config.repetition_penalty = 1.3
+    model.generation_config.no_repeat_ngram_size = 1
+    counter = bench.ForwardCounter(model)
+    hf = bench.hf_method("hf", model, counter, [], bench.BenchOptions(), "plain")
+    plain = SpeculativeDecoder(model, NoneProposer(NoneConfig(), target_info(model)))
+    out = hf.run([1, 2, 3], 8, 0)
+    assert out.token_ids == reference_greedy(model, [1, 2, 3], 8) == plain.generate([1, 2, 3], 8).token_ids
+    assert model.generation_config.repetition_penalty == 1.3  # (the model's own config is put back)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
+    out = hf.run(prompt, 12, 0)
+    assert len(out.token_ids) == 6 and out.token_ids == plain.generate(prompt, 12).token_ids
+    with pytest.raises(BadInputError, match="context window is 16"):
+        hf.run(list(range(8)) * 2, 4, 0)
+    counter.remove()
 
 
 def test_plain_decoding_scores_one_and_matches_hf(full_run):
@@ -329,6 +360,9 @@ def test_a_config_file_sets_options_and_flags_win(tiny_dirs, questions, tmp_path
     "extra, message",
     [
         (["--subtasks", "poetry"], "unknown subtask 'poetry'"),
+        (["--subtasks", "qa,mt_bench,qa"], "--subtasks lists 'qa' twice"),
+        (["--proposers", "none,none"], "--proposers lists 'none' twice"),
+        (["--baselines", "hf,hf-pld,hf"], "--baselines lists 'hf' twice"),
         (["--questions", "/nonexistent/question.jsonl"], "questions file '/nonexistent/question.jsonl' does not exist"),
         (["--limit", "0"], "--limit must be an integer >= 1"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),

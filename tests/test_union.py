@@ -192,6 +192,10 @@ def test_a_failing_member_is_named(target, info):
     union.members[1].propose = boom
     with pytest.raises(ProposerError, match="union member 'draft' raised RuntimeError: kaput"):
         SpeculativeDecoder(target, union).generate([1, 2], max_new_tokens=5)
+    twice = UnionProposer.random(info, UnionConfig(members=["draft", "draft"]))  # which copy: its position
+    twice.members[1].propose = boom
+    with pytest.raises(ProposerError, match="union member 2 'draft' raised RuntimeError: kaput"):
+        SpeculativeDecoder(target, twice).generate([1, 2], max_new_tokens=5)
 
 
 def test_a_malformed_member_proposal_is_named(target, info):

@@ -185,12 +185,17 @@ class UnionProposer(Proposer):
         ]
         return cls(config, target, members)
 
+    def _who(self, m: int) -> str:
+        """Member m as errors name it; with its position (from 1) when its name is listed more than once."""
+        name = self.config.members[m]
+        return f"union member {m + 1} '{name}'" if self.config.members.count(name) > 1 else f"union member '{name}'"
+
     def _call(self, m: int, fn: Any, *args: Any) -> Any:
         """Call a member's method; its failure names the member."""
         try:
             return fn(*args)
         except Exception as e:
-            raise ProposerError(f"union member '{self.config.members[m]}' raised {type(e).__name__}: {e}") from e
+            raise ProposerError(f"{self._who(m)} raised {type(e).__name__}: {e}") from e
 
     def _hidden(self, m: int, hidden_states: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         return {layer: hidden_states[layer] for layer in self.members[m].hidden_state_layers}
@@ -204,7 +209,7 @@ class UnionProposer(Proposer):
         proposals = []
         for m, member in enumerate(self.members):
             p = self._call(m, member.propose, state)
-            validate_proposal(p, self.target.vocab_size, state.max_depth, f"union member '{self.config.members[m]}'")
+            validate_proposal(p, self.target.vocab_size, state.max_depth, self._who(m))
             proposals.append(p)
         self.merged = merge_proposals(proposals, self.target.vocab_size, state.tokens.device)
         return self.merged.proposal
