@@ -50,10 +50,11 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     rows = x.numel() // in_features if x.dim() else 0
     if not (1 <= rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == torch.float32):
         return F.linear(x, weight, bias)
-    flat = x.reshape(rows, in_features).contiguous()  # a strided X is ~1.7x slower
+    flat = x.reshape(rows, in_features)
     padded = PAD_ROWS.get(rows, rows)
-    if padded > rows:  # materialised copies of the last row (an expanded view is slower still)
-        flat = torch.cat([flat, flat[-1:].repeat(padded - rows, 1)])
+    if padded > rows:  # materialised copies of the last row (an expanded view is slower still), in one copy
+        flat = flat.expand(padded, -1) if rows == 1 else torch.cat([flat, flat[-1:].expand(padded - rows, -1)])
+    flat = flat.contiguous()  # a strided X is ~1.7x slower (no copy when it is contiguous already)
     y = torch.mm(weight, flat.t())[:, :rows].t().contiguous()  # row-major out: SDPA needs it
     if bias is not None:
         y = y + bias

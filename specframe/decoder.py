@@ -196,7 +196,9 @@ class SpeculativeDecoder:
         )
         stats.target_forwards += 1
         _, first = self.acceptance(out.logits[0, -1:].float(), Proposal.empty(self.device), params, generator)
-        self._call(proposer.begin, prompt_ids, pick_hidden(out, layers, slice(None)))
+        # The proposer gets its own copies of the engine's token tensors: an in-place edit of them (a contract
+        # breach) must not reach what the target is fed.
+        self._call(proposer.begin, prompt_ids.clone(), pick_hidden(out, layers, slice(None)))
         generated = [first]
         done = self._finished(generated, limit, stop, 1)
 
@@ -205,13 +207,14 @@ class SpeculativeDecoder:
             tokens = torch.cat([prompt_ids, torch.tensor(generated, device=self.device)])
             max_depth = limit - len(generated) - 1  # a step emits depth + 1 tokens; limit respects the window
             state = DecodeState(tokens, prompt_ids.numel(), params, generator, max_depth)
+            root = tokens[-1:].clone()  # (the proposer's edits of state.tokens stay its own)
             t0 = time.perf_counter()
             proposal = self._call(proposer.propose, state)
             depths = validate_proposal(proposal, self.info.vocab_size, max_depth, self.who, self.device)
             t1 = time.perf_counter()
 
             n = len(proposal)
-            inputs = torch.cat([tokens[-1:], proposal.tokens.to(self.device)])[None]
+            inputs = torch.cat([root, proposal.tokens.to(self.device)])[None]
             if depths == list(range(1, n + 1)):  # a chain: the model's own causal mask is the tree mask
                 positions, mask = torch.arange(past, past + n + 1, device=self.device)[None], None
             else:

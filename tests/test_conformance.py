@@ -31,7 +31,7 @@ def registered(name):
 @pytest.mark.parametrize("name", REGISTERED)
 def test_registered_greedy_and_rollback(name, device, dtype):
     cls = registered(name)
-    for check in (conformance.check_greedy, conformance.check_rollback):
+    for check in (conformance.check_greedy, conformance.check_rollback, conformance.check_isolation):
         r = check(cls, device, dtype=dtype)
         assert r.passed, r.detail
         assert r.dtype == dtype
@@ -62,6 +62,29 @@ class TestTreeIID(ProposerConformance):
 def test_registered_sampling_in_bfloat16(name, device):
     r = conformance.check_sampling(registered(name), device, "temperature=1", dtype="bfloat16")
     assert r.passed, r.detail
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_isolation_catches_global_randomness_and_a_changed_target(dtype):
+    from specframe.testing.broken import GlobalRandomDraft, TargetChangingDraft
+
+    r = conformance.check_isolation(GlobalRandomDraft, "cpu", dtype=dtype)
+    assert not r.passed and "does not come from the engine's generator" in r.detail, r.detail
+    r = conformance.check_isolation(TargetChangingDraft, "cpu", dtype=dtype)
+    assert not r.passed and "changed the target's weights (lm_head.weight" in r.detail, r.detail
+    # and the references are a fresh target's, so greedy output of the changed target is not taken for its own
+    greedy = conformance.check_greedy(TargetChangingDraft, "cpu", dtype=dtype)
+    assert not greedy.passed, greedy.detail
+
+
+def test_isolation_puts_the_global_generators_back():
+    import random
+
+    torch.manual_seed(5)
+    random.seed(5)
+    before = torch.get_rng_state(), random.getstate()
+    assert conformance.check_isolation(DraftProposer, "cpu").passed
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
 
 
 def gather_the_first_rows(cache, start, keep, n_new):

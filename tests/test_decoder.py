@@ -90,6 +90,24 @@ def test_no_seed_draws_fresh_samples_and_leaves_the_global_generator_alone(targe
     assert runs == {tuple(dec.generate([1, 2], max_new_tokens=40, temperature=1.0, seed=11).token_ids)}
 
 
+def test_a_proposer_editing_the_engine_s_tokens_in_place_changes_nothing(target, info):
+    """A proposer that writes into the prompt it is given and into state.tokens (a contract breach) edits its
+    own copies: the target is still fed the real sequence (before, the edited last token was verified)."""
+
+    class Scribbler(DraftProposer):
+        def begin(self, prompt, hidden_states):
+            super().begin(prompt, hidden_states)
+            prompt[0] = (int(prompt[0]) + 1) % 8
+
+        def propose(self, state):
+            proposal = super().propose(state)
+            state.tokens[-1] = (int(state.tokens[-1]) + 1) % 8
+            return proposal
+
+    dec = SpeculativeDecoder(target, Scribbler(DraftConfig(num_speculative_tokens=2), info, target))
+    assert dec.generate([1, 2, 3], max_new_tokens=12).token_ids == reference_greedy(target, [1, 2, 3], 12)
+
+
 def test_eos_ends_generation_and_is_kept(target):
     ref = reference_greedy(target, [1, 2, 3], 12)
     target.generation_config.eos_token_id = ref[4]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from specframe.acceptance import TreeAcceptance
-from specframe.proposer import DecodeState, Proposal
-from specframe.proposers.draft import DraftProposer
-from specframe.sampling import SamplingParams, sample
+from specframe.proposer import DecodeState, Proposal, TargetInfo
+from specframe.proposers.draft import DraftConfig, DraftProposer
+from specframe.sampling import SamplingParams, sample, sampling_probs
 
 
 class InvertedRatio(TreeAcceptance):
@@ -66,6 +66,19 @@ class StaleQDraft(DraftProposer):
         return proposal
 
 
+class StaleQPastDepth2Draft(DraftProposer):
+    """Reports the second drafted position's q for every deeper one: right at depths 1 and 2, wrong past them,
+    so only the deep sampling setting (budget for drafts past depth 2, counted tokens at depths 2-4) sees it."""
+
+    def propose(self, state: DecodeState) -> Proposal:
+        proposal = super().propose(state)
+        if proposal.draft_probs is not None and len(proposal) > 2:
+            stale = proposal.draft_probs.clone()
+            stale[2:] = stale[1]
+            proposal.draft_probs = stale
+        return proposal
+
+
 class KeepIfLikelyDraft(DraftProposer):
     """Applies the confidence threshold after drawing: a sampled token is kept only when its own probability
     keeps the chain above the threshold, so the kept tokens are not draws from the q they report."""
@@ -96,3 +109,25 @@ BROKEN_ACCEPTANCE = {
     "resample_from_target": ResampleFromTarget,
     "bonus_from_parent": BonusFromParent,
 }
+
+
+class GlobalRandomDraft(DraftProposer):
+    """Draws from the right q, but with torch's global generator instead of the engine's: exact in
+    distribution, yet one seed no longer gives one output (the isolation check must catch it)."""
+
+    def draw(
+        self, logits: torch.Tensor, state: DecodeState, q: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q = sampling_probs(logits, state.sampling) if q is None else q
+        return torch.multinomial(q, 1), q
+
+
+class TargetChangingDraft(DraftProposer):
+    """Negates the target's output layer when it is built: every output then follows the changed target, which
+    a suite computing its references on the same model object would take for the target's own."""
+
+    @classmethod
+    def random(cls, target: TargetInfo, config: DraftConfig | None = None, seed: int = 0) -> DraftProposer:
+        with torch.no_grad():
+            target.model.get_output_embeddings().weight.neg_()
+        return super().random(target, config, seed)

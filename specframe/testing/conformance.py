@@ -7,9 +7,17 @@ Checks, on tiny random-weight Llama models (no downloads), per device and dtype:
   dtype's rounding tolerance of it (`rounding_tolerance`), and near-ties may take at most 1 token in 10;
 - rollback: after every verification the kept KV cache gives the logits a from-scratch forward gives (to
   1e-4 in float32, to the step's rounding tolerance in 16-bit dtypes);
+- isolation: the same seed gives the same output whatever torch's, Python's and NumPy's global generators
+  hold (every random choice must come from the engine's generator), and the target's weights are unchanged
+  after generating (every reference below is computed on a fresh copy of the target, never the decoder's);
 - sampling: chi-square goodness of fit of sampled 3-token continuations against the target distribution
-  enumerated exactly on an 8-token vocabulary, for several sampling settings;
+  enumerated exactly on an 8-token vocabulary, for several sampling settings, one of them after a 12-token
+  prompt with budget left for deep drafts (the counted tokens can then be drafts at depths 2-4 of one step);
 - power (suite-level): deliberately broken rules (testing/broken.py) must each be rejected by that test.
+
+What the statistics cannot see: a q that differs a little from the one the proposer samples from. With 4,000
+samples, drawing at 1.5x the reported temperature is caught (p < 1e-18), at 1.15x it is not; and draft depths
+past 4, or bugs that need a longer context than these prompts, are not counted.
 
 Use it from the CLI (`specframe check --proposer NAME`), from Python (`run_suite`), or from pytest by
 subclassing `specframe.testing.suite.ProposerConformance`.
@@ -41,11 +49,30 @@ CONTINUATION = 3  # tokens per counted continuation
 # forward, with no draft; one lead token lets the first speculative step draft CONTINUATION - 1 = 2 deep
 # (and take its bonus token at depth 3), so the statistics reach acceptance past the first draft position.
 LEAD = 1
-PROMPT = [1, 2, 3]
-SETTINGS: dict[str, SamplingParams] = {
-    "temperature=1": SamplingParams(1.0, 0, 1.0),
-    "temperature=0.7,top_p=0.9": SamplingParams(0.7, 0, 0.9),
-    "top_k=5": SamplingParams(1.0, 5, 1.0),
+PROMPT = (1, 2, 3)
+
+
+@dataclass(frozen=True)
+class SamplingCase:
+    """One sampling check: the sampling settings, the prompt, and how many tokens are generated after the
+    counted ones (not counted: the budget they add lets the first speculative step draft deeper than the
+    counted tokens, whose distribution is the target's either way)."""
+
+    params: SamplingParams
+    prompt: tuple[int, ...] = PROMPT
+    extra: int = 0
+    lead: int = LEAD  # tokens sampled before the counted ones, summed out
+
+
+SETTINGS: dict[str, SamplingCase] = {
+    "temperature=1": SamplingCase(SamplingParams(1.0, 0, 1.0)),
+    "temperature=0.7,top_p=0.9": SamplingCase(SamplingParams(0.7, 0, 0.9)),
+    "top_k=5": SamplingCase(SamplingParams(1.0, 5, 1.0)),
+    # A longer context, and budget for drafts up to depth 8 in the first speculative step: counted tokens 2-4
+    # can be its drafts at depths 2-4 (a q reported wrong from depth 3 on: p ~ 1e-68).
+    "deep,temperature=1": SamplingCase(
+        SamplingParams(1.0, 0, 1.0), (5, 1, 7, 2, 6, 3, 1, 4, 2, 7, 3, 5), extra=5, lead=2
+    ),
 }
 
 
@@ -105,10 +132,16 @@ def make_decoder(
     seed: int = 0,
     dtype: str = "float32",
 ) -> SpeculativeDecoder:
-    """A tiny random target and the proposer's random-weight build for it."""
-    target = tiny_llama(vocab_size, seed=seed, device=device, dtype=resolve_dtype(dtype, torch.device(device)))
+    """A tiny random target (`reference_target`) and the proposer's random-weight build for it."""
+    target = reference_target(vocab_size, device, dtype, seed)
     proposer = proposer_cls.random(target_info(target), config, seed=seed + 1)
     return SpeculativeDecoder(target, proposer, acceptance=acceptance)
+
+
+def reference_target(vocab_size: int, device: str, dtype: str = "float32", seed: int = 0) -> torch.nn.Module:
+    """The tiny target `make_decoder` builds, built afresh: references are computed on this copy, so that a
+    proposer that changes the decoder's target cannot change them too."""
+    return tiny_llama(vocab_size, seed=seed, device=device, dtype=resolve_dtype(dtype, torch.device(device)))
 
 
 def rounding_tolerance(dtype: torch.dtype, logits: torch.Tensor) -> float:
@@ -162,23 +195,24 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 
     return stat, df, p
 
 
-def sample_counts(decoder: SpeculativeDecoder, params: SamplingParams, n: int, seed: int = 0) -> torch.Tensor:
+def sample_counts(decoder: SpeculativeDecoder, case: SamplingCase, n: int, seed: int = 0) -> torch.Tensor:
     """How often each continuation (the CONTINUATION tokens after the LEAD ones, flattened base-V) came out."""
     vocab = decoder.info.vocab_size
     counts = torch.zeros(vocab**CONTINUATION, dtype=torch.long)
+    params, length = case.params, case.lead + CONTINUATION + case.extra
     for i in range(n):
         res = decoder.generate(
-            PROMPT,
-            max_new_tokens=LEAD + CONTINUATION,
+            list(case.prompt),
+            max_new_tokens=length,
             temperature=params.temperature,
             top_k=params.top_k,
             top_p=params.top_p,
             seed=seed + i,
         )
-        if len(res.token_ids) != LEAD + CONTINUATION:
-            raise AssertionError(f"expected {LEAD + CONTINUATION} sampled tokens, got {res.token_ids}")
+        if len(res.token_ids) != length:
+            raise AssertionError(f"expected {length} sampled tokens, got {res.token_ids}")
         index = 0
-        for t in res.token_ids[LEAD:]:
+        for t in res.token_ids[case.lead : case.lead + CONTINUATION]:
             index = index * vocab + t
         counts[index] += 1
     return counts
@@ -214,6 +248,7 @@ def greedy_mismatch(model: torch.nn.Module, prompt: list[int], out: list[int]) -
 def check_greedy(proposer_cls: type[Proposer], device: str, config: Any = None, dtype: str = "float32") -> CheckResult:
     t0 = time.perf_counter()
     decoder = make_decoder(proposer_cls, device, vocab_size=SAMPLING_VOCAB, config=config, dtype=dtype)
+    reference = reference_target(SAMPLING_VOCAB, device, dtype)
     prompts = [[1, 2, 3], [7], [(5 * i + 3) % SAMPLING_VOCAB for i in range(40)]]
     accepted = near_ties = 0
 
@@ -227,11 +262,11 @@ def check_greedy(proposer_cls: type[Proposer], device: str, config: Any = None, 
             return result(
                 False, f"prompt {prompt[:5]}...: {len(res.token_ids)} tokens, asked for 32 (no EOS on the tiny target)"
             )
-        bad, near, why = greedy_mismatch(decoder.model, prompt, res.token_ids)
+        bad, near, why = greedy_mismatch(reference, prompt, res.token_ids)
         near_ties += near
         if bad is not None:
             if dtype == "float32":  # show both sequences: the reference is well defined up to the difference
-                why += f": {res.token_ids} vs {reference_greedy(decoder.model, prompt, 32)}"
+                why += f": {res.token_ids} vs {reference_greedy(reference, prompt, 32)}"
             return result(False, f"prompt {prompt[:5]}...: {why}")
     total = 32 * len(prompts)
     if near_ties * 10 > total:
@@ -301,6 +336,68 @@ def check_rollback(
     return CheckResult("rollback", device, ok, detail, seconds=time.perf_counter() - t0, dtype=dtype)
 
 
+COUNTED_STATS = ("target_forwards", "proposed_tokens", "proposed_nodes", "accepted_tokens", "accepted_by_position")
+
+
+def check_isolation(
+    proposer_cls: type[Proposer], device: str, config: Any = None, dtype: str = "float32"
+) -> CheckResult:
+    """Two contract rules no statistic can see (docs/plugins.md): every random choice comes from the engine's
+    generator, so one seed gives one output whatever torch's, Python's and NumPy's global generators hold
+    (before this check, a proposer drawing from them passed every other one); and the target is left as it
+    was: its weights after generating equal a fresh copy's (a proposer that scaled the target's LM head when
+    it was built passed too, since the references were computed on the same changed model)."""
+    import random
+
+    t0 = time.perf_counter()
+    decoder = make_decoder(proposer_cls, device, vocab_size=SAMPLING_VOCAB, config=config, dtype=dtype)
+
+    def result(passed: bool, detail: str) -> CheckResult:
+        return CheckResult("isolation", device, passed, detail, None, time.perf_counter() - t0, dtype)
+
+    try:
+        import numpy
+    except ImportError:  # (numpy is optional)
+        numpy = None
+
+    def scramble(i: int) -> None:  # another state of every global generator a proposer might use by mistake
+        torch.manual_seed(7919 * i + 1)
+        random.seed(7919 * i + 1)
+        if numpy is not None:
+            numpy.random.seed(7919 * i + 1)
+
+    unseeded = None  # why one seed gave several outputs (reported after a change to the target, its likely cause)
+    python_state, numpy_state = random.getstate(), numpy.random.get_state() if numpy is not None else None
+    cuda = [torch.device(device)] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):  # (the caller's generators are put back afterwards)
+        try:
+            for prompt, seed in (([1, 2, 3], 11), ([(3 * i + 1) % SAMPLING_VOCAB for i in range(14)], 12)):
+                runs = []
+                for i in range(3):
+                    scramble(i)
+                    res = decoder.generate(prompt, max_new_tokens=24, temperature=1.0, seed=seed)
+                    runs.append((res.token_ids, [res.stats[k] for k in COUNTED_STATS]))
+                if unseeded is None and any(run != runs[0] for run in runs[1:]):
+                    which = "output" if any(r[0] != runs[0][0] for r in runs) else "statistics"
+                    unseeded = (
+                        f"seed {seed} gave a different {which} on each run: the proposer draws randomness that does "
+                        "not come from the engine's generator (state.generator)"
+                    )
+            decoder.generate([1, 2, 3], max_new_tokens=16, temperature=0.0)  # (greedy too, for the weights)
+        finally:
+            random.setstate(python_state)
+            if numpy is not None:
+                numpy.random.set_state(numpy_state)
+    fresh = reference_target(SAMPLING_VOCAB, device, dtype).state_dict()
+    changed = [k for k, v in decoder.model.state_dict().items() if k not in fresh or not torch.equal(v, fresh[k])]
+    if changed or set(fresh) - set(decoder.model.state_dict()):
+        name = changed[0] if changed else sorted(set(fresh) - set(decoder.model.state_dict()))[0]
+        return result(False, f"the proposer changed the target's weights ({name}, {len(changed)} changed in all)")
+    if unseeded is not None:
+        return result(False, unseeded)
+    return result(True, "one seed, one output (2 prompts x 3 runs); the target's weights unchanged")
+
+
 def check_sampling(
     proposer_cls: type[Proposer],
     device: str,
@@ -315,12 +412,13 @@ def check_sampling(
     (in 16-bit dtypes the decoder's own forwards round slightly differently from the enumerating one: far
     below what 4,000 samples can detect)."""
     t0 = time.perf_counter()
-    params = SETTINGS[setting]
+    case = SETTINGS[setting]
     decoder = make_decoder(proposer_cls, device, SAMPLING_VOCAB, config=config, acceptance=acceptance, dtype=dtype)
     vocab = decoder.info.vocab_size
-    probs = exact_distribution(decoder.model, PROMPT, LEAD + CONTINUATION, params)
-    probs = probs.reshape(vocab**LEAD, vocab**CONTINUATION).sum(0)  # the lead tokens summed out
-    counts = sample_counts(decoder, params, samples)
+    reference = reference_target(SAMPLING_VOCAB, device, dtype)
+    probs = exact_distribution(reference, list(case.prompt), case.lead + CONTINUATION, case.params)
+    probs = probs.reshape(vocab**case.lead, vocab**CONTINUATION).sum(0)  # the lead tokens summed out
+    counts = sample_counts(decoder, case, samples)
     stat, df, p = chi_square(counts, probs)
     detail = f"{setting}: chi2={stat:.1f} df={df}, {samples} samples"
     return CheckResult(f"{name} {setting}", device, p >= ALPHA, detail, p, time.perf_counter() - t0, dtype)
@@ -336,6 +434,7 @@ def power_cases() -> list[tuple[str, type[Proposer], Any, TreeAcceptance | None,
         ResampleFromTarget,
         ResidualNotNormalised,
         StaleQDraft,
+        StaleQPastDepth2Draft,
         UntransformedQDraft,
     )
     from specframe.testing.tree_proposer import TreeConfig, TreeTestProposer
@@ -354,6 +453,13 @@ def power_cases() -> list[tuple[str, type[Proposer], Any, TreeAcceptance | None,
         ),
         ("q_not_transformed", UntransformedQDraft, chain, None, "temperature=0.7,top_p=0.9"),
         ("stale_q_past_depth_1", StaleQDraft, chain, None, "temperature=1"),
+        (
+            "stale_q_past_depth_2",
+            StaleQPastDepth2Draft,
+            DraftConfig(num_speculative_tokens=4),
+            None,
+            "deep,temperature=1",
+        ),
         (
             "keep_if_likely",
             KeepIfLikelyDraft,
@@ -411,6 +517,7 @@ def run_suite(
             checks: list[Callable[[], CheckResult]] = [
                 lambda d=device, t=dtype: check_greedy(proposer_cls, d, config, t),
                 lambda d=device, t=dtype: check_rollback(proposer_cls, d, config, t),
+                lambda d=device, t=dtype: check_isolation(proposer_cls, d, config, t),
             ]
             if not quick:
                 checks += [

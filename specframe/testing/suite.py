@@ -49,6 +49,9 @@ class ProposerConformance:
     def test_rollback_matches_recompute(self, device: str) -> None:
         _assert(conformance.check_rollback(self.proposer_class, device, self.proposer_config))
 
+    def test_isolation_one_seed_one_output_and_target_untouched(self, device: str) -> None:
+        _assert(conformance.check_isolation(self.proposer_class, device, self.proposer_config))
+
     @pytest.mark.slow
     @pytest.mark.parametrize("setting", list(conformance.SETTINGS))
     def test_sampling_matches_target_distribution(self, device: str, setting: str) -> None:
