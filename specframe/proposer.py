@@ -39,7 +39,10 @@ class Proposal:
     def chain(
         cls, tokens: torch.Tensor, draft_probs: torch.Tensor | None = None, deterministic: bool = False
     ) -> Proposal:
-        """A chain of len(tokens) nodes; `draft_probs` is None exactly when the chain is deterministic."""
+        """A chain of len(tokens) nodes; `draft_probs` is None exactly when the chain is deterministic. `tokens`
+        may be any integer dtype (made int64); floats are refused, not rounded."""
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise TypeError(f"Proposal.chain: tokens must be an integer tensor, got {tokens.dtype}")
         n = tokens.numel()
         parents = torch.arange(-1, n - 1, device=tokens.device)
         det = torch.full((n,), deterministic or draft_probs is None, dtype=torch.bool, device=tokens.device)

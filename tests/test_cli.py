@@ -169,7 +169,7 @@ def test_plugins_lists_builtins(capsys):
 
 def test_check_quick(capsys):
     code, out, _ = run(capsys, "check", "--proposer", "draft", "--quick", "--device", "cpu")
-    assert code == 0 and "PASS  greedy [cpu]" in out and "2 passed, 0 failed" in out
+    assert code == 0 and "PASS  greedy [cpu]" in out and "PASS  isolation [cpu]" in out and "3 passed, 0 failed" in out
     assert out.count("PASS  greedy [cpu]") == 1 and out.startswith("conformance of proposer 'draft':\n")
 
 
@@ -193,8 +193,10 @@ def test_check_in_several_dtypes(capsys):
     assert [(r["check"], r["dtype"]) for r in report["results"]] == [
         ("greedy", "float32"),
         ("rollback", "float32"),
+        ("isolation", "float32"),
         ("greedy", "bfloat16"),
         ("rollback", "bfloat16"),
+        ("isolation", "bfloat16"),
     ]
     code, _, err = run(capsys, "check", "--proposer", "eagle", "--quick", "--dtype", "float8")
     assert code == 2 and "float8" in err
@@ -214,7 +216,7 @@ def test_check_with_proposer_options_and_bad_option(capsys):
     code, out, _ = run(
         capsys, "check", "--proposer", "draft", "--quick", "--device", "cpu", "proposer.num_speculative_tokens=1"
     )
-    assert code == 0 and "2 passed, 0 failed" in out
+    assert code == 0 and "3 passed, 0 failed" in out
     code, _, err = run(capsys, "check", "--proposer", "draft", "--quick", "proposer.num_speculative_tokens=0")
     assert code == 2 and "proposer.num_speculative_tokens" in err
 

@@ -240,6 +240,7 @@ L = torch.long
     "make, message",
     [
         (lambda s: Proposal.chain(torch.tensor([99])), "out of range"),
+        (lambda s: Proposal.chain(torch.tensor([1.7, 2.0])), "tokens must be an integer tensor, got torch.float32"),
         (lambda s: Proposal(torch.tensor([1, 2]), torch.tensor([-1, 1]), torch.ones(2, dtype=torch.bool)), "parent"),
         (lambda s: Proposal(torch.tensor([1, 2]), torch.tensor([1, -1]), torch.ones(2, dtype=torch.bool)), "parent"),
         (lambda s: Proposal(torch.tensor([1, 2]), torch.tensor([-1]), torch.ones(2, dtype=torch.bool)), "shape"),
