@@ -13,7 +13,7 @@
 #
 # Settings (environment): GPU_CHECK_DEVICE (cuda), GPU_CHECK_LIMIT (2 questions per subtask),
 # GPU_CHECK_SUBTASKS (all six), GPU_CHECK_MAX_NEW_TOKENS (128), GPU_CHECK_DTYPES ("float32 bfloat16"),
-# GPU_CHECK_QUICK (conformance: greedy and rollback only), GPU_CHECK_TESTS (set: also the fast test suite),
+# GPU_CHECK_QUICK (conformance: greedy, rollback and isolation only), GPU_CHECK_TESTS (set: also the fast test suite),
 # GPU_CHECK_CONFORMANCE_S (300), GPU_CHECK_TESTS_S (150), GPU_CHECK_BENCH_S (240): each phase's time limit,
 # GPU_CHECK_SKIP_INSTALL. With GPU_CHECK_DEVICE=cpu and small settings it runs here as a smoke test.
 set -uo pipefail
