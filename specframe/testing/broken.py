@@ -59,24 +59,22 @@ class StaleQDraft(DraftProposer):
     """Reports the first drafted position's q for every position of its chain: right at depth 1, wrong past
     it, so only a statistical check that drafts two deep can catch it."""
 
-    def propose(self, state: DecodeState) -> Proposal:
-        proposal = super().propose(state)
-        if proposal.draft_probs is not None and len(proposal) > 1:
-            proposal.draft_probs = proposal.draft_probs[:1].expand_as(proposal.draft_probs).clone()
-        return proposal
-
-
-class StaleQPastDepth2Draft(DraftProposer):
-    """Reports the second drafted position's q for every deeper one: right at depths 1 and 2, wrong past them,
-    so only the deep sampling setting (budget for drafts past depth 2, counted tokens at depths 2-4) sees it."""
+    right_depths = 1  # depths whose q is reported truthfully; deeper ones repeat the last of them
 
     def propose(self, state: DecodeState) -> Proposal:
         proposal = super().propose(state)
-        if proposal.draft_probs is not None and len(proposal) > 2:
+        if proposal.draft_probs is not None and len(proposal) > self.right_depths:
             stale = proposal.draft_probs.clone()
-            stale[2:] = stale[1]
+            stale[self.right_depths :] = stale[self.right_depths - 1]
             proposal.draft_probs = stale
         return proposal
+
+
+class StaleQPastDepth2Draft(StaleQDraft):
+    """Right at depths 1 and 2, wrong past them, so only the deep sampling setting (budget for drafts past
+    depth 2, counted tokens at depths 2-4) sees it."""
+
+    right_depths = 2
 
 
 class KeepIfLikelyDraft(DraftProposer):

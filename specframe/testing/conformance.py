@@ -390,11 +390,14 @@ def check_isolation(
             random.setstate(python_state)
             if numpy is not None:
                 numpy.random.set_state(numpy_state)
-    fresh = reference_target(SAMPLING_VOCAB, device, dtype).state_dict()
-    changed = [k for k, v in decoder.model.state_dict().items() if k not in fresh or not torch.equal(v, fresh[k])]
-    if changed or set(fresh) - set(decoder.model.state_dict()):
-        name = changed[0] if changed else sorted(set(fresh) - set(decoder.model.state_dict()))[0]
-        return result(False, f"the proposer changed the target's weights ({name}, {len(changed)} changed in all)")
+    own, fresh = decoder.model.state_dict(), reference_target(SAMPLING_VOCAB, device, dtype).state_dict()
+    changed = [
+        k
+        for k in [*own, *(k for k in fresh if k not in own)]
+        if k not in own or k not in fresh or not torch.equal(own[k], fresh[k])
+    ]
+    if changed:
+        return result(False, f"the proposer changed the target's weights ({changed[0]}, {len(changed)} changed in all)")
     if unseeded is not None:
         return result(False, unseeded)
     return result(True, "one seed, one output (2 prompts x 3 runs); the target's weights unchanged")
