@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     dsub = d.add_subparsers(dest="data_command", required=True)
     dist = dsub.add_parser("distill", help="the target's own responses to training prompts (resumable)")
     dist.add_argument(
-        "--prompts", default=None, help="JSONL with id and prompt (default: ../shared/data/train_prompts)"
+        "--prompts", default=None, help="JSONL with id and prompt (default: ../shared/data/train_prompts/prompts.jsonl)"
     )
     dist.add_argument("--out", required=True, help="output JSONL (appended; existing ids are skipped)")
     dist.add_argument("--target", default="smollm2-135m-instruct", help="target model")

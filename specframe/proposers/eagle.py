@@ -5,7 +5,7 @@ reads). The drafter reads, at position j, the pair (f_j, embedding of token j+1)
 
     x_j = fc([f_j ; E(t_{j+1})])          Linear(2H -> H)
     h_j = LlamaDecoderLayer(x_j)          one layer with its own KV cache, shaped like the target's layers
-    f̂_{j+1} = RMSNorm(h_j)                starts as a copy of the target's final norm
+    f̂_{j+1} = RMSNorm(h_j)                (a copy of the target's final norm when trained with init_from_last_layer)
     draft logits = f̂_{j+1} @ W[vocab_ids].T   the target's own LM-head rows, on a reduced vocabulary
 
 E and W are the target's embedding and LM head, shared at load time and never stored. A drafter with

@@ -44,7 +44,8 @@ from specframe.proposer import (
 from specframe.training.medusa import MedusaTrainConfig
 
 FORMAT = "specframe-medusa-heads"
-# Used when neither the config nor the heads' folder gives a tree: a balanced 26-node tree over 4 heads.
+# Used when neither the config nor the heads' folder gives a tree: 25 nodes up to 5 deep (24 with 4 heads,
+# which drop the 5-deep node).
 DEFAULT_TREE: list[tuple[int, ...]] = (
     [(i,) for i in range(5)]
     + [(0, i) for i in range(4)]

@@ -2,7 +2,8 @@
 
 Stage 1 (Medusa-1): the target is frozen. Its features over the data are computed once (cached, see
 `specframe.training.features`), and the heads learn with cross-entropy: at the position whose feature produced
-response token t+1 (the root at decode time), head k predicts token t+1+k. Heads are weighted `head_decay**k`.
+response token t+1 (the root at decode time), head k predicts token t+1+k. Head k (from 1) is weighted
+`head_decay**(k-1)`.
 
 Stage 2 (Medusa-2): heads plus a LoRA adapter on the target (PEFT), trained together. The adapted target must
 keep its own outputs, so the loss adds KL(p_original || p_adapted) over the full vocabulary at every response
