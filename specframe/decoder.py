@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import operator
 import time
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from specframe.config import stop_strings
 from specframe.errors import BadInputError, ProposerError, SpecframeError, is_count
 from specframe.kv_cache import keep_positions, new_cache, tree_attention_mask
 from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo, validate_proposal
-from specframe.sampling import SamplingParams, check_seed
+from specframe.sampling import SamplingParams, check_sampling, check_seed
 
 Prompt = str | list[int] | list[dict[str, str]] | torch.Tensor
 
@@ -122,8 +123,8 @@ class SpeculativeDecoder:
             if prompt.dim() != 1 or prompt.dtype not in (torch.long, torch.int32, torch.int64):
                 raise BadInputError("a tensor prompt must be a 1-D tensor of token ids")
             ids = prompt.long().tolist()
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
+        elif isinstance(prompt, list) and all(_is_integer(t) for t in prompt):
+            ids = [int(t) for t in prompt]  # (NumPy integers too)
         elif isinstance(prompt, str | list):
             if self.tokenizer is None:
                 raise BadInputError("the target has no tokenizer: pass the prompt as a list of token ids")
@@ -167,15 +168,21 @@ class SpeculativeDecoder:
         stop: list[str] | None = None,
         raw: bool = False,
     ) -> GenerationResult:
-        params = SamplingParams(
+        top_k, max_new_tokens, seed = (_as_int(v) for v in (top_k, max_new_tokens, seed))
+        sampling = (
             self.sampling.temperature if temperature is None else temperature,
             self.sampling.top_k if top_k is None else top_k,
             self.sampling.top_p if top_p is None else top_p,
         )
+        if (temperature, top_k, top_p) != (None, None, None):
+            check_sampling(*sampling, prefix="")  # (errors name the argument: top_k, not sampling.top_k)
+        params = SamplingParams(*sampling)
         max_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         if not is_count(max_new):
             raise BadInputError(f"max_new_tokens must be an integer >= 1, got {max_new!r}")
         stop = self.stop if stop is None else stop_strings(stop)
+        if stop and self.tokenizer is None:
+            raise BadInputError(f"stop strings {stop!r} need the target's tokenizer to match text, and it has none")
         seed = self.seed if seed is None else seed
         check_seed(seed, key="seed")
         generator = torch.Generator(device=self.device)
@@ -200,7 +207,8 @@ class SpeculativeDecoder:
         # breach) must not reach what the target is fed.
         self._call(proposer.begin, prompt_ids.clone(), pick_hidden(out, layers, slice(None)))
         generated = [first]
-        done = self._finished(generated, limit, stop, 1)
+        new = 1  # tokens the last step emitted
+        done = self._finished(generated, limit, stop, new)
 
         while not done:
             past = cache.get_seq_length()
@@ -236,12 +244,13 @@ class SpeculativeDecoder:
             accepted_tokens = proposal.tokens[path].tolist() if path else []
             generated += accepted_tokens + [nxt]
             stats.record(n, max(depths, default=0), len(path), t1 - t0, time.perf_counter() - t1)
-            done = self._finished(generated, limit, stop, len(path) + 1)
+            new = len(path) + 1
+            done = self._finished(generated, limit, stop, new)
             if not done:
                 hidden = pick_hidden(out, layers, torch.tensor(keep, device=self.device))
                 self._call(proposer.accepted, Acceptance(path, accepted_tokens, nxt, hidden))
 
-        token_ids, text = self._truncate(generated, limit, stop)
+        token_ids, text = self._truncate(generated, limit, stop, new)
         # Only the last step's block can be cut (every step checks EOS and stop strings): count as accepted only
         # the draft tokens that were kept, so that accepted_tokens never counts tokens the caller does not get.
         stats.keep_accepted(len(token_ids) - (len(generated) - stats.last_accepted - 1))
@@ -263,30 +272,48 @@ class SpeculativeDecoder:
         """Whether to stop, given that the last `new` tokens of `generated` were just emitted."""
         if len(generated) >= limit or any(t in self.eos_ids for t in generated[-new:]):
             return True
-        return bool(stop) and self.tokenizer is not None and any(s in self._decode(generated) for s in stop)
+        return self._stop_prefix(generated, stop, len(generated) - new + 1) is not None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _truncate(self, generated: list[int], limit: int, stop: list[str]) -> tuple[list[int], str | None]:
-        """Cut at max_new_tokens, after the first EOS, and before the first stop string to be completed."""
+    def _stop_prefix(self, ids: list[int], stop: list[str], first: int) -> int | None:
+        """The shortest prefix of `ids`, of at least `first` tokens, whose text holds a stop string (None: none).
+        Where decoding one token at a time would stop. Every prefix is decoded on its own: text need not grow
+        by appending as tokens are added (a tokenizer's clean-up turns "s '" into "s's" one token later), so a
+        step that emits several tokens can pass a stop string that its last prefix no longer shows."""
+        if not stop or self.tokenizer is None:
+            return None
+        hits = (n for n in range(max(1, first), len(ids) + 1) if any(s in self._decode(ids[:n]) for s in stop))
+        return next(hits, None)
+
+    def _truncate(self, generated: list[int], limit: int, stop: list[str], new: int) -> tuple[list[int], str | None]:
+        """Cut at max_new_tokens, after the first EOS, and before the first stop string to be completed; the last
+        step emitted `new` tokens (every earlier prefix was checked for stop strings by `_finished`)."""
         ids = generated[:limit]
         eos_at = next((i for i, t in enumerate(ids) if t in self.eos_ids), None)
         if eos_at is not None:
             ids = ids[: eos_at + 1]
         if self.tokenizer is None:
             return ids, None
+        n = self._stop_prefix(ids, stop, len(generated) - new + 1)
+        if n is None:
+            return ids, self._decode(ids)
+        # (a step that accepts several tokens may complete two stop strings, and the one that starts first in the
+        # text need not be the one completed first: the text is cut before the earliest one in that prefix)
+        ids = ids[:n]
         text = self._decode(ids)
-        if any(s in text for s in stop):
-            # Where decoding one token at a time would have stopped: at the first token that completes a stop
-            # string (a step that accepts several tokens may complete two, and the one that starts first in
-            # the whole text need not be the one completed first); the text is cut before the earliest stop
-            # string in that prefix.
-            n = next(k for k in range(1, len(ids) + 1) if any(s in self._decode(ids[:k]) for s in stop))
-            ids = ids[:n]
-            text = self._decode(ids)
-            text = text[: min(text.index(s) for s in stop if s in text)]
-        return ids, text
+        return ids, text[: min(text.index(s) for s in stop if s in text)]
+
+
+def _is_integer(value: object) -> bool:
+    """An integer, Python's or a library's (NumPy's): not a bool, though Python counts it as one."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _as_int(value: object) -> object:
+    """Integer scalars of any library as Python ints; anything else unchanged, for the checks to name."""
+    return int(value) if _is_integer(value) else value
 
 
 def check_text(text: object) -> None:

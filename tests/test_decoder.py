@@ -337,6 +337,53 @@ def test_a_step_completing_two_stop_strings_stops_where_plain_decoding_does(targ
     assert (got.token_ids, got.text) == (want.token_ids, want.text)
 
 
+class CleanupTokenizer(LetterTokenizer):
+    """LetterTokenizer with a clean-up rule, like `clean_up_tokenization_spaces`: `pair` decodes as one capital
+    letter, so appending a token can change text already decoded ("..ab" then "..aB")."""
+
+    def __init__(self, pair):
+        self.pair = pair
+
+    def decode(self, ids, skip_special_tokens=True):
+        return super().decode(ids).replace(self.pair, self.pair[0].upper())
+
+
+def test_a_step_passing_a_stop_string_that_its_last_token_unmakes_stops_where_plain_decoding_does(target):
+    # Plain decoding stops at token i, whose text completes the stop string; with token i+1 the clean-up rule
+    # rewrites it away. A step that accepts both at once must still stop at token i (it once went on to the end).
+    for prompt, i in ((p, i) for p in ([1, 2, 3], [4, 5], [6, 1, 7], [2, 9], [3, 3]) for i in range(1, 8)):
+        ref = reference_greedy(target, prompt, 12)
+        letters = LetterTokenizer().decode(ref)
+        tok, stop = CleanupTokenizer(letters[i : i + 2]), letters[i - 1 : i + 1]
+        texts = [tok.decode(ref[:k]) for k in range(13)]
+        if [k for k in range(13) if stop in texts[k]] == [i + 1]:
+            break
+    else:
+        pytest.fail("no text with such a stop string")
+    plain = SpeculativeDecoder(target, NoneProposer(NoneConfig(), target_info(target)), tok)
+    fast = SpeculativeDecoder(
+        target, DraftProposer(DraftConfig(num_speculative_tokens=8), target_info(target), target), tok
+    )
+    want = plain.generate(prompt, max_new_tokens=12, stop=stop)
+    got = fast.generate(prompt, max_new_tokens=12, stop=stop)
+    assert want.token_ids == ref[: i + 1] and want.text == texts[i + 1][: texts[i + 1].index(stop)]
+    assert got.stats["target_forwards"] == 2  # (the prefill's token, then one step of 9: tokens 2-10)
+    assert (got.token_ids, got.text) == (want.token_ids, want.text)
+
+
+def test_numpy_integers_are_integers_and_stop_strings_need_a_tokenizer(target):
+    np = pytest.importorskip("numpy")
+    dec = none_decoder(target)
+    want = dec.generate([1, 2, 3], max_new_tokens=4, temperature=1.0, top_k=2, seed=5).token_ids
+    got = dec.generate(list(np.array([1, 2, 3])), max_new_tokens=np.int64(4), temperature=1.0, top_k=np.int64(2),
+                       seed=np.int64(5)).token_ids  # fmt: skip
+    assert got == want
+    with pytest.raises(BadInputError, match=r"stop strings \['x'\] need the target's tokenizer"):
+        dec.generate([1, 2, 3], max_new_tokens=4, stop="x")
+    with pytest.raises(BadInputError, match=r"^top_k must be an integer >= 0"):  # (the argument, not the config key)
+        dec.generate([1, 2, 3], max_new_tokens=4, top_k=-1)
+
+
 @pytest.mark.parametrize("stop", [[""], ["ok", ""], [3]])
 def test_empty_or_non_text_stop_strings_are_refused(target, stop):
     dec = SpeculativeDecoder(target, NoneProposer(NoneConfig(), target_info(target)), LetterTokenizer())
