@@ -55,6 +55,13 @@ def test_bad_trees_are_refused(tree, message):
         check_tree(tree, num_heads=2)
 
 
+def test_random_heads_refuse_tree_nodes_instead_of_ignoring_it():
+    info = target_info(tiny_llama(vocab_size=8, seed=0))
+    with pytest.raises(ConfigError, match="random heads lack: give proposer.tree instead"):
+        MedusaProposer.random(info, MedusaConfig(tree_nodes=4))
+    assert MedusaProposer.random(info, MedusaConfig(tree=[[0], [1], [0, 0]])).tree == [(0,), (1,), (0, 0)]
+
+
 def test_tree_nodes_are_ordered_parents_first_and_cut_at_max_depth():
     target = tiny_llama(vocab_size=16, hidden_size=32)
     p = MedusaProposer.random(target_info(target), MedusaConfig(tree=[[0, 0, 0], [0, 0], [1], [0], [0, 1]]))

@@ -285,6 +285,11 @@ class MedusaProposer(Proposer):
     @classmethod
     def random(cls, target: TargetInfo, config: MedusaConfig | None = None, seed: int = 0) -> MedusaProposer:
         config = config or MedusaConfig()
+        if config.tree_nodes is not None:
+            raise ConfigError(
+                "proposer.tree_nodes builds a tree from trained heads' path statistics, which random heads lack: "
+                "give proposer.tree instead"
+            )
         tree = [tuple(c) for c in config.tree] if config.tree is not None else DEFAULT_TREE
         depth = max(len(p) for p in tree)
         heads = MedusaHeads(target.hidden_size, depth, 1)
