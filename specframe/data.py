@@ -136,6 +136,43 @@ def read_distill(path: str | Path) -> list[DistillExample]:
     return out
 
 
+def end_unfinished_line(path: Path, quiet: bool = False) -> None:
+    """Before a resume appends to `path`: a last line without its line end gets one when it is a whole JSON
+    object (an editor dropped it), and is removed when it is not (a write that was interrupted), with a message;
+    appending to it would break the row and the next one."""
+    with path.open("rb+") as f:
+        size = f.seek(0, 2)
+        if size == 0:
+            return
+        f.seek(max(0, size - 1))
+        if f.read(1) == b"\n":
+            return
+        start = size
+        while start > 0:  # the last line starts after the last line end
+            step = min(65536, start)
+            f.seek(start - step)
+            chunk = f.read(step)
+            cut = chunk.rfind(b"\n")
+            if cut >= 0:
+                start = start - step + cut + 1
+                break
+            start -= step
+        f.seek(start)
+        tail = f.read()
+        try:
+            whole = isinstance(json.loads(tail), dict)
+        except ValueError:
+            whole = False
+        if whole:
+            f.write(b"\n")
+            return
+        f.truncate(start)
+    if not quiet:
+        print(
+            f"removed the unfinished last line of '{path}' ({len(tail)} bytes, an interrupted write)", file=sys.stderr
+        )
+
+
 def check_tag(tag: str) -> None:
     if tag and not re.fullmatch(r"[A-Za-z0-9_-]+", tag):
         raise BadInputError(f"distill tag must be letters, digits, '-' or '_', got {tag!r}")
@@ -169,11 +206,19 @@ def distill(
     With a `tag`, responses get the id "<prompt id>#<tag>", so one file can hold several responses per prompt
     (e.g. a greedy pass and a sampled one): a pass is resumed by its own ids."""
     from tqdm import tqdm
+    from transformers import GenerationConfig
+
+    from specframe.decoder import eos_token_ids
 
     check_tag(tag)
     out = Path(out_path)
     check_output_path(out, "--out", folder=False)
+    if out.exists():
+        end_unfinished_line(out, quiet)
     done = {e.id for e in read_distill(out)} if out.exists() else set()
+    # Prompts must leave room for a response in the target's context window, as `specframe generate` requires.
+    window = getattr(model.config, "max_position_embeddings", None) or 10**9
+    longest = min(max_prompt_tokens, window - 1)
     todo, too_long = [], 0
     for row in prompts:
         if response_id(str(row["id"]), tag) in done:
@@ -182,20 +227,22 @@ def distill(
             [{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, tokenize=True
         )
         ids = ids["input_ids"] if not isinstance(ids, list) else ids
-        if len(ids) <= max_prompt_tokens:
+        if len(ids) <= longest:
             todo.append((str(row["id"]), row.get("source", ""), ids))
         else:
             too_long += 1
     if too_long and not quiet:
-        print(
-            f"skipping {too_long} prompts longer than {max_prompt_tokens} tokens (--max-prompt-tokens)", file=sys.stderr
-        )
+        limit = f"{max_prompt_tokens} tokens (--max-prompt-tokens)"
+        if longest < max_prompt_tokens:
+            limit = f"{longest} tokens (the target's context window is {window})"
+        print(f"skipping {too_long} prompts longer than {limit}", file=sys.stderr)
     if not todo:
         return 0
     out.parent.mkdir(parents=True, exist_ok=True)
     todo.sort(key=lambda t: len(t[2]))  # similar lengths per batch: little padding
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos = tokenizer.eos_token_id
+    # Every EOS the decoder stops at (the target's generation_config and its tokenizer), not the tokenizer's only.
+    eos = eos_token_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
     device = next(model.parameters()).device
     torch.manual_seed(seed)
     added = 0
@@ -209,19 +256,27 @@ def distill(
             for i, (_, _, ids) in enumerate(batch):  # left padding
                 input_ids[i, width - len(ids) :] = torch.tensor(ids)
                 mask[i, width - len(ids) :] = 1
-            gen = model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=mask.to(device),
-                max_new_tokens=max_new_tokens,
-                do_sample=temperature > 0,
-                temperature=temperature if temperature > 0 else None,
-                top_p=None,
-                top_k=None,
-                pad_token_id=pad,
-            )[:, width:].tolist()
+            # transformers fills every setting left unset from the target's generation_config.json (a repetition
+            # penalty, a minimum length...): the target's own responses come from a neutral one, as in the decoder.
+            own, model.generation_config = model.generation_config, GenerationConfig()
+            try:
+                gen = model.generate(
+                    input_ids=input_ids.to(device),
+                    attention_mask=mask.to(device),
+                    max_new_tokens=min(max_new_tokens, window - width),
+                    do_sample=temperature > 0,
+                    temperature=temperature if temperature > 0 else None,
+                    top_p=None,
+                    top_k=None,
+                    eos_token_id=sorted(eos) or None,
+                    pad_token_id=pad,
+                )[:, width:].tolist()
+            finally:
+                model.generation_config = own
             for (prompt_id, source, ids), resp in zip(batch, gen, strict=True):
-                finished = eos in resp
-                resp = resp[: resp.index(eos) + 1] if finished else resp
+                end = next((i for i, t in enumerate(resp) if t in eos), None)
+                finished = end is not None
+                resp = resp[: end + 1] if finished else resp
                 row = {
                     "id": response_id(prompt_id, tag),
                     "source": source,

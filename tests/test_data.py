@@ -43,6 +43,50 @@ def test_greedy_pass_is_the_target_greedy_response_and_resumes(tokenizer, tmp_pa
     assert run(model, tokenizer, out) == 0  # resumed: every prompt is done
 
 
+def test_a_resume_ends_or_removes_an_unfinished_last_line(tokenizer, tmp_path, capsys):
+    model = tiny_llama(vocab_size=8, seed=0)
+    whole = tmp_path / "whole.jsonl"
+    run(model, tokenizer, whole)
+    want = {r.id: r for r in read_distill(whole)}
+    for cut, message in ((1, ""), (20, "removed the unfinished last line")):
+        out = tmp_path / f"cut{cut}.jsonl"
+        distill(model, tokenizer, PROMPTS[:6], out, max_new_tokens=4, batch_size=5, quiet=True)
+        capsys.readouterr()
+        out.write_bytes(out.read_bytes()[:-cut])  # the line end lost (an editor), or a write cut mid-row (a crash)
+        added = distill(model, tokenizer, PROMPTS, out, max_new_tokens=4, batch_size=5)
+        assert message in capsys.readouterr().err
+        assert added == (6 if cut == 1 else 7)  # (a cut row is generated again)
+        assert {r.id: r for r in read_distill(out)} == want
+
+
+def test_responses_end_at_every_eos_of_the_target_and_ignore_its_generation_settings(tokenizer, tmp_path):
+    model = tiny_llama(vocab_size=8, seed=0)
+    run(model, tokenizer, tmp_path / "a.jsonl")
+    rows = read_distill(tmp_path / "a.jsonl")
+    tokens = [t for r in rows for t in r.response_ids if t != 1]
+    extra = max(set(tokens), key=tokens.count)  # a token the responses use: now an EOS too
+    model.generation_config.eos_token_id = [1, extra]
+    model.generation_config.repetition_penalty = 3.0  # (transformers would apply it unless told otherwise)
+    model.generation_config.min_new_tokens = 3
+    run(model, tokenizer, tmp_path / "b.jsonl")
+    for r in read_distill(tmp_path / "b.jsonl"):
+        greedy = reference_greedy(model, r.prompt_ids, 4)
+        end = next((i for i, t in enumerate(greedy) if t in (1, extra)), None)
+        assert r.response_ids == (greedy if end is None else greedy[: end + 1]) and r.finished == (end is not None)
+    assert model.generation_config.repetition_penalty == 3.0  # (the target's own config is put back)
+
+
+def test_prompts_and_responses_fit_the_target_s_context_window(tokenizer, tmp_path, capsys):
+    model = tiny_llama(vocab_size=8, seed=0, max_position_embeddings=6)
+    out = tmp_path / "d.jsonl"
+    added = distill(model, tokenizer, PROMPTS, out, max_new_tokens=4, batch_size=5)
+    rows = read_distill(out)
+    assert added == len(rows) > 0 and all(len(r.prompt_ids) + len(r.response_ids) <= 6 for r in rows)
+    assert f"skipping {len(PROMPTS) - added} prompts longer than 5 tokens (the target's context window is 6)" in (
+        capsys.readouterr().err
+    )
+
+
 def test_prompts_over_the_limit_are_reported_and_nothing_is_written_when_none_is_left(tokenizer, tmp_path, capsys):
     model = tiny_llama(vocab_size=8, seed=0)
     out = tmp_path / "new" / "d.jsonl"
