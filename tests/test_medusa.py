@@ -127,6 +127,18 @@ def test_training_improves_heads_and_saves_a_tree(trained):
     assert all(v.dtype == torch.float16 for v in weights.values())
 
 
+def test_a_batch_without_labels_is_skipped(tmp_path):
+    # batch_size 1: some batches hold only a response's last position (no head-1 label) or labels outside the
+    # reduced vocabulary. Stage 1 once stopped there with torch's "element 0 of tensors does not require grad".
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
+    write_distill_data(tmp_path / "d.jsonl", target, n=40)
+    cfg = MedusaTrainConfig(
+        data=str(tmp_path / "d.jsonl"), out=str(tmp_path / "heads"), epochs=1, num_heads=2, tree_nodes=4,
+        vocab_size=12, heldout_fraction=0.2, batch_size=1, features_cache=str(tmp_path / "features"),
+    )  # fmt: skip
+    assert train_medusa(cfg, target, None, log=lambda m: None)["heldout"]["tree_nodes"] == 4
+
+
 def test_saved_heads_round_trip_and_decode_exactly(trained):
     target, cfg, _ = trained
     info = target_info(target)

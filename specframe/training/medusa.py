@@ -110,7 +110,10 @@ def best_tree(path_counts: dict, nodes: int) -> list[tuple[int, ...]]:
     paths = sorted((tuple(int(r) for r in k.split(",")) for k in counts), key=lambda p: (-counts[key(p)], len(p), p))
     chosen = paths[:nodes]
     if not chosen:
-        raise ConfigError("the path statistics are empty: no held-out position to choose a tree from")
+        raise ConfigError(
+            "the path statistics are empty: no held-out position has a head-1 label in the heads' vocabulary to "
+            "choose a tree from (too few held-out prompts, or too small a train.vocab_size)"
+        )
     return sorted(chosen, key=lambda p: (len(p), p))
 
 
@@ -260,14 +263,16 @@ def _without_counts(final: dict) -> dict:
     return {**final, "heldout": strip(final["heldout"]), "history": [strip(h) for h in final["history"]]}
 
 
-def _heads_loss(logits: torch.Tensor, labels: torch.Tensor, index: torch.Tensor, decay: float) -> torch.Tensor:
-    """Weighted cross-entropy over heads; logits [K, N, Vr], labels [N, K] target ids (-1 = none)."""
+def _heads_loss(logits: torch.Tensor, labels: torch.Tensor, index: torch.Tensor, decay: float) -> torch.Tensor | None:
+    """Weighted cross-entropy over heads; logits [K, N, Vr], labels [N, K] target ids (-1 = none). None when no
+    head has a label in the reduced vocabulary here (a batch of a response's last positions, say): nothing to
+    learn from, and no gradient to step with."""
     cols = torch.where(labels >= 0, index[labels.clamp(min=0)], torch.full_like(labels, -100))
-    loss = logits.new_zeros(())
+    loss = None
     for k in range(logits.shape[0]):
         if bool((cols[:, k] >= 0).any()):
-            ce = torch.nn.functional.cross_entropy(logits[k].float(), cols[:, k], ignore_index=-100)
-            loss = loss + decay**k * ce
+            ce = decay**k * torch.nn.functional.cross_entropy(logits[k].float(), cols[:, k], ignore_index=-100)
+            loss = ce if loss is None else loss + ce
     return loss
 
 
@@ -284,6 +289,8 @@ def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     x_train, y_train = stack_features(train_feats, cfg.num_heads, cfg.prompt_positions)
     x_held, y_held = stack_features(held_feats, cfg.num_heads)
     log(f"{x_train.shape[0]} training positions, {x_held.shape[0]} held-out")
+    if not bool(((y_train >= 0) & (index.cpu()[y_train.clamp(min=0)] >= 0)).any()):
+        raise ConfigError("no training position has a label in the heads' vocabulary: nothing to train on")
     lm_rows = target.get_output_embeddings().weight.detach()[vocab_ids].float()
     optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
     steps = math.ceil(x_train.shape[0] / cfg.batch_size)
@@ -303,6 +310,8 @@ def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
             idx = order[s * cfg.batch_size : (s + 1) * cfg.batch_size]
             logits = heads.logits(x_train[idx].to(lm_rows.device).float(), lm_rows)
             loss = _heads_loss(logits, y_train[idx].to(lm_rows.device), index, cfg.head_decay)
+            if loss is None:  # (no label in this batch: skipped, as the EAGLE trainer skips one)
+                continue
             running = optimizer_step(loss, params, optimizer, schedule, running, decay=0.98)
             if s % 20 == 0:
                 bar.set_postfix(loss=f"{running:.3f}", lr=f"{schedule.get_last_lr()[0]:.1e}")
@@ -388,7 +397,8 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
             q_log = base.lm_head(feat[mask]).float().log_softmax(-1)
             keep = (p_log.exp() * (p_log - q_log)).sum(-1).mean()
             logits = heads.logits(feat[mask], lm_rows)
-            loss = _heads_loss(logits, labels, index, cfg.head_decay) + cfg.keep_weight * keep
+            heads_loss = _heads_loss(logits, labels, index, cfg.head_decay)
+            loss = cfg.keep_weight * keep + (0.0 if heads_loss is None else heads_loss)
             running = optimizer_step(loss, params, optimizer, schedule, running)
             bar.set_postfix(loss=f"{running:.3f}", keep_kl=f"{keep.item():.4f}")
         model.eval()
