@@ -1,4 +1,7 @@
+import copy
+
 import torch
+from transformers import LlamaForCausalLM
 
 from specframe.data import read_distill
 from specframe.testing.tiny import tiny_llama, write_distill_data
@@ -25,6 +28,13 @@ def test_features_are_the_targets_last_hidden_state_cached_and_order_independent
     other = tiny_llama(vocab_size=16, hidden_size=32, seed=3)
     extract_features(other, examples, dtype=torch.float32, cache_dir=tmp_path / "f", quiet=True)
     assert len(list((tmp_path / "f").iterdir())) == 2  # another target never reuses the file
+    config = copy.deepcopy(target.config)
+    config.rope_parameters["rope_theta"] = 10.0
+    rotated = LlamaForCausalLM(config).eval()  # the same weights, another forward
+    rotated.load_state_dict(target.state_dict())
+    changed = extract_features(rotated, examples, dtype=torch.float32, cache_dir=tmp_path / "f", quiet=True)
+    assert len(list((tmp_path / "f").iterdir())) == 3  # (it once read the first file: stale features)
+    assert not all(torch.equal(a.features, b.features) for a, b in zip(first, changed, strict=True))
 
 
 def test_extra_layers_are_those_hidden_states_cached_under_their_own_key(tmp_path):

@@ -51,6 +51,13 @@ class FeatureSequence:
     extra: torch.Tensor | None = None  # [T, len(layers) * hidden] bfloat16: the extra layers asked for, or None
 
 
+# Config keys that name or describe the model rather than change its forward pass (and "_"-private ones).
+_CONFIG_NOT_IN_FORWARD = frozenset(
+    {"transformers_version", "dtype", "torch_dtype", "architectures", "use_cache", "return_dict",
+     "output_hidden_states", "output_attentions"}
+)  # fmt: skip
+
+
 def cache_keys(
     examples: list[DistillExample],
     target: torch.nn.Module,
@@ -58,12 +65,15 @@ def cache_keys(
     dtype: torch.dtype,
     extra_layers: tuple[int, ...] = (),
 ) -> tuple[str, str, str]:
-    """(key, base key, context) of a cache file: the key hashes the target's fingerprint, `max_length`, the
-    dtype, the extra layers and the examples; the base key the same without extra layers (equal to the key when
-    there are none); the context only what the features of one token sequence depend on besides its tokens
-    (the target, the cut and the dtype)."""
+    """(key, base key, context) of a cache file: the key hashes the target's fingerprint and its config,
+    `max_length`, the dtype, the extra layers and the examples; the base key the same without extra layers (equal
+    to the key when there are none); the context only what the features of one token sequence depend on besides
+    its tokens (the target, the cut and the dtype)."""
     context = hashlib.sha256()
     context.update(json.dumps(target_fingerprint(target), sort_keys=True).encode())
+    # The weights' fingerprint does not see the config, which the forward reads too (rope_theta, rms_norm_eps...).
+    config = {k: v for k, v in target.config.to_dict().items() if k not in _CONFIG_NOT_IN_FORWARD and k[0] != "_"}
+    context.update(json.dumps(config, sort_keys=True, default=str).encode())
     context.update(f"{max_length}:{dtype}".encode())
     key, base = context.copy(), context.copy()
     if extra_layers:  # (absent for none: files cached before extra layers existed keep their key)
