@@ -1,5 +1,6 @@
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -235,6 +236,27 @@ def test_resume_with_other_data_or_options_is_refused_before_extraction(trained,
     with pytest.raises(ConfigError, match=f"checkpoint in .* was trained with another {what}"):
         train_draft(other, target, None, resume=True, log=lambda m: None)
     assert not (tmp_path / "fresh").exists()
+
+
+@pytest.mark.parametrize("change", [{"batch_size": 3}, {"init_layers": [2]}])
+def test_resume_with_other_training_options_is_refused_naming_the_option(trained, tmp_path, change):
+    # (once accepted silently: the saved train_config then recorded options the run had not trained with)
+    target, cfg, _ = trained
+    other = DraftTrainConfig(**{**cfg.__dict__, **change, "epochs": 4, "features_cache": str(tmp_path / "fresh")})
+    ((key, value),) = change.items()
+    was = getattr(cfg, key)
+    with pytest.raises(
+        ConfigError, match=rf"trained with train\.{key}={re.escape(repr(was))}, not {re.escape(repr(value))}"
+    ):
+        train_draft(other, target, None, resume=True, log=lambda m: None)
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_resume_with_fewer_epochs_than_done_is_refused(trained, tmp_path):
+    target, cfg, _ = trained
+    fewer = DraftTrainConfig(**{**cfg.__dict__, "epochs": cfg.epochs - 1, "features_cache": str(tmp_path / "fresh")})
+    with pytest.raises(ConfigError, match=f"has {cfg.epochs} epochs done: train.epochs={cfg.epochs - 1} would train"):
+        train_draft(fewer, target, None, resume=True, log=lambda m: None)
 
 
 def test_data_the_target_cannot_train_on_is_refused_before_the_features_are_extracted(trained, tmp_path):

@@ -175,9 +175,17 @@ RUN_PARTS = {  # what a resumed run must share with its checkpoint (`run_identit
 }
 
 
+# Options a resumed run may change: the schedule's length and peak, EAGLE's self-fed steps (a curriculum; the log
+# says so), the tree chosen from the heads at the end, and where things are (the data's content is checked, and
+# init_from/init_heads only choose a start, which the checkpoint replaces). Every other option must match.
+RESUME_MAY_CHANGE = frozenset(
+    {"epochs", "lr", "self_fed_steps", "tree_nodes", "data", "out", "features_cache", "init_from", "init_heads"}
+)
+
+
 def run_identity(cfg: TrainRunConfig, train_ex: list, held_ex: list, vocab_ids: torch.Tensor) -> dict:
-    """What a resumed run must share with the checkpoint it continues (epochs and the learning rate may change):
-    the examples on each side of the split, the cut, the seed and the vocabulary."""
+    """What a resumed run must share with the checkpoint it continues: the examples on each side of the split, the
+    cut, the seed, the vocabulary, and every option outside RESUME_MAY_CHANGE."""
     import hashlib
 
     def digest(lines) -> str:
@@ -195,25 +203,45 @@ def run_identity(cfg: TrainRunConfig, train_ex: list, held_ex: list, vocab_ids: 
         "max_length": cfg.max_length,
         "seed": cfg.seed,
         "vocabulary": digest([",".join(str(int(t)) for t in vocab_ids.tolist())]),
+        "options": {
+            k: list(v) if isinstance(v, tuple) else v
+            for k, v in ((k, getattr(cfg, k)) for k in cfg.__dataclass_fields__)
+            if k not in RESUME_MAY_CHANGE
+        },
     }
 
 
-def resuming_from(ckpt: Path, named_params: dict[str, torch.Tensor], resume: bool, run: dict) -> bool:
-    """Whether this run resumes from `ckpt`; if so its parameters and its `run_identity` are checked first, so a
-    run with other options or data is refused before the costly feature extraction."""
+def resuming_from(
+    ckpt: Path, named_params: dict[str, torch.Tensor], resume: bool, run: dict, epochs: int | None = None
+) -> bool:
+    """Whether this run resumes from `ckpt`; if so its parameters, its `run_identity` and `epochs` (no fewer
+    than the checkpoint has done) are checked first, so a run with other options or data is refused before the
+    costly feature extraction."""
     if not resume:
         return False
     if not (ckpt / "state.json").is_file():  # (a mistyped `out` never silently starts a new run)
         raise ConfigError(f"--resume: no checkpoint in {ckpt} (train without --resume to start a new run)")
     check_checkpoint_params(ckpt, named_params)
-    saved = json.loads((ckpt / "state.json").read_text()).get("run")
+    state = json.loads((ckpt / "state.json").read_text())
+    saved = state.get("run")
+    again = "resume with the same data and options, or train into a new out folder"
     if saved is not None:  # (checkpoints from before this check carry none)
         differ = [k for k in RUN_PARTS if saved.get(k) != run.get(k)]
         if differ:
-            raise ConfigError(
-                f"the checkpoint in {ckpt} was trained with another {RUN_PARTS[differ[0]]}: resume with the same "
-                "data and options, or train into a new out folder"
-            )
+            raise ConfigError(f"the checkpoint in {ckpt} was trained with another {RUN_PARTS[differ[0]]}: {again}")
+        old, new = saved.get("options", {}), run.get("options", {})  # (checkpoints from before 2026-12-02: none)
+        for k in sorted(old.keys() & new.keys()):
+            if old[k] != new[k]:
+                raise ConfigError(
+                    f"the checkpoint in {ckpt} was trained with train.{k}={old[k]!r}, not {new[k]!r}: {again} "
+                    f"(a resume may change only {', '.join(sorted(RESUME_MAY_CHANGE))})"
+                )
+    done = state.get("epoch", 0)
+    if epochs is not None and epochs < done:
+        raise ConfigError(
+            f"the checkpoint in {ckpt} has {done} epochs done: train.epochs={epochs} would train none and record "
+            f"{epochs}; give train.epochs >= {done}"
+        )
     return True
 
 

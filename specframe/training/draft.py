@@ -150,7 +150,7 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
     # through its LM-head rows for the draft's vocabulary, computed per batch (never stored as log-probs).
     ckpt = out / "checkpoint"
     run = run_identity(cfg, train_ex, held_ex, vocab_ids)
-    resuming = resuming_from(ckpt, params, resume, run)  # (other parameters or data refused before the extraction)
+    resuming = resuming_from(ckpt, params, resume, run, cfg.epochs)  # (refused before the features)
     train_feats, held_feats = split_features(cfg, target, train_ex, held_ex)
     train_seqs = [Sequence(f.ids.tolist(), f.first_target, f.features) for f in train_feats]
     held_seqs = [Sequence(f.ids.tolist(), f.first_target) for f in held_feats]

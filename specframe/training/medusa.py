@@ -284,7 +284,7 @@ def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     params = dict(heads.named_parameters())
     ckpt = Path(cfg.out) / "checkpoint"
     run = run_identity(cfg, train_ex, held_ex, vocab_ids)
-    resuming = resuming_from(ckpt, params, resume, run)  # (other parameters or data refused before the extraction)
+    resuming = resuming_from(ckpt, params, resume, run, cfg.epochs)  # (refused before the features)
     train_feats, held_feats = split_features(cfg, target, train_ex, held_ex)
     x_train, y_train = stack_features(train_feats, cfg.num_heads, cfg.prompt_positions)
     x_held, y_held = stack_features(held_feats, cfg.num_heads)
@@ -366,7 +366,7 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     out = Path(cfg.out)
     ckpt = out / "checkpoint"
     run = run_identity(cfg, train_ex, held_ex, vocab_ids)
-    resuming = resuming_from(ckpt, params, resume, run)
+    resuming = resuming_from(ckpt, params, resume, run, cfg.epochs)
     start, history = resume_from(ckpt, params, optimizer, resuming=resuming, log=log)
     schedule = warmup_cosine(optimizer, len(batches) * cfg.epochs, start * len(batches))
 
