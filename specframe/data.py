@@ -125,6 +125,8 @@ def read_distill(path: str | Path) -> list[DistillExample]:
             )
         except KeyError as e:
             raise BadInputError(f"distillation data '{path}' line {number}: missing {e}") from e
+        if not isinstance(row.get("finished", False), bool):  # ("false" is a true string)
+            raise BadInputError(f"distillation data '{path}' line {number}: finished must be true or false")
         for field, ids, least in (("prompt_ids", example.prompt_ids, 1), ("response_ids", example.response_ids, 0)):
             if not (isinstance(ids, list) and len(ids) >= least and all(is_count(t, 0) for t in ids)):
                 what = "a non-empty list" if least else "a list"

@@ -154,6 +154,13 @@ def test_token_ids_that_are_not_lists_of_ids_are_refused_naming_the_line(tmp_pat
         read_distill(tmp_path / "d.jsonl")
 
 
+def test_a_finished_flag_that_is_not_a_boolean_is_refused(tmp_path):
+    row = {"id": "x", "source": "s", "prompt_ids": [1], "response_ids": [2], "finished": "false"}
+    (tmp_path / "d.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(BadInputError, match="line 1: finished must be true or false"):
+        read_distill(tmp_path / "d.jsonl")
+
+
 @pytest.mark.parametrize("tag", ["a b", "s#1", "é"])
 def test_bad_tag_is_refused(tokenizer, tmp_path, tag):
     with pytest.raises(BadInputError, match="tag"):

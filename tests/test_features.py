@@ -127,3 +127,18 @@ def test_grown_data_runs_the_target_on_the_new_sequences_only(tmp_path, capsys):
     assert "copied" not in capsys.readouterr().err  # another target copies nothing
     extract_features(target, examples, dtype=torch.float32, cache_dir=cache, extra_layers=[1])
     assert "copied" not in capsys.readouterr().err  # nor does a layer no cached file holds
+
+
+def test_a_damaged_cache_file_is_named(tmp_path):
+    import pytest
+
+    from specframe.errors import BadInputError
+
+    target = tiny_llama(vocab_size=16, hidden_size=32)
+    write_distill_data(tmp_path / "d.jsonl", target, n=6)
+    examples = read_distill(tmp_path / "d.jsonl")
+    extract_features(target, examples, dtype=torch.float32, cache_dir=tmp_path / "f", quiet=True)
+    (cached,) = (tmp_path / "f").iterdir()
+    cached.write_bytes(cached.read_bytes()[:100])
+    with pytest.raises(BadInputError, match=f"the features cache file {cached} cannot be read .*delete it"):
+        extract_features(target, examples, dtype=torch.float32, cache_dir=tmp_path / "f", quiet=True)

@@ -252,6 +252,14 @@ def test_resume_with_other_training_options_is_refused_naming_the_option(trained
     assert not (tmp_path / "fresh").exists()
 
 
+def test_a_held_out_fraction_that_leaves_one_side_empty_is_named(trained, tmp_path):
+    target, cfg, _ = trained
+    for fraction, side in ((0.999, "training"), (1e-9, "held-out")):
+        other = DraftTrainConfig(**{**cfg.__dict__, "heldout_fraction": fraction, "out": str(tmp_path / "o")})
+        with pytest.raises(ConfigError, match=f"heldout_fraction={fraction} leaves no {side} example"):
+            train_draft(other, target, None, log=lambda m: None)
+
+
 def test_resume_with_fewer_epochs_than_done_is_refused(trained, tmp_path):
     target, cfg, _ = trained
     fewer = DraftTrainConfig(**{**cfg.__dict__, "epochs": cfg.epochs - 1, "features_cache": str(tmp_path / "fresh")})

@@ -322,7 +322,11 @@ def start_run(cfg: TrainRunConfig, target: torch.nn.Module, tokenizer) -> tuple[
     examples = read_distill(cfg.data)
     train_ex, held_ex = split_heldout(examples, cfg.heldout_fraction, cfg.seed)
     if not train_ex or not held_ex:
-        raise ConfigError(f"train.data '{cfg.data}' has too few examples ({len(examples)}) for a held-out split")
+        side = "training" if not train_ex else "held-out"
+        raise ConfigError(
+            f"train.data '{cfg.data}' has {len(examples)} examples, and heldout_fraction={cfg.heldout_fraction} "
+            f"leaves no {side} example: give more data or another heldout_fraction"
+        )
     vocab_size = target.get_output_embeddings().weight.shape[0]
     for e in examples:
         top = max(e.prompt_ids + e.response_ids)

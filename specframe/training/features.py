@@ -37,7 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specframe.data import DistillExample
-from specframe.errors import ConfigError
+from specframe.errors import BadInputError, ConfigError
 from specframe.fingerprint import target_fingerprint
 from specframe.training.common import collate, to_sequences
 
@@ -262,9 +262,15 @@ def _columns(block: torch.Tensor, stored: tuple[int, ...], wanted: tuple[int, ..
 
 def _load(path: Path, ids: list[str], stored: tuple[int, ...], wanted: tuple[int, ...]) -> list[FeatureSequence]:
     """The sequences in a cache file that holds the extra layers `stored`, keeping the columns of `wanted`."""
-    with safe_open(path, "pt") as f:
-        t = {k: f.get_tensor(k) for k in ("features", "ids", "lengths", "first_target")}
-        extra = _columns(f.get_tensor("extra"), stored, wanted, t["features"].shape[1]) if wanted else None
+    try:
+        with safe_open(path, "pt") as f:
+            t = {k: f.get_tensor(k) for k in ("features", "ids", "lengths", "first_target")}
+            extra = _columns(f.get_tensor("extra"), stored, wanted, t["features"].shape[1]) if wanted else None
+    except Exception as e:  # (written atomically: only damage from outside gets here)
+        raise BadInputError(
+            f"the features cache file {path} cannot be read ({type(e).__name__}: {e}); delete it to compute the "
+            "features again"
+        ) from e
     out, at = [], 0
     for n, first, i in zip(t["lengths"].tolist(), t["first_target"].tolist(), ids, strict=True):
         more = extra[at : at + n] if extra is not None else None
