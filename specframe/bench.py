@@ -138,6 +138,9 @@ class BenchOptions:
             raise BadInputError(f"'{sorted(clash)[0]}' is a baseline: list it under --baselines")
         from specframe.plugins import get_registry
 
+        seed_ok = isinstance(self.seed, int) and not isinstance(self.seed, bool) and -(2**63) <= self.seed < 2**63
+        if not seed_ok:  # (each question's seed adds 10 x its id + the turn: it must stay a generator's seed)
+            raise BadInputError(f"--seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         registry = get_registry()
         unknown = [p for p in self.proposers if p not in registry.proposers]
         if unknown:  # (a typo or a plugin that is not installed: said before the target loads, not skipped)
@@ -628,13 +631,16 @@ def render(path: str | Path, out: str | Path | None = None, results_doc: str | N
     p = Path(path)
     check_report_paths(out, results_doc)
     try:
-        doc = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # (ValueError: not JSON, or not UTF-8)
         raise BadInputError(f"cannot read bench results '{p}': {e}") from e
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise BadInputError(f"'{p}' is not a specframe bench.json")
-    doc["definitions"] = DEFINITIONS | {"near_tie": doc["definitions"]["near_tie"]}
-    doc["summary"] = summarize(doc["records"], list(doc["methods"]), doc["settings"]["subtasks"])
+    try:
+        doc["definitions"] = DEFINITIONS | {"near_tie": doc["definitions"]["near_tie"]}
+        doc["summary"] = summarize(doc["records"], list(doc["methods"]), doc["settings"]["subtasks"])
+    except (KeyError, TypeError, AttributeError) as e:
+        raise BadInputError(f"'{p}' is an incomplete or damaged bench.json ({type(e).__name__}: {e})") from e
     write_outputs(doc, Path(out) if out is not None else p.parent, results_doc)
     return doc
 
@@ -716,6 +722,8 @@ def timed_loop(
                     )
                     log(f"dropping {m.name}: {failed[m.name]}")
     records = [r for r in records if r["method"] not in failed]
+    if failed and not records:  # (not an empty report that exits 0)
+        raise RuntimeError("every method failed: " + "; ".join(f"{name} {why}" for name, why in failed.items()))
     return records, failed
 
 

@@ -392,7 +392,14 @@ _show_warning = warnings.showwarning
 
 def main(argv: list[str] | None = None) -> int:
     warnings.showwarning = show_plugin_warning
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    # argparse fills the KEY=VALUE positional once: KEY=VALUE items after a later option land here, in order.
+    more = [a for a in rest if "=" in a and not a.startswith("-")]
+    if more and hasattr(args, "overrides") and len(more) == len(rest):
+        args.overrides = [*args.overrides, *more]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     run: Callable[[argparse.Namespace], int] = args.run
     try:
         return run(args)

@@ -92,6 +92,8 @@ def find_config(path: str | Path) -> Path:
     p = Path(path)
     if p.is_file():
         return p
+    if p.is_dir():
+        raise ConfigError(f"config file '{path}' is a folder, not a YAML file")
     packaged = resources.files("specframe.configs") / p.name
     if not p.is_absolute() and packaged.is_file():
         return Path(str(packaged))
@@ -105,8 +107,13 @@ def packaged_configs() -> list[str]:
 
 def load_yaml(path: str | Path) -> DictConfig:
     """A YAML config file (or a packaged config by name) holding a mapping; errors name the file."""
+    found = find_config(path)
     try:
-        raw = OmegaConf.load(find_config(path))
+        with found.open(encoding="utf-8") as f:
+            parsed = yaml.safe_load(f)  # (OmegaConf.load refuses a lone scalar with an OSError of its own words)
+        if parsed is not None and not isinstance(parsed, dict):
+            raise ConfigError(f"config file '{path}' must hold a mapping, not {type(parsed).__name__} {parsed!r:.40}")
+        raw = OmegaConf.load(found)
     except OmegaConfBaseException as e:
         raise ConfigError(f"bad config: {one_line(e)}") from e
     except (yaml.YAMLError, UnicodeDecodeError) as e:  # (OmegaConf passes a file's YAML and encoding errors on)

@@ -213,6 +213,11 @@ def distill(
     from specframe.decoder import eos_token_ids
 
     check_tag(tag)
+    if not getattr(tokenizer, "chat_template", None):
+        raise BadInputError(
+            "the target's tokenizer has no chat template: distill applies it to every prompt, as specframe generate "
+            "does to text prompts"
+        )
     out = Path(out_path)
     check_output_path(out, "--out", folder=False)
     if out.exists():

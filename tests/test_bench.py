@@ -374,6 +374,7 @@ def test_a_config_file_sets_options_and_flags_win(tiny_dirs, questions, tmp_path
         (["--proposers", "none", "--top-p", "0"], "--top-p must be in (0, 1]"),
         (["--proposers", "medusa", "--baselines", ""], "nothing to run: every method was skipped"),
         (["--proposers", "none,draft", "draft.num_speculatve_tokens=3"], "proposer.num_speculatve_tokens"),
+        (["--seed", str(10**23), "--temperature", "1"], "--seed must be an integer in [-2**63, 2**63)"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tiny_dirs, questions, tmp_path, extra, message):
@@ -383,6 +384,35 @@ def test_bad_input_exits_2_with_one_line(tiny_dirs, questions, tmp_path, extra, 
         del args[i : i + 2]
     code, out, err = run_cli(*args)
     assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_render_of_a_damaged_bench_json_names_the_file(full_run, tmp_path):
+    root, _, _, _ = full_run
+    doc = json.loads((root / "out" / "bench.json").read_text())
+    del doc["records"][0]["subtask"]
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    (tmp_path / "bytes.json").write_bytes(b"\xff\xfe")
+    for name, message in (("bad.json", "is an incomplete or damaged bench.json (KeyError: 'subtask')"),
+                          ("bytes.json", "cannot read bench results")):  # fmt: skip
+        code, _, err = run_cli("bench", "--render", str(tmp_path / name), "--out", str(tmp_path / "o"))
+        assert code == 2 and message in err, err
+
+
+def test_a_run_where_every_method_failed_is_an_error_not_an_empty_report():
+    from types import SimpleNamespace
+
+    from specframe.bench import BenchOptions, timed_loop
+
+    def broken(*args):
+        raise ValueError("broken")
+
+    setup = SimpleNamespace(
+        methods=[SimpleNamespace(name="a", run=broken), SimpleNamespace(name="b", run=broken)],
+        encoder=SimpleNamespace(encode=lambda text: torch.tensor([1, 2])),
+    )
+    tqdm = lambda **kwargs: contextlib.nullcontext()  # noqa: E731  (never entered: the warm-up failed)
+    with pytest.raises(RuntimeError, match="every method failed: a failed in warm-up: ValueError: broken; b failed"):
+        timed_loop(setup, [], BenchOptions(proposers=[], baselines=[]), lambda line: None, tqdm)
 
 
 def test_bad_question_file_names_the_line(tiny_dirs, tmp_path):

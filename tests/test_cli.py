@@ -112,6 +112,33 @@ def test_bad_input_exits_2_with_one_line(capsys, tiny_dirs, extra, message):
     assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err and out == ""
 
 
+def test_overrides_may_follow_options(capsys, tiny_dirs):
+    # (argparse fills a KEY=VALUE positional once: those after a later option were "unrecognized arguments")
+    opts = ["--proposer", "none", "--json", "--raw", "--prompt", "a b"]
+    sampled = ["sampling.temperature=1.0", "sampling.seed=3"]
+    code, before, err = run(capsys, *gen_args(tiny_dirs, *sampled, *opts))
+    assert code == 0, err
+    code, after, err = run(capsys, *gen_args(tiny_dirs, "sampling.temperature=1.0", *opts, "sampling.seed=3"))
+    assert code == 0, err
+    assert json.loads(after)["token_ids"] == json.loads(before)["token_ids"]
+    code, out, err = run(capsys, *gen_args(tiny_dirs, *opts, "bogus.key=1"))
+    assert code == 2 and "unknown config key 'bogus'" in err
+    with pytest.raises(SystemExit) as exit_:  # (anything else left over is still argparse's error)
+        main(gen_args(tiny_dirs, *opts, "--bogus", "3"))
+    assert exit_.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "text, message", [("42\n", "must hold a mapping, not int 42"), ("[a]\n", "must hold a mapping, not list")]
+)
+def test_a_config_file_that_is_not_a_mapping_exits_2(capsys, tiny_dirs, tmp_path, text, message):
+    (tmp_path / "c.yaml").write_text(text)
+    code, out, err = run(capsys, *gen_args(tiny_dirs, "--prompt", "a b", "--config", str(tmp_path / "c.yaml")))
+    assert code == 2 and f"config file '{tmp_path / 'c.yaml'}' {message}" in err
+    code, out, err = run(capsys, *gen_args(tiny_dirs, "--prompt", "a b", "--config", str(tmp_path)))
+    assert code == 2 and "is a folder, not a YAML file" in err
+
+
 def test_prompt_longer_than_context(capsys, tiny_dirs):
     code, _, err = run(
         capsys,

@@ -161,6 +161,12 @@ def test_a_finished_flag_that_is_not_a_boolean_is_refused(tmp_path):
         read_distill(tmp_path / "d.jsonl")
 
 
+def test_a_tokenizer_without_a_chat_template_is_refused(tokenizer, tmp_path):
+    tokenizer.chat_template = None
+    with pytest.raises(BadInputError, match="the target's tokenizer has no chat template"):
+        run(tiny_llama(vocab_size=8, seed=0), tokenizer, tmp_path / "d.jsonl")
+
+
 @pytest.mark.parametrize("tag", ["a b", "s#1", "é"])
 def test_bad_tag_is_refused(tokenizer, tmp_path, tag):
     with pytest.raises(BadInputError, match="tag"):
