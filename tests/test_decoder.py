@@ -310,6 +310,15 @@ class LetterTokenizer:
         return "".join(chr(ord("a") + i) for i in ids)
 
 
+def plain_and_self_drafting(target, tokenizer):
+    """Plain decoding, and the target drafting 8 tokens for itself (whole steps of 9 tokens under greedy)."""
+    plain = SpeculativeDecoder(target, NoneProposer(NoneConfig(), target_info(target)), tokenizer)
+    fast = SpeculativeDecoder(
+        target, DraftProposer(DraftConfig(num_speculative_tokens=8), target_info(target), target), tokenizer
+    )
+    return plain, fast
+
+
 def test_a_step_completing_two_stop_strings_stops_where_plain_decoding_does(target):
     # Stop string `late` starts before `early` in the text but is completed one token after it. Plain decoding
     # stops at the token completing `early`; a step that accepts many tokens at once completes both and must
@@ -326,10 +335,7 @@ def test_a_step_completing_two_stop_strings_stops_where_plain_decoding_does(targ
         break
     else:
         pytest.fail("no text with two such stop strings")
-    plain = SpeculativeDecoder(target, NoneProposer(NoneConfig(), target_info(target)), tok)
-    fast = SpeculativeDecoder(
-        target, DraftProposer(DraftConfig(num_speculative_tokens=8), target_info(target), target), tok
-    )
+    plain, fast = plain_and_self_drafting(target, tok)
     want = plain.generate(prompt, max_new_tokens=12, stop=[late, early])
     got = fast.generate(prompt, max_new_tokens=12, stop=[late, early])
     assert want.token_ids == reference_greedy(target, prompt, 12)[: i + 2] and want.text == text[:i]
@@ -360,10 +366,7 @@ def test_a_step_passing_a_stop_string_that_its_last_token_unmakes_stops_where_pl
             break
     else:
         pytest.fail("no text with such a stop string")
-    plain = SpeculativeDecoder(target, NoneProposer(NoneConfig(), target_info(target)), tok)
-    fast = SpeculativeDecoder(
-        target, DraftProposer(DraftConfig(num_speculative_tokens=8), target_info(target), target), tok
-    )
+    plain, fast = plain_and_self_drafting(target, tok)
     want = plain.generate(prompt, max_new_tokens=12, stop=stop)
     got = fast.generate(prompt, max_new_tokens=12, stop=stop)
     assert want.token_ids == ref[: i + 1] and want.text == texts[i + 1][: texts[i + 1].index(stop)]
