@@ -330,17 +330,14 @@ def hf_method(
 ) -> Method:
     """transformers `generate` on the shared target, on PyTorch's and transformers' own kernels; `extra` selects
     assisted or prompt-lookup decoding."""
-    from transformers import GenerationConfig
-
     from specframe.cpu_kernels import stock_kernels
+    from specframe.models import neutral_generation_config
 
     pad = eos_ids[0] if eos_ids else None
     # As specframe's decoder: no token past the target's context window (transformers would go on past it).
     window = getattr(model.config, "max_position_embeddings", None) or 10**9
-    # transformers fills every generate() setting left unset from the target's generation_config.json (a
-    # repetition penalty, say, or a minimum length); specframe's methods apply none of those, so the baselines
-    # run from a neutral config (a fresh one per call), as for a model that ships none; sampling settings are
-    # passed explicitly.
+    # The baselines run from a neutral generation config (a fresh one per call), as specframe's methods do;
+    # sampling settings are passed explicitly.
 
     def run(ids: list[int], max_new: int, seed: int) -> Output:
         if len(ids) >= window:
@@ -355,14 +352,10 @@ def hf_method(
             kwargs.update(do_sample=True, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
             torch.manual_seed(seed)
         counter.calls = 0
-        own, model.generation_config = model.generation_config, GenerationConfig()
-        try:
-            with stock_kernels(model):  # as a transformers user runs it (specframe/cpu_kernels.py)
-                t0 = time.perf_counter()
-                out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kwargs, **extra)
-                seconds = time.perf_counter() - t0
-        finally:
-            model.generation_config = own
+        with neutral_generation_config(model), stock_kernels(model):  # (stock: as a transformers user runs it)
+            t0 = time.perf_counter()
+            out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kwargs, **extra)
+            seconds = time.perf_counter() - t0
         new = cut_at_eos(out[0, len(ids) :].tolist(), eos_ids)
         return Output(new, counter.calls, seconds, None)
 

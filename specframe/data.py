@@ -143,22 +143,13 @@ def end_unfinished_line(path: Path, quiet: bool = False) -> None:
     object (an editor dropped it), and is removed when it is not (a write that was interrupted), with a message;
     appending to it would break the row and the next one."""
     with path.open("rb+") as f:
-        size = f.seek(0, 2)
-        if size == 0:
+        if f.seek(0, 2) == 0:
             return
-        f.seek(max(0, size - 1))
+        f.seek(-1, 2)
         if f.read(1) == b"\n":
             return
-        start = size
-        while start > 0:  # the last line starts after the last line end
-            step = min(65536, start)
-            f.seek(start - step)
-            chunk = f.read(step)
-            cut = chunk.rfind(b"\n")
-            if cut >= 0:
-                start = start - step + cut + 1
-                break
-            start -= step
+        f.seek(0)
+        start = f.read().rfind(b"\n") + 1  # where the last line starts (only in this rare case is it all read)
         f.seek(start)
         tail = f.read()
         try:
@@ -208,9 +199,9 @@ def distill(
     With a `tag`, responses get the id "<prompt id>#<tag>", so one file can hold several responses per prompt
     (e.g. a greedy pass and a sampled one): a pass is resumed by its own ids."""
     from tqdm import tqdm
-    from transformers import GenerationConfig
 
     from specframe.decoder import eos_token_ids
+    from specframe.models import neutral_generation_config
 
     check_tag(tag)
     if not getattr(tokenizer, "chat_template", None):
@@ -263,10 +254,7 @@ def distill(
             for i, (_, _, ids) in enumerate(batch):  # left padding
                 input_ids[i, width - len(ids) :] = torch.tensor(ids)
                 mask[i, width - len(ids) :] = 1
-            # transformers fills every setting left unset from the target's generation_config.json (a repetition
-            # penalty, a minimum length...): the target's own responses come from a neutral one, as in the decoder.
-            own, model.generation_config = model.generation_config, GenerationConfig()
-            try:
+            with neutral_generation_config(model):  # (the target's own responses, as the decoder gives them)
                 gen = model.generate(
                     input_ids=input_ids.to(device),
                     attention_mask=mask.to(device),
@@ -278,8 +266,6 @@ def distill(
                     eos_token_id=sorted(eos) or None,
                     pad_token_id=pad,
                 )[:, width:].tolist()
-            finally:
-                model.generation_config = own
             for (prompt_id, source, ids), resp in zip(batch, gen, strict=True):
                 end = next((i for i, t in enumerate(resp) if t in eos), None)
                 finished = end is not None

@@ -383,6 +383,20 @@ def _quiet_transformers(quiet: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def neutral_generation_config(model: torch.nn.Module) -> Iterator[None]:
+    """For the duration, `model.generate` starts from a fresh `GenerationConfig`: transformers fills every setting
+    left unset from the target's generation_config.json (a repetition penalty, a minimum length...), which
+    specframe's decoder never applies. The model's own config is put back afterwards."""
+    from transformers import GenerationConfig
+
+    own, model.generation_config = model.generation_config, GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = own
+
+
+@contextlib.contextmanager
 def _hushed_stderr(quiet: bool) -> Iterator[None]:
     """With `quiet`, swallow what is written to stderr: for the GGUF loader's bare tqdm bar, which ignores
     transformers' switch. Only around a local file's load: nothing there is worth a user's attention."""

@@ -263,11 +263,16 @@ def _without_counts(final: dict) -> dict:
     return {**final, "heldout": strip(final["heldout"]), "history": [strip(h) for h in final["history"]]}
 
 
+def label_columns(labels: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Target-id labels (-1 = none) as columns of the reduced vocabulary, -100 (ignored) when none or outside it."""
+    return torch.where(labels >= 0, index[labels.clamp(min=0)], torch.full_like(labels, -100))
+
+
 def _heads_loss(logits: torch.Tensor, labels: torch.Tensor, index: torch.Tensor, decay: float) -> torch.Tensor | None:
     """Weighted cross-entropy over heads; logits [K, N, Vr], labels [N, K] target ids (-1 = none). None when no
     head has a label in the reduced vocabulary here (a batch of a response's last positions, say): nothing to
     learn from, and no gradient to step with."""
-    cols = torch.where(labels >= 0, index[labels.clamp(min=0)], torch.full_like(labels, -100))
+    cols = label_columns(labels, index)
     loss = None
     for k in range(logits.shape[0]):
         if bool((cols[:, k] >= 0).any()):
@@ -289,7 +294,7 @@ def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     x_train, y_train = stack_features(train_feats, cfg.num_heads, cfg.prompt_positions)
     x_held, y_held = stack_features(held_feats, cfg.num_heads)
     log(f"{x_train.shape[0]} training positions, {x_held.shape[0]} held-out")
-    if not bool(((y_train >= 0) & (index.cpu()[y_train.clamp(min=0)] >= 0)).any()):
+    if not bool((label_columns(y_train, index.cpu()) >= 0).any()):
         raise ConfigError("no training position has a label in the heads' vocabulary: nothing to train on")
     lm_rows = target.get_output_embeddings().weight.detach()[vocab_ids].float()
     optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
