@@ -201,11 +201,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompt.strip():
         raise BadInputError("the prompt is empty")
     decoder = SpeculativeDecoder.from_config(cfg)
+    if decoder.tokenizer is None:
+        raise BadInputError(
+            f"target '{cfg.target.model}' has no tokenizer, so a text prompt cannot be encoded: add the "
+            "tokenizer's files to the model folder, or call the Python API with the prompt as a list of token ids"
+        )
     result = decoder.generate(prompt, raw=args.raw)
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats}))
     else:
-        print(result.text if result.text is not None else " ".join(map(str, result.token_ids)))
+        print(result.text)
         s = result.stats
         print(
             f"[{cfg.proposer_name}] {s['new_tokens']} tokens, {s['target_forwards']} target forwards, "
@@ -399,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     if more and hasattr(args, "overrides") and len(more) == len(rest):
         args.overrides = [*args.overrides, *more]
     elif rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        subcommand_parser(parser, args).error(f"unrecognized arguments: {' '.join(rest)}")
     run: Callable[[argparse.Namespace], int] = args.run
     try:
         return run(args)
@@ -410,6 +415,16 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:
         return fail(args, e, 1)
+
+
+def subcommand_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command that `args` chose, so that its usage is the one shown with an error."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(args, action.dest, None))
+            if chosen is not None:
+                return subcommand_parser(chosen, args)
+    return parser
 
 
 def fail(args: argparse.Namespace, e: Exception, code: int) -> int:

@@ -195,11 +195,20 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
             if not isinstance(values, DictConfig):
                 raise ConfigError(f"{prefix} must be a mapping, got {values!r}")
             text_fields = {f.name for f in fields(schema) if f.type in ("str", str)} if is_dataclass(schema) else set()
+            list_fields = {f.name for f in fields(schema) if str(f.type).startswith(("list[", "tuple["))}
             for key in values:
                 if OmegaConf.is_missing(values, key):  # `???` in YAML: the user must set it
                     raise ConfigError(f"{prefix}.{key}: missing mandatory value (set it with {prefix}.{key}=...)")
                 if key in text_fields and values[key] is None:  # `KEY=` (a shell's KEY="") is the empty string
                     values[key] = ""
+                if key in list_fields and not isinstance(values[key], ListConfig | None):
+                    given = values[key]
+                    if isinstance(given, DictConfig):  # (e.g. from `KEY.0=x`: a dotlist index makes a mapping)
+                        raise ConfigError(
+                            f"{prefix}.{key} must be a list, got {OmegaConf.to_container(given)!r} "
+                            f"(set a list field whole, e.g. {prefix}.{key}=[a,b])"
+                        )
+                    raise ConfigError(f"{prefix}.{key} must be a list, e.g. {prefix}.{key}=[{given}], got {given!r}")
             base = OmegaConf.merge(base, values)
         return OmegaConf.to_object(base)
     except ConfigError:  # raised by a schema's __post_init__, already naming its full key

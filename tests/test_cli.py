@@ -125,7 +125,12 @@ def test_overrides_may_follow_options(capsys, tiny_dirs):
     assert code == 2 and "unknown config key 'bogus'" in err
     with pytest.raises(SystemExit) as exit_:  # (anything else left over is still argparse's error)
         main(gen_args(tiny_dirs, *opts, "--bogus", "3"))
-    assert exit_.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+    err = capsys.readouterr().err  # (with the subcommand's usage, not the top level's)
+    assert exit_.value.code == 2 and "specframe generate: error: unrecognized arguments: --bogus" in err
+    assert err.startswith("usage: specframe generate [-h]")
+    with pytest.raises(SystemExit):
+        main(["models", "list", "--x"])
+    assert capsys.readouterr().err.startswith("usage: specframe models list [-h]")
 
 
 @pytest.mark.parametrize(
@@ -184,6 +189,11 @@ def test_token_id_prompt_without_tokenizer_through_python(tiny_dirs):
     )
     res = SpeculativeDecoder.from_config(cfg).generate([1, 2, 3])
     assert res.text is None and len(res.token_ids) == 5
+
+
+def test_text_prompt_without_tokenizer_on_the_command_line_is_refused(capsys, tiny_dirs):
+    code, _, err = run(capsys, "generate", "--target", str(tiny_dirs["bare"]), "--prompt", "a b")
+    assert code == 2 and "has no tokenizer, so a text prompt cannot be encoded" in err and "Python API" in err
 
 
 def test_plugins_lists_builtins(capsys):

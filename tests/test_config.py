@@ -44,7 +44,10 @@ def test_packaged_configs_load_by_name():
         (["proposer.name=draft", "proposer.greedy=maybe"], "proposer.greedy"),
         (["sampling.seed=99999999999999999999999"], r"sampling.seed must be an integer in \[-2\*\*63, 2\*\*64\)"),
         (["sampling.seed=-9223372036854775809"], "sampling.seed must be an integer"),
-        (["generation.stop=5"], "generation.stop"),
+        (["generation.stop=5"], r"^generation.stop must be a list, e.g. generation.stop=\[5\], got 5$"),
+        (["generation.stop={a: 1}"], r"^generation.stop must be a list, got \{'a': 1\} \(set a list field whole"),
+        (["generation.stop=${oops}"], r"^generation.stop: Interpolation key 'oops' not found"),
+        (["proposer.name=medusa", "proposer.tree=0"], r"^proposer.tree must be a list, e.g. proposer.tree=\[0\]"),
         # Interpolations that cannot be resolved, of a value and of a whole section: named, never doubled.
         (["target.model=${oops}"], r"^target.model: Interpolation key 'oops' not found"),
         (["sampling=${oops}"], r"^sampling: Interpolation key 'oops' not found"),

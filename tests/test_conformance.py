@@ -172,6 +172,11 @@ def test_bad_conformance_dtype_or_device_is_named():
             conformance.run_suite(TreeTestProposer, devices=["cuda"], quick=True)
 
 
+def test_a_dtype_named_twice_runs_once():
+    report = conformance.run_suite(TreeTestProposer, devices=["cpu"], dtypes=["float32", "float32"], quick=True)
+    assert report.passed and len(report.results) == 3  # greedy, rollback, isolation: once
+
+
 def test_device_auto_runs_on_the_device_it_resolves_to(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     report = conformance.run_suite(TreeTestProposer, devices=["auto", "cpu"], quick=True, power=False)

@@ -497,6 +497,10 @@ def test_init_from_must_be_a_drafter_with_the_same_layers(trained, tmp_path):
         bad = EagleTrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "bad"), **options})
         with pytest.raises(ConfigError, match=message):
             train_eagle(bad, target, None, log=lambda m: None)
+    other = tiny_llama(vocab_size=16, seed=5, hidden_size=32, num_layers=1)  # (the error names the option)
+    bad = EagleTrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "bad"), "init_from": cfg.out})
+    with pytest.raises(ConfigError, match=r"^train.init_from: EAGLE drafter '.*' was made for another target"):
+        train_eagle(bad, other, None, log=lambda m: None)
     assert not (tmp_path / "bad").exists()
 
 
@@ -526,7 +530,7 @@ def test_missing_or_wrong_model_folders_are_refused(tmp_path, trained):
     for dtype in (torch.bfloat16, torch.float16):  # trained in float32, usable on the target in half precision
         load_drafter(cfg.out, copy.deepcopy(target).to(dtype))
     other = tiny_llama(vocab_size=16, seed=5, hidden_size=32, num_layers=1)
-    with pytest.raises(ModelLoadError, match="made for another target: the weights differ"):
+    with pytest.raises(ModelLoadError, match=r"^proposer.model: EAGLE drafter .* another target: the weights differ"):
         load_drafter(cfg.out, other)
     wide = tiny_llama(vocab_size=24, seed=0, hidden_size=32, num_layers=1)
     with pytest.raises(ModelLoadError, match="made for another target: vocab size 16 there, 24 here"):

@@ -281,44 +281,42 @@ def load_drafter(
     if not meta_file.is_file():
         what = "does not exist" if not p.exists() else "holds no eagle_config.json (not an EAGLE drafter folder)"
         raise ModelLoadError(f"{option} '{path}' {what}; train one with `specframe train --proposer eagle`")
-    meta, listed, state = read_artifact(p, "eagle", f"EAGLE drafter '{p}'")
+    name = f"{option}: EAGLE drafter '{p}'"  # (how every error below names it)
+    meta, listed, state = read_artifact(p, "eagle", name)
     if meta.get("format") != FORMAT:
-        raise ModelLoadError(f"'{meta_file}' is not a {FORMAT} file (format {meta.get('format')!r})")
+        raise ModelLoadError(f"{option}: '{meta_file}' is not a {FORMAT} file (format {meta.get('format')!r})")
     if meta.get("version") not in (1, 2):
         raise ModelLoadError(
-            f"'{meta_file}' is {FORMAT} version {meta.get('version')!r}; this specframe reads versions 1 and 2"
+            f"{option}: '{meta_file}' is {FORMAT} version {meta.get('version')!r}; "
+            "this specframe reads versions 1 and 2"
         )
-    check_fingerprint(meta.get("target"), target, f"EAGLE drafter '{p}'", adapter=False)
+    check_fingerprint(meta.get("target"), target, name, adapter=False)
     vocab = target.get_input_embeddings().weight.shape[0]
-    vocab_ids = check_vocab_ids(listed, vocab, f"EAGLE drafter '{p}'", "eagle_vocab.json")
+    vocab_ids = check_vocab_ids(listed, vocab, name, "eagle_vocab.json")
     fuse_layers = meta.get("fuse_layers", [])
     try:
         if not isinstance(fuse_layers, list):
             raise ConfigError(f"fuse_layers must be a list, got {fuse_layers!r}")
         check_extra_layers(fuse_layers, target.config.num_hidden_layers, "fuse_layers")
     except ConfigError as e:
-        raise ModelLoadError(f"EAGLE drafter '{p}': {e}") from e
+        raise ModelLoadError(f"{name}: {e}") from e
     if bool(fuse_layers) != (meta["version"] == 2):  # version 2 means exactly: fused layers
-        raise ModelLoadError(
-            f"EAGLE drafter '{p}' is inconsistent: version {meta['version']} with fuse_layers {fuse_layers}"
-        )
+        raise ModelLoadError(f"{name} is inconsistent: version {meta['version']} with fuse_layers {fuse_layers}")
     try:
         cfg = LlamaConfig(**meta["llama_config"])
     except (KeyError, TypeError, ValueError) as e:
-        raise ModelLoadError(
-            f"EAGLE drafter '{p}' is incomplete or corrupt: llama_config: {type(e).__name__}: {e}"
-        ) from e
+        raise ModelLoadError(f"{name} is incomplete or corrupt: llama_config: {type(e).__name__}: {e}") from e
     cfg._attn_implementation = "sdpa"
     hidden = target.get_input_embeddings().weight.shape[1]
     if cfg.hidden_size != hidden or cfg.vocab_size != len(vocab_ids):
-        raise ModelLoadError(f"EAGLE drafter '{p}' is inconsistent: hidden {cfg.hidden_size}, {len(vocab_ids)} ids")
+        raise ModelLoadError(f"{name} is inconsistent: hidden {cfg.hidden_size}, {len(vocab_ids)} ids")
     drafter = EagleDrafter(cfg, tuple(fuse_layers))
     missing = set(drafter.own_state_dict()) - set(state)
     if missing:
-        raise ModelLoadError(f"EAGLE drafter '{p}' is missing weights: {sorted(missing)[:3]}")
+        raise ModelLoadError(f"{name} is missing weights: {sorted(missing)[:3]}")
     unknown = set(state) - set(drafter.own_state_dict())
     if unknown:
-        raise ModelLoadError(f"EAGLE drafter '{p}' has weights its config does not use: {sorted(unknown)[:3]}")
+        raise ModelLoadError(f"{name} has weights its config does not use: {sorted(unknown)[:3]}")
     drafter.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     w = target.get_output_embeddings().weight
     drafter = drafter.to(device=w.device, dtype=dtype or w.dtype).attach(target, vocab_ids)

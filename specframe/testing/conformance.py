@@ -517,6 +517,7 @@ def run_suite(
         names.append(str(resolved) if device == "auto" else device)  # "auto" becomes the device it resolves to
     devices = list(dict.fromkeys(names))
     dtypes = [str(resolve_dtype(t, torch.device("cpu"))).removeprefix("torch.") for t in dtypes or ["float32"]]
+    dtypes = list(dict.fromkeys(dtypes))  # (a dtype named twice, or by two names, runs once)
     report = Report(proposer_cls.name)
     with one_thread():
         for device, dtype in itertools.product(devices, dtypes):
