@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import itertools
 import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -416,6 +418,12 @@ def _load_errors() -> tuple[type[BaseException], ...]:
         errors.append(SafetensorError)
     except ImportError:  # pragma: no cover - older safetensors
         pass
+    try:  # a config.json value of the wrong type (e.g. "num_hidden_layers": "two")
+        from huggingface_hub.errors import StrictDataclassError
+
+        errors.append(StrictDataclassError)
+    except ImportError:  # pragma: no cover - older huggingface_hub
+        pass
     return tuple(errors)
 
 
@@ -449,7 +457,22 @@ def _from_pretrained(src: str, what: str, **kwargs: Any) -> transformers.PreTrai
             f"weights of {what} do not match its config: {len(missing)} tensor(s) missing "
             f"(e.g. {', '.join(missing[:3])}); they would be left random"
         )
+    # Tensors of this architecture that the config has no room for (more layers than num_hidden_layers, say):
+    # transformers drops them, which is a silently smaller model. Others (extra heads saved beside it) are let be.
+    own_kinds = {_layer_pattern(name) for name, _ in itertools.chain(model.named_parameters(), model.named_buffers())}
+    extra = sorted(k for k in info.get("unexpected_keys") or () if _layer_pattern(k) in own_kinds)
+    if extra:
+        raise ModelLoadError(
+            f"weights of {what} do not match its config: {len(extra)} tensor(s) the config has no place for "
+            f"(e.g. {', '.join(extra[:3])}); they would be dropped"
+        )
     return model
+
+
+def _layer_pattern(name: str) -> str:
+    """A tensor name with its module indices replaced (`model.layers.7.mlp.up_proj.weight` ->
+    `model.layers.#.mlp.up_proj.weight`)."""
+    return re.sub(r"\.\d+(?=\.)", ".#", name)
 
 
 def _first_line(e: BaseException) -> str:
@@ -511,8 +534,8 @@ def _gguf_header(path: Path) -> tuple[str, bool]:
             fields = gguf.GGUFReader(str(path)).fields
             arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
             has_tok = "tokenizer.ggml.model" in fields
-    except (OSError, ValueError, KeyError, IndexError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{path} is not a valid GGUF file: {_first_line(e)}") from e
+    except (OSError, ValueError, KeyError, IndexError, UnicodeDecodeError, struct.error) as e:  # (cut short)
+        raise ModelLoadError(f"{path} is not a valid GGUF file (truncated or damaged?): {_first_line(e)}") from e
     if not arch:
         raise ModelLoadError(f"{path} is not a valid GGUF file: no general.architecture in its metadata")
     return str(arch), has_tok
@@ -536,14 +559,24 @@ def _load_gguf(path: Path, kwargs: dict[str, Any]) -> tuple[Any, Any]:
             **kwargs,
         )
     except ModelLoadError as e:
-        if "not supported" in str(e.__cause__ or ""):
+        cause = str(e.__cause__ or "")
+        if "not supported" in cause:
             raise ModelLoadError(
                 f"GGUF architecture {arch!r} of {path} is not supported by transformers {hf_version}"
             ) from e.__cause__
-        raise
+        if "does not support" in cause and "attn_implementation" in cause:  # (e.g. mamba: no sdpa attention)
+            raise ModelLoadError(
+                f"GGUF architecture {arch!r} of {path} is not supported by specframe: its transformers model "
+                "has no sdpa attention, which verification with custom attention masks needs"
+            ) from e.__cause__
+        raise ModelLoadError(f"{e} (is the file truncated or damaged?)") from e.__cause__
     tokenizer = None
     if has_tokenizer:
-        tokenizer = _load_tokenizer(str(path.parent), str(path), gguf_file=str(path))
+        # From the file alone: given the file's folder, transformers prefers a tokenizer.json lying beside it.
+        with tempfile.TemporaryDirectory(prefix="specframe-gguf-") as alone:
+            (Path(alone) / path.name).symlink_to(path.resolve())
+            tokenizer = _load_tokenizer(alone, str(path), gguf_file=path.name)
+        tokenizer.name_or_path = str(path)
     return model, tokenizer
 
 
@@ -598,7 +631,14 @@ def _load_hub(name: str, kwargs: dict[str, Any], quiet: bool) -> tuple[Any, Any]
             **kwargs,
         )
     except ModelLoadError as e:
-        if local_only:
+        cached = _hub_cache_folder(name) if local_only else None
+        pickles_only = cached is not None and not any(cached.glob("*.safetensors*"))
+        pickles_only = pickles_only and any(p.suffix.lower() in _PICKLE_SUFFIXES for p in cached.iterdir())
+        if pickles_only or "use_safetensors" in str(e.__cause__ or ""):  # (not transformers' advice to allow them)
+            raise ModelLoadError(
+                f"model {name!r} has no safetensors weights: specframe never loads pickled (.bin/.pt) weights"
+            ) from e.__cause__
+        if local_only and cached is None:
             raise ModelLoadError(
                 f"model {name!r} is not a local path, and as a Hugging Face hub id it cannot be downloaded: {why}, "
                 f"and it is not in the local Hugging Face cache. Pass a local directory or .gguf file, or the offline "
@@ -615,6 +655,18 @@ def _load_hub(name: str, kwargs: dict[str, Any], quiet: bool) -> tuple[Any, Any]
         _say(quiet, f"no tokenizer loaded for {name!r} ({_first_line(e)}); text prompts are unavailable")
         tokenizer = None
     return model, tokenizer
+
+
+def _hub_cache_folder(name: str) -> Path | None:
+    """The local Hugging Face cache's folder of hub id `name` (its snapshot holding config.json), or None. When
+    it exists, a failed offline load is that copy's fault, and its own error is the one to show."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(name, "config.json")
+    except Exception:  # (an id the hub client rejects is not in its cache either)
+        return None
+    return Path(found).parent if isinstance(found, str) else None
 
 
 def _apply_adapter(model: Any, adapter: str, base: str) -> Any:
@@ -637,6 +689,14 @@ def _apply_adapter(model: Any, adapter: str, base: str) -> Any:
 
     from specframe.fingerprint import mark_adapter, target_fingerprint
 
+    try:  # (damaged files named as such, not as an adapter that does not fit)
+        adapter_config = json.loads((path / "adapter_config.json").read_text())
+        with safe_open(str(weights), framework="pt") as f:
+            saved = set(f.keys())
+    except (*_load_errors(), UnicodeDecodeError) as e:
+        raise ModelLoadError(f"adapter {path} is damaged: {type(e).__name__}: {_first_line(e)}") from e
+    if not isinstance(adapter_config, dict):
+        raise ModelLoadError(f"adapter {path} is damaged: adapter_config.json holds no JSON object")
     misfit = f"adapter {path} does not fit the base model {base}"
     base_fingerprint = target_fingerprint(model)  # (before PEFT wraps the model's modules)
     try:
@@ -647,13 +707,11 @@ def _apply_adapter(model: Any, adapter: str, base: str) -> Any:
         raise ModelLoadError(f"{misfit}: {_first_line(e)}") from e
     # peft loads non-strictly: adapter tensors matching no module are dropped silently and missing ones only
     # warn, leaving part of the adapter unapplied. Compare what the file holds with what this model expects.
-    expected = set(get_peft_model_state_dict(peft_model).keys())
-    try:
-        with safe_open(str(weights), framework="pt") as f:
-            saved = set(f.keys())
-    except _load_errors() as e:
-        raise ModelLoadError(f"adapter weights {weights} could not be read: {_first_line(e)}") from e
-    unexpected, missing = sorted(saved - expected), sorted(expected - saved)
+    # Never save_embedding_layers="auto" (peft's default): it asks the hub about the base model's id, which can
+    # hang offline. An adapter must hold the False set and may hold the True one (full embedding layers too).
+    expected = set(get_peft_model_state_dict(peft_model, save_embedding_layers=False).keys())
+    allowed = set(get_peft_model_state_dict(peft_model, save_embedding_layers=True).keys())
+    unexpected, missing = sorted(saved - expected - allowed), sorted(expected - saved)
     if unexpected or missing:
         detail = []
         if unexpected:

@@ -29,13 +29,16 @@ FORMAT = "specframe-shared-draft"
 
 
 def is_shared_draft(path: str | Path) -> bool:
+    """Whether `path` is meant as a shared draft folder: its draft_config.json names this format, or is damaged
+    (then loading it names the damage, instead of treating the folder as a model directory)."""
     p = Path(path) / "draft_config.json"
     if not p.is_file():
         return False
     try:
-        return json.loads(p.read_text()).get("format") == FORMAT
-    except (OSError, json.JSONDecodeError):
-        return False
+        meta = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return True
+    return not isinstance(meta, dict) or meta.get("format") == FORMAT
 
 
 def build_shared_draft(

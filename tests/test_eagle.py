@@ -518,6 +518,26 @@ def test_fuse_layers_must_exist_in_the_target(tmp_path):
 # ---------------------------------------------------------------------------------------------- errors
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_attention_heads": 0}, "incomplete or corrupt: llama_config"),
+        ({"num_attention_heads": 3}, "incomplete or corrupt: llama_config|weights do not fit its config"),
+        ({"hidden_act": "nonsense"}, "incomplete or corrupt: llama_config"),
+        ({"intermediate_size": 10**9}, r"weights do not fit its config: .*mlp.*1000000000\]"),
+        ({"head_dim": 8}, "weights do not fit its config"),
+    ],
+)
+def test_a_tampered_drafter_config_is_a_load_error(trained, tmp_path, change, message):
+    target, cfg, _, _ = trained
+    shutil.copytree(cfg.out, tmp_path / "d")
+    meta = json.loads((tmp_path / "d" / "eagle_config.json").read_text())
+    meta["llama_config"] = {**meta["llama_config"], **change}
+    (tmp_path / "d" / "eagle_config.json").write_text(json.dumps(meta))
+    with pytest.raises(ModelLoadError, match=r"^proposer.model: EAGLE drafter .*(" + message + ")"):
+        load_drafter(tmp_path / "d", target)
+
+
 def test_missing_or_wrong_model_folders_are_refused(tmp_path, trained):
     info = target_info(target16())
     with pytest.raises(ModelLoadError, match="does not exist"):

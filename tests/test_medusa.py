@@ -170,6 +170,9 @@ def test_heads_for_another_target_are_refused(trained, tmp_path):
         MedusaProposer.from_config(MedusaConfig(model=str(tmp_path / "nope")), target_info(other))
     with pytest.raises(ConfigError, match="proposer.model is required"):
         MedusaProposer.from_config(MedusaConfig(), target_info(other))
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError, match="model.gguf' is a file, not a folder of Medusa heads"):
+        MedusaProposer.from_config(MedusaConfig(model=str(tmp_path / "model.gguf")), target_info(other))
     (tmp_path / "medusa_config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match="incomplete or corrupt"):
         load_heads(tmp_path, other)
@@ -182,6 +185,28 @@ def test_heads_for_another_target_are_refused(trained, tmp_path):
     (tmp_path / "dup" / "medusa_config.json").write_text(json.dumps(meta))
     with pytest.raises(ModelLoadError, match="dup' are incomplete or corrupt: medusa_config.json lacks 'num_heads'"):
         load_heads(tmp_path / "dup", trained[0])
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_heads": 1000000000}, r"holds \d+ tensors; medusa_config.json's 1000000000 heads"),  # (not built first)
+        ({"hidden_size": "32"}, "hidden_size must be an integer >= 1, got '32'"),
+        ({"version": 9}, "version 9; this specframe reads 1"),
+        ({"tree": 5}, "medusa_config.json's tree: must be a list of choices, got 5"),
+        ({"tree": [[0, 1]]}, r"medusa_config.json's tree: choice \[0, 1\] has no parent"),
+        ({"path_counts": "x"}, "path_counts must be"),
+        ({"path_counts": {"positions": 3, "counts": {"0": -5}}}, "path_counts must be"),
+    ],
+)
+def test_a_tampered_medusa_config_is_a_load_error(trained, tmp_path, change, message):
+    target, cfg, _ = trained
+    shutil.copytree(cfg.out, tmp_path / "heads")
+    meta = json.loads((tmp_path / "heads" / "medusa_config.json").read_text())
+    (tmp_path / "heads" / "medusa_config.json").write_text(json.dumps({**meta, **change}))
+    options = {"tree_nodes": 3} if "path_counts" in change else {}
+    with pytest.raises(ModelLoadError, match=message):
+        MedusaProposer.from_config(MedusaConfig(model=str(tmp_path / "heads"), **options), target_info(target))
 
 
 def test_resume_continues_after_the_last_epoch(trained, tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 import zipfile
 from collections.abc import Iterator
@@ -267,6 +268,30 @@ def test_weights_of_another_shape_than_the_config_are_named(tmp_path: Path, tiny
         load_model(str(tmp_path), quiet=True)
 
 
+def test_a_checkpoint_with_more_layers_than_its_config_is_refused(tmp_path: Path, tiny_dir: Path) -> None:
+    # transformers drops the tensors of layer 1 and only warns: a silently smaller model.
+    config = json.loads((tiny_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    (tmp_path / "model.safetensors").write_bytes((tiny_dir / "model.safetensors").read_bytes())
+    with pytest.raises(ModelLoadError, match=r"no place for \(e.g. model.layers.1.input_layernorm.weight"):
+        load_model(str(tmp_path), quiet=True)
+
+
+def test_extra_tensors_of_another_kind_are_let_be(tmp_path: Path, tiny_dir: Path) -> None:
+    sd = load_file(tiny_dir / "model.safetensors")
+    save_file({**sd, "medusa_head.0.weight": torch.zeros(2, 2)}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((tiny_dir / "config.json").read_text())
+    assert load_model(str(tmp_path), quiet=True).model.config.num_hidden_layers == 2
+
+
+def test_a_config_value_of_the_wrong_type_is_a_load_error(tmp_path: Path, tiny_dir: Path) -> None:
+    config = json.loads((tiny_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "two"}))
+    (tmp_path / "model.safetensors").write_bytes((tiny_dir / "model.safetensors").read_bytes())
+    with pytest.raises(ModelLoadError, match=f"could not load model {tmp_path}.*num_hidden_layers"):
+        load_model(str(tmp_path), quiet=True)
+
+
 def test_a_file_that_is_not_gguf(tmp_path: Path) -> None:
     f = tmp_path / "weights.safetensors"
     f.write_bytes(b"x")
@@ -348,6 +373,25 @@ def test_adapter_is_loaded_and_merged(tiny_dir: Path, lora_dir: Path, tiny_model
     assert torch.equal(ours, logits(reference))
 
 
+def test_an_adapter_naming_a_hub_base_model_asks_nothing_of_the_hub(
+    tmp_path: Path, tiny_dir: Path, lora_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (the usual case: adapters record the hub id of their base; peft's default check asked the hub about it,
+    # which waits on an unreachable one)
+    import peft.utils.other
+
+    def asked(*args: object, **kwargs: object) -> bool:
+        raise AssertionError(f"the hub was asked: {args}")
+
+    monkeypatch.setattr(peft.utils.other, "file_exists", asked)
+    adapter = tmp_path / "adapter"
+    shutil.copytree(lora_dir, adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "org/base"}))
+    lm = load_model(str(tiny_dir), adapter=str(adapter), quiet=True)
+    assert torch.equal(logits(lm.model), logits(load_model(str(tiny_dir), adapter=str(lora_dir), quiet=True).model))
+
+
 def test_a_configs_target_section_reaches_the_loaded_decoder(tiny_dir: Path, lora_dir: Path) -> None:
     # target.dtype, target.device and target.adapter, end to end: config -> load_target -> SpeculativeDecoder.
     from peft import PeftModel
@@ -404,6 +448,28 @@ def test_adapter_missing_or_not_an_adapter(tmp_path: Path, tiny_dir: Path, lora_
         load_model(str(tiny_dir), adapter=str(tmp_path), quiet=True)
 
 
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("config-text", "is damaged: JSONDecodeError"),
+        ("config-list", "is damaged: adapter_config.json holds no JSON object"),
+        ("weights-cut", "is damaged: SafetensorError"),
+    ],
+)
+def test_a_damaged_adapter_is_named_as_damaged(
+    tmp_path: Path, tiny_dir: Path, lora_dir: Path, damage: str, message: str
+) -> None:
+    adapter = tmp_path / "adapter"
+    shutil.copytree(lora_dir, adapter)
+    if damage == "weights-cut":
+        weights = adapter / "adapter_model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+    else:
+        (adapter / "adapter_config.json").write_text("{oops" if damage == "config-text" else "[1]")
+    with pytest.raises(ModelLoadError, match=f"adapter {adapter} {message}"):
+        load_model(str(tiny_dir), adapter=str(adapter), quiet=True)
+
+
 def test_adapter_given_as_model(lora_dir: Path) -> None:
     with pytest.raises(ModelLoadError, match="is a PEFT adapter"):
         load_model(str(lora_dir))
@@ -431,6 +497,38 @@ def test_hub_id_unreachable_fails_fast(hub: str, monkeypatch: pytest.MonkeyPatch
     with pytest.raises(ModelLoadError, match="specframe-test-nonexistent/no-such-model-0"):
         load_model("specframe-test-nonexistent/no-such-model-0", quiet=True)
     assert time.monotonic() - start < 10
+
+
+def _fake_hub_cache(root: Path, repo: str, files: dict[str, bytes]) -> None:
+    """A Hugging Face cache under `root` holding `files` as repo `repo`'s main revision."""
+    folder = root / f"models--{repo.replace('/', '--')}"
+    (folder / "snapshots" / ("0" * 40)).mkdir(parents=True)
+    for name, data in files.items():
+        (folder / "snapshots" / ("0" * 40) / name).write_bytes(data)
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text("0" * 40)
+
+
+def test_offline_a_cached_hub_id_s_own_error_is_shown(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_dir: Path
+) -> None:
+    # Not "it is not in the local cache" when it is, but cannot be loaded: the real reason.
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    config, weights = (tiny_dir / "config.json").read_bytes(), (tiny_dir / "model.safetensors").read_bytes()
+    _fake_hub_cache(tmp_path / "hub", "org/good", {"config.json": config, "model.safetensors": weights})
+    _fake_hub_cache(tmp_path / "hub", "org/cut", {"config.json": config, "model.safetensors": weights[:200]})
+    _fake_hub_cache(tmp_path / "hub", "org/pickle", {"config.json": config, "pytorch_model.bin": b"x"})
+    assert load_model("org/good", quiet=True).source == "hub:org/good"
+    with pytest.raises(ModelLoadError, match=r"could not load model 'org/cut': .*(header|metadata)"):
+        load_model("org/cut", quiet=True)
+    with pytest.raises(ModelLoadError, match=r"'org/pickle' has no safetensors weights: .*never loads pickled"):
+        load_model("org/pickle", quiet=True)
+    with pytest.raises(ModelLoadError, match="'org/absent' .* not in the local Hugging Face cache"):
+        load_model("org/absent", quiet=True)
 
 
 # ------------------------------------------------------------------------------------------------ GGUF files
@@ -462,6 +560,27 @@ def test_not_a_gguf(tmp_path: Path) -> None:
     path.write_bytes(b"GGUX" + bytes(64))
     with pytest.raises(ModelLoadError, match="not a valid GGUF file"):
         load_model(str(path))
+
+
+def test_a_gguf_cut_short_is_named(tmp_path: Path, tiny_gguf: Path) -> None:
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(tiny_gguf.read_bytes()[:100])
+    with pytest.raises(ModelLoadError, match=r"cut.gguf is not a valid GGUF file \(truncated or damaged\?\)"):
+        load_model(str(path))
+
+
+def test_a_gguf_s_tokenizer_comes_from_the_file_not_its_folder(tmp_path: Path, tiny_gguf: Path) -> None:
+    # Another model's tokenizer lying beside the file (with one token fewer) is not the GGUF's tokenizer.
+    own = load_model(str(tiny_gguf), quiet=True).tokenizer
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "model.gguf").write_bytes(tiny_gguf.read_bytes())
+    other = tiny_tokenizer()
+    other.save_pretrained(folder)
+    assert len(other) != len(own)
+    lm = load_model(str(folder / "model.gguf"), quiet=True)
+    assert len(lm.tokenizer) == len(own) and lm.tokenizer.get_vocab() == own.get_vocab()
+    assert lm.tokenizer.name_or_path == str(folder / "model.gguf")
 
 
 # ------------------------------------------------------------------------------------------------ aliases and pulls

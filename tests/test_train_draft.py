@@ -403,6 +403,20 @@ def test_a_damaged_draft_folder_is_named(trained, tmp_path, damage, message):
         load_shared_draft(folder, target)
 
 
+@pytest.mark.parametrize(
+    "text, message", [("[1]", "draft_config.json holds no JSON object"), ("{not json", "JSONDecodeError")]
+)
+def test_a_damaged_draft_config_is_named_by_the_proposer(trained, tmp_path, text, message):
+    # (not "has no config.json", as if the folder were meant as a Hugging Face model)
+    import shutil
+
+    target, cfg, _ = trained
+    shutil.copytree(cfg.out, tmp_path / "d")
+    (tmp_path / "d" / "draft_config.json").write_text(text)
+    with pytest.raises(ModelLoadError, match=f"draft '{tmp_path / 'd'}' is incomplete or corrupt: .*{message}"):
+        DraftProposer.from_config(DraftConfig(model=str(tmp_path / "d")), target_info(target))
+
+
 def edit_meta(folder, change):
     meta = json.loads((folder / "draft_config.json").read_text())
     change(meta)

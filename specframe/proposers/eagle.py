@@ -302,21 +302,30 @@ def load_drafter(
         raise ModelLoadError(f"{name}: {e}") from e
     if bool(fuse_layers) != (meta["version"] == 2):  # version 2 means exactly: fused layers
         raise ModelLoadError(f"{name} is inconsistent: version {meta['version']} with fuse_layers {fuse_layers}")
-    try:
+    try:  # (built on the meta device first: nothing is allocated before the weights are known to fit)
         cfg = LlamaConfig(**meta["llama_config"])
-    except (KeyError, TypeError, ValueError) as e:
+        cfg._attn_implementation = "sdpa"
+        with torch.device("meta"):
+            layout = EagleDrafter(cfg, tuple(fuse_layers)).own_state_dict()
+    except Exception as e:  # whatever building from the saved config raises: the config is what is wrong
         raise ModelLoadError(f"{name} is incomplete or corrupt: llama_config: {type(e).__name__}: {e}") from e
-    cfg._attn_implementation = "sdpa"
     hidden = target.get_input_embeddings().weight.shape[1]
     if cfg.hidden_size != hidden or cfg.vocab_size != len(vocab_ids):
         raise ModelLoadError(f"{name} is inconsistent: hidden {cfg.hidden_size}, {len(vocab_ids)} ids")
-    drafter = EagleDrafter(cfg, tuple(fuse_layers))
-    missing = set(drafter.own_state_dict()) - set(state)
+    missing = set(layout) - set(state)
     if missing:
         raise ModelLoadError(f"{name} is missing weights: {sorted(missing)[:3]}")
-    unknown = set(state) - set(drafter.own_state_dict())
+    unknown = set(state) - set(layout)
     if unknown:
         raise ModelLoadError(f"{name} has weights its config does not use: {sorted(unknown)[:3]}")
+    misshapen = sorted(k for k, v in layout.items() if tuple(state[k].shape) != tuple(v.shape))
+    if misshapen:
+        k = misshapen[0]
+        raise ModelLoadError(
+            f"{name}: weights do not fit its config: {k} has shape {list(state[k].shape)}, the config "
+            f"needs {list(layout[k].shape)}"
+        )
+    drafter = EagleDrafter(cfg, tuple(fuse_layers))
     drafter.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     w = target.get_output_embeddings().weight
     drafter = drafter.to(device=w.device, dtype=dtype or w.dtype).attach(target, vocab_ids)

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specframe.cpu_kernels import few_rows_linear
-from specframe.errors import ConfigError, ModelLoadError
+from specframe.errors import ConfigError, ModelLoadError, is_count
 from specframe.fingerprint import check_vocab_ids, fingerprint_mismatch, read_artifact, target_fingerprint
 from specframe.models import check_proposer_dtype, proposer_dtype
 from specframe.proposer import (
@@ -180,6 +180,8 @@ def load_heads(path: str | Path, target: torch.nn.Module) -> tuple[MedusaHeads, 
     vocab = target.get_output_embeddings().weight.shape[0]
     if meta.get("format") != FORMAT:
         raise ModelLoadError(f"medusa heads '{path}': format {meta.get('format')!r}, expected {FORMAT!r}")
+    if meta.get("version") != 1:
+        raise ModelLoadError(f"medusa heads '{path}': {FORMAT} version {meta.get('version')!r}; this specframe reads 1")
     hidden = target.config.hidden_size
     try:
         trained_hidden, trained_vocab, num_heads, layers = (
@@ -187,6 +189,17 @@ def load_heads(path: str | Path, target: torch.nn.Module) -> tuple[MedusaHeads, 
         )
     except KeyError as e:
         raise ModelLoadError(f"medusa heads '{path}' are incomplete or corrupt: medusa_config.json lacks {e}") from e
+    sizes = {"hidden_size": trained_hidden, "target_vocab_size": trained_vocab, "num_heads": num_heads}
+    for name, value in {**sizes, "layers": layers}.items():
+        if not is_count(value):
+            raise ModelLoadError(
+                f"medusa heads '{path}' are corrupt: medusa_config.json's {name} must be an integer >= 1, got {value!r}"
+            )
+    if num_heads * layers * 2 != len(state):  # (a weight and a bias per residual block; checked before building)
+        raise ModelLoadError(
+            f"medusa heads '{path}': model.safetensors holds {len(state)} tensors; medusa_config.json's "
+            f"{num_heads} heads of {layers} layer(s) need {num_heads * layers * 2}"
+        )
     if trained_hidden != hidden or trained_vocab != vocab:
         raise ModelLoadError(
             f"medusa heads '{path}' were trained for a target with hidden size {trained_hidden} and "
@@ -204,6 +217,38 @@ def load_heads(path: str | Path, target: torch.nn.Module) -> tuple[MedusaHeads, 
     except (RuntimeError, TypeError, ValueError) as e:
         raise ModelLoadError(f"medusa heads '{path}': weights do not match medusa_config.json: {e}") from e
     return heads, vocab_ids, meta
+
+
+def saved_tree(meta: dict, path: str | Path, num_heads: int) -> list[tuple[int, ...]] | None:
+    """The tree saved in medusa_config.json (None when there is none), checked like proposer.tree."""
+    tree = meta.get("tree")
+    if tree is None:
+        return None
+    try:
+        if not isinstance(tree, list):
+            raise ConfigError(f"must be a list of choices, got {tree!r}")
+        return check_tree(tree, num_heads)
+    except ConfigError as e:
+        why = str(e).removeprefix("proposer.tree").removeprefix(":").strip()
+        raise ModelLoadError(f"medusa heads '{path}' are corrupt: medusa_config.json's tree: {why}") from e
+
+
+def saved_path_counts(meta: dict, path: str | Path) -> dict:
+    """The held-out path statistics saved in medusa_config.json: {"positions": n, "counts": {"0,1": n, ...}}."""
+    stats = meta.get("path_counts")
+    counts = stats.get("counts") if isinstance(stats, dict) else None
+    good = (
+        isinstance(counts, dict)
+        and is_count(stats.get("positions"), 0)
+        and all(isinstance(k, str) and all(r.isdigit() for r in k.split(",")) for k in counts)
+        and all(is_count(v, 0) for v in counts.values())
+    )
+    if not good:
+        raise ModelLoadError(
+            f"medusa heads '{path}' are corrupt: medusa_config.json's path_counts must be "
+            '{"positions": n, "counts": {"0,1": n, ...}} with counts >= 0'
+        )
+    return stats
 
 
 class MedusaProposer(Proposer):
@@ -264,7 +309,8 @@ class MedusaProposer(Proposer):
                 "`specframe train --proposer medusa` and pass proposer.model=<folder>"
             )
         if not Path(path).is_dir():
-            raise ModelLoadError(f"medusa heads '{path}' do not exist")
+            what = "do not exist" if not Path(path).exists() else "is a file, not a folder of Medusa heads"
+            raise ModelLoadError(f"medusa heads '{path}' {what}")
         heads, vocab_ids, meta = load_heads(path, target.model)
         saved_applies = saved_shape_applies(meta, target.device, f"{path}/medusa_config.json")
         if config.tree is not None:
@@ -272,12 +318,13 @@ class MedusaProposer(Proposer):
         elif config.tree_nodes is not None:
             if not meta.get("path_counts"):
                 raise ConfigError(f"proposer.tree_nodes: heads '{path}' carry no path statistics; give proposer.tree")
-            tree = best_tree(meta["path_counts"], config.tree_nodes)
+            tree = best_tree(saved_path_counts(meta, path), config.tree_nodes)
         elif not saved_applies and target.device.type != "cpu" and meta.get("path_counts"):
-            tree = best_tree(meta["path_counts"], ACCELERATOR_TREE_NODES)  # (the saved tree was chosen elsewhere)
+            # (the saved tree was chosen elsewhere)
+            tree = best_tree(saved_path_counts(meta, path), ACCELERATOR_TREE_NODES)
         else:
-            saved = meta.get("tree") if saved_applies else None
-            tree = [tuple(c) for c in saved or DEFAULT_TREE if len(c) <= heads.num_heads]
+            saved = saved_tree(meta, path, heads.num_heads) if saved_applies else None
+            tree = saved or [c for c in DEFAULT_TREE if len(c) <= heads.num_heads]
         saved = meta.get("confidence_threshold")
         check_confidence_threshold(saved, f"confidence_threshold in {path}/medusa_config.json")
         return cls(config, target, heads, vocab_ids, tree, saved)
