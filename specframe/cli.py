@@ -244,18 +244,16 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from omegaconf import OmegaConf
+
+    from specframe.config import structured
     from specframe.plugins import get_registry
     from specframe.testing.conformance import run_suite
 
     entry = get_registry().get(args.proposer)
-    config = None
-    if args.overrides:
-        from omegaconf import OmegaConf
-
-        from specframe.config import structured
-
-        values = OmegaConf.from_dotlist([o.removeprefix("proposer.") for o in key_values(args.overrides, "proposer.")])
-        config = structured(entry.cls.config_class, values, "proposer")
+    # (built here even without overrides: a field with no default is then named, as generate names it)
+    values = OmegaConf.from_dotlist([o.removeprefix("proposer.") for o in key_values(args.overrides, "proposer.")])
+    config = structured(entry.cls.config_class, values, "proposer")
     if not args.json:  # (then each check's line as it finishes, then the totals)
         print(f"conformance of proposer '{entry.name}':", flush=True)
     report = run_suite(

@@ -210,15 +210,18 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
                         )
                     raise ConfigError(f"{prefix}.{key} must be a list, e.g. {prefix}.{key}=[{given}], got {given!r}")
             base = OmegaConf.merge(base, values)
+        unset = [key for key in base if OmegaConf.is_missing(base, key)]  # (a schema field with no default)
+        if unset:
+            raise ConfigError(f"{prefix}.{unset[0]}: missing mandatory value (set it with {prefix}.{unset[0]}=...)")
         return OmegaConf.to_object(base)
     except ConfigError:  # raised by a schema's __post_init__, already naming its full key
         raise
-    except TypeError as e:  # OmegaConf: e.g. `key.0=x` on a list field (a dotlist index makes a mapping)
-        raise ConfigError(f"{prefix}: {one_line(e)} (set a list field whole, e.g. {prefix}.KEY=[a,b])") from e
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or ""
         where = key if key == prefix or key.startswith(prefix + ".") else f"{prefix}.{key}" if key else prefix
         raise ConfigError(f"{where}: {one_line(e)}") from e
+    except (TypeError, ValueError) as e:  # e.g. a plugin's __post_init__ raising these instead of ConfigError
+        raise ConfigError(f"{prefix}: {type(e).__name__}: {one_line(e)}") from e
 
 
 def one_line(e: Exception) -> str:

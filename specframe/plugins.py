@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pluggy
 
 from specframe import builtin, hookspecs
-from specframe.errors import BadInputError, PluginError
+from specframe.errors import BadInputError, PluginError, brief
 from specframe.proposer import Proposer
 
 
@@ -80,7 +80,8 @@ def register_plugin(
 ) -> None:
     """Register one plugin module and collect its proposers; all or nothing."""
     found: list[type] = []
-    pm.register(module, name=plugin)
+    # (pluggy's own name must be unique: two distributions may both call their entry point "plugin")
+    pm.register(module, name=f"{dist}:{plugin}")
     try:
         pm.check_pending()
         pm.subset_hook_caller("register_proposers", [m for m in pm.get_plugins() if m is not module])(
@@ -117,9 +118,11 @@ def build_registry(autoload: bool | None = None) -> Registry:
         ver = ep.dist.version if ep.dist else "?"
         try:
             module = ep.load()
+            if pm.is_registered(module):  # a second entry point to the same module: its proposers are in already
+                continue
             register_plugin(pm, registry, module, ep.name, dist, ver)
         except Exception as e:
-            msg = f"plugin '{ep.name}' ({dist} {ver}) was not loaded: {type(e).__name__}: {e}"
+            msg = f"plugin '{ep.name}' ({dist} {ver}) was not loaded: {type(e).__name__}: {brief(e)}"
             registry.failures.append(msg)
             warnings.warn(msg, PluginWarning, stacklevel=2)
     return registry

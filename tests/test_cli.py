@@ -204,6 +204,27 @@ def test_plugins_lists_builtins(capsys):
     assert code == 0 and "draft" in out and "plugin builtin" in out
 
 
+def test_check_names_a_proposer_option_that_has_no_default(capsys, monkeypatch):
+    from dataclasses import dataclass
+
+    from specframe import plugins
+    from specframe.proposers.draft import DraftProposer
+
+    @dataclass
+    class NeedsK:
+        k: int  # (no default: the user must set it)
+
+    class NeedsKProposer(DraftProposer):
+        name = "needs_k"
+        config_class = NeedsK
+
+    registry = plugins.build_registry(autoload=False)
+    registry.add(NeedsKProposer, "acme", "acme-specframe", "1.0")
+    monkeypatch.setattr(plugins, "_registry", registry)
+    code, _, err = run(capsys, "check", "--proposer", "needs_k", "--quick")
+    assert code == 2 and "proposer.k: missing mandatory value (set it with proposer.k=...)" in err
+
+
 def test_check_quick(capsys):
     code, out, _ = run(capsys, "check", "--proposer", "draft", "--quick", "--device", "cpu")
     assert code == 0 and "PASS  greedy [cpu]" in out and "PASS  isolation [cpu]" in out and "3 passed, 0 failed" in out

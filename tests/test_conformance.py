@@ -66,10 +66,13 @@ def test_registered_sampling_in_bfloat16(name, device):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_isolation_catches_global_randomness_and_a_changed_target(dtype):
-    from specframe.testing.broken import GlobalRandomDraft, TargetChangingDraft
+    from specframe.testing.broken import GlobalRandomDraft, RequestMemoryDraft, ReseedingDraft, TargetChangingDraft
 
-    r = conformance.check_isolation(GlobalRandomDraft, "cpu", dtype=dtype)
-    assert not r.passed and "does not come from the engine's generator" in r.detail, r.detail
+    for cls in (GlobalRandomDraft, ReseedingDraft):  # (the second: one seed, one output; the user's RNG reset)
+        r = conformance.check_isolation(cls, "cpu", dtype=dtype)
+        assert not r.passed and "changed the global random generators" in r.detail, r.detail
+    r = conformance.check_isolation(RequestMemoryDraft, "cpu", dtype=dtype)
+    assert not r.passed and "keeps state from one request to the next" in r.detail, r.detail
     r = conformance.check_isolation(TargetChangingDraft, "cpu", dtype=dtype)
     assert not r.passed and "changed the target's weights (lm_head.weight" in r.detail, r.detail
     # and the references are a fresh target's, so greedy output of the changed target is not taken for its own
@@ -175,6 +178,48 @@ def test_bad_conformance_dtype_or_device_is_named():
 def test_a_dtype_named_twice_runs_once():
     report = conformance.run_suite(TreeTestProposer, devices=["cpu"], dtypes=["float32", "float32"], quick=True)
     assert report.passed and len(report.results) == 3  # greedy, rollback, isolation: once
+
+
+class RaisingDraft(DraftProposer):
+    """Raises on its second proposal of a request."""
+
+    def propose(self, state):
+        if len(state.tokens) > 4:
+            raise RuntimeError("boom\n  in propose")
+        return super().propose(state)
+
+
+class RaisingInRandom(DraftProposer):
+    @classmethod
+    def random(cls, target, config=None, seed=0):
+        raise KeyError("boom in random()")
+
+
+def test_a_proposer_that_raises_fails_its_checks_and_the_suite_goes_on():
+    report = conformance.run_suite(RaisingDraft, devices=["cpu"], quick=True, power=False)
+    assert [(r.check, r.passed) for r in report.results] == [(c, False) for c in ("greedy", "rollback", "isolation")]
+    assert report.results[0].detail == "raised ProposerError: proposer 'draft' raised RuntimeError: boom in propose"
+    report = conformance.run_suite(RaisingInRandom, devices=["cpu"], quick=True, power=False)
+    assert not report.passed and len(report.results) == 3
+    assert "proposer 'draft' failed to build its random-weight instance: KeyError: 'boom in random()'" in (
+        report.results[0].detail
+    )
+
+
+def test_a_registered_plugin_s_failure_names_the_plugin():
+    from specframe.plugins import get_registry
+
+    entry = get_registry().get("draft")
+    assert conformance.plugin_of(entry.cls) == "builtin" and conformance.plugin_of(RaisingDraft) == ""
+    decoder = conformance.make_decoder(entry.cls, "cpu", conformance.SAMPLING_VOCAB)
+    assert decoder.who == "proposer 'draft' (plugin 'builtin')"
+
+
+def test_a_bad_option_still_stops_the_suite():
+    from specframe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="proposer.tree_nodes"):
+        conformance.run_suite(MedusaProposer, devices=["cpu"], config=MedusaConfig(tree_nodes=4), quick=True)
 
 
 def test_device_auto_runs_on_the_device_it_resolves_to(monkeypatch):

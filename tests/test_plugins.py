@@ -51,8 +51,8 @@ class FakeDist:
 
 
 class FakeEntryPoint:
-    def __init__(self, name, load):
-        self.name, self._load, self.dist = name, load, FakeDist()
+    def __init__(self, name, load, dist=None):
+        self.name, self._load, self.dist = name, load, dist or FakeDist()
 
     def load(self):
         return self._load()
@@ -90,6 +90,34 @@ def test_entry_point_plugin_is_listed_with_distribution_and_version(entry_points
     reg = build_registry()
     e = reg.get("echo")
     assert (e.plugin, e.distribution, e.version, e.cls) == ("echo-plugin", "acme-specframe", "1.2.3", Echo)
+
+
+def test_two_distributions_may_name_their_entry_points_alike(entry_points):
+    class Echo2(Echo):
+        name = "echo2"
+
+    other = types.SimpleNamespace(name="other-specframe", version="0.1")
+    entry_points.append(FakeEntryPoint("plugin", lambda: plugin_module(lambda register: register(Echo))))
+    entry_points.append(FakeEntryPoint("plugin", lambda: plugin_module(lambda register: register(Echo2)), other))
+    reg = build_registry()
+    assert not reg.failures and reg.get("echo2").distribution == "other-specframe" and reg.get("echo").cls is Echo
+
+
+def test_two_entry_points_to_one_module_register_it_once(entry_points, recwarn):
+    module = plugin_module(lambda register: register(Echo))
+    entry_points += [FakeEntryPoint("a", lambda: module), FakeEntryPoint("b", lambda: module)]
+    reg = build_registry()
+    assert not reg.failures and not recwarn.list and reg.get("echo").plugin == "a"
+
+
+def test_a_failure_message_is_one_line(entry_points):
+    def raise_multiline(register):
+        raise ValueError("first\n  second\n" + "x" * 400)
+
+    entry_points.append(FakeEntryPoint("multi", lambda: plugin_module(raise_multiline)))
+    with pytest.warns(UserWarning, match=r"ValueError: first second x+\.\.\.$"):
+        reg = build_registry()
+    assert "\n" not in reg.failures[0] and len(reg.failures[0]) < 400
 
 
 class NotAProposer:

@@ -120,6 +120,32 @@ class GlobalRandomDraft(DraftProposer):
         return torch.multinomial(q, 1), q
 
 
+class ReseedingDraft(GlobalRandomDraft):
+    """Reseeds torch's global generator at the start of every request and draws from it: one seed gives one
+    output, yet the user's own generator is reset by every call (the isolation check must catch it)."""
+
+    def begin(self, prompt: torch.Tensor, hidden_states: dict[int, torch.Tensor]) -> None:
+        torch.manual_seed(0)
+        super().begin(prompt, hidden_states)
+
+
+class RequestMemoryDraft(DraftProposer):
+    """Deterministic and exact, but remembers earlier requests: it proposes nothing on every other one, so the
+    same seed gives another output on the next call (the isolation check must catch it and name the cause)."""
+
+    requests = 0
+
+    def begin(self, prompt: torch.Tensor, hidden_states: dict[int, torch.Tensor]) -> None:
+        self.requests += 1
+        super().begin(prompt, hidden_states)
+
+    def propose(self, state: DecodeState) -> Proposal:
+        if self.requests % 2:
+            self.fed_drafts = 0  # (nothing drafted: accepted() has nothing to roll back)
+            return Proposal.empty(state.tokens.device)
+        return super().propose(state)
+
+
 class TargetChangingDraft(DraftProposer):
     """Negates the target's output layer when it is built: every output then follows the changed target, which
     a suite computing its references on the same model object would take for the target's own."""

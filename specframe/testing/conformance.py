@@ -36,6 +36,7 @@ import torch
 
 from specframe.acceptance import TreeAcceptance
 from specframe.decoder import SpeculativeDecoder, target_info
+from specframe.errors import BadInputError, ProposerError, SpecframeError, brief
 from specframe.models import resolve_device, resolve_dtype
 from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer
 from specframe.sampling import SamplingParams, sampling_probs
@@ -136,8 +137,22 @@ def make_decoder(
 ) -> SpeculativeDecoder:
     """A tiny random target (`reference_target`) and the proposer's random-weight build for it."""
     target = reference_target(vocab_size, device, dtype, seed)
-    proposer = proposer_cls.random(target_info(target), config, seed=seed + 1)
-    return SpeculativeDecoder(target, proposer, acceptance=acceptance)
+    plugin = plugin_of(proposer_cls)
+    try:
+        proposer = proposer_cls.random(target_info(target), config, seed=seed + 1)
+    except SpecframeError:
+        raise
+    except Exception as e:  # a plugin's own bug: name it
+        who = f"proposer '{proposer_cls.name}'" + (f" (plugin '{plugin}')" if plugin else "")
+        raise ProposerError(f"{who} failed to build its random-weight instance: {type(e).__name__}: {e}") from e
+    return SpeculativeDecoder(target, proposer, acceptance=acceptance, plugin=plugin)
+
+
+def plugin_of(proposer_cls: type[Proposer]) -> str:
+    """The name of the plugin that registered `proposer_cls` ("" when it is not registered)."""
+    from specframe.plugins import get_registry
+
+    return next((e.plugin for e in get_registry().proposers.values() if e.cls is proposer_cls), "")
 
 
 def reference_target(vocab_size: int, device: str, dtype: str = "float32", seed: int = 0) -> torch.nn.Module:
@@ -368,6 +383,20 @@ def check_isolation(
         if numpy is not None:
             numpy.random.seed(7919 * i + 1)
 
+    def global_states() -> list:  # (compared whole: a proposer that draws from or reseeds one changes it)
+        states = [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in cuda), random.getstate()]
+        return [*states, numpy.random.get_state()[1].copy()] if numpy is not None else states
+
+    def same(a: list, b: list) -> bool:
+        return all(
+            torch.equal(x, y)
+            if isinstance(x, torch.Tensor)
+            else bool((x == y).all())
+            if numpy is not None and isinstance(x, numpy.ndarray)
+            else x == y
+            for x, y in zip(a, b, strict=True)
+        )
+
     unseeded = None  # why one seed gave several outputs (reported after a change to the target, its likely cause)
     python_state, numpy_state = random.getstate(), numpy.random.get_state() if numpy is not None else None
     cuda = [torch.device(device)] if torch.device(device).type == "cuda" else []
@@ -375,15 +404,25 @@ def check_isolation(
         try:
             for prompt, seed in (([1, 2, 3], 11), ([(3 * i + 1) % SAMPLING_VOCAB for i in range(14)], 12)):
                 runs = []
-                for i in range(3):
+                for i in (0, 1, 2, 0):  # (the last run repeats the first one's global state)
                     scramble(i)
+                    before = global_states()
                     res = decoder.generate(prompt, max_new_tokens=24, temperature=1.0, seed=seed)
                     runs.append((res.token_ids, [res.stats[k] for k in COUNTED_STATS]))
+                    if unseeded is None and not same(before, global_states()):
+                        unseeded = (
+                            "a generate call changed the global random generators (torch's, Python's or NumPy's): "
+                            "the proposer draws from or reseeds them; every random choice must come from "
+                            "state.generator"
+                        )
                 if unseeded is None and any(run != runs[0] for run in runs[1:]):
                     which = "output" if any(r[0] != runs[0][0] for r in runs) else "statistics"
                     unseeded = (
-                        f"seed {seed} gave a different {which} on each run: the proposer draws randomness that does "
-                        "not come from the engine's generator (state.generator)"
+                        f"seed {seed} gave a different {which} on two runs with the same global generator states: "
+                        "the proposer keeps state from one request to the next (begin() must reset it)"
+                        if runs[3] != runs[0]
+                        else f"seed {seed} gave a different {which} on each run: the proposer draws randomness that "
+                        "does not come from the engine's generator (state.generator)"
                     )
             decoder.generate([1, 2, 3], max_new_tokens=16, temperature=0.0)  # (greedy too, for the weights)
         finally:
@@ -400,7 +439,7 @@ def check_isolation(
         return result(False, f"the proposer changed the target's weights ({changed[0]}, {len(changed)} changed in all)")
     if unseeded is not None:
         return result(False, unseeded)
-    return result(True, "one seed, one output (2 prompts x 3 runs); the target's weights unchanged")
+    return result(True, "one seed, one output (2 prompts x 4 runs); global generators and target untouched")
 
 
 def check_sampling(
@@ -499,6 +538,19 @@ def check_power(
     return results
 
 
+def run_check(name: str, check: Callable[[], CheckResult], device: str, dtype: str) -> CheckResult:
+    """Run one check; a proposer that raises or returns a malformed proposal fails it (with what it raised),
+    and the suite goes on. A bad option (BadInputError: e.g. one the random build refuses) stops the suite."""
+    t0 = time.perf_counter()
+    try:
+        return check()
+    except BadInputError:
+        raise
+    except Exception as e:
+        detail = f"raised {type(e).__name__}: {brief(e)}"
+        return CheckResult(name, device, False, detail, None, time.perf_counter() - t0, dtype)
+
+
 def run_suite(
     proposer_cls: type[Proposer],
     devices: list[str] | None = None,
@@ -521,17 +573,21 @@ def run_suite(
     report = Report(proposer_cls.name)
     with one_thread():
         for device, dtype in itertools.product(devices, dtypes):
-            checks: list[Callable[[], CheckResult]] = [
-                lambda d=device, t=dtype: check_greedy(proposer_cls, d, config, t),
-                lambda d=device, t=dtype: check_rollback(proposer_cls, d, config, t),
-                lambda d=device, t=dtype: check_isolation(proposer_cls, d, config, t),
+            checks: list[tuple[str, Callable[[], CheckResult]]] = [
+                ("greedy", lambda d=device, t=dtype: check_greedy(proposer_cls, d, config, t)),
+                ("rollback", lambda d=device, t=dtype: check_rollback(proposer_cls, d, config, t)),
+                ("isolation", lambda d=device, t=dtype: check_isolation(proposer_cls, d, config, t)),
             ]
             if not quick:
                 checks += [
-                    lambda d=device, s=s, t=dtype: check_sampling(proposer_cls, d, s, config, dtype=t) for s in SETTINGS
+                    (
+                        f"sampling {setting}",
+                        lambda d=device, s=setting, t=dtype: check_sampling(proposer_cls, d, s, config, dtype=t),
+                    )
+                    for setting in SETTINGS
                 ]
-            for check in checks:
-                r = check()
+            for name, check in checks:
+                r = run_check(name, check, device, dtype)
                 report.results.append(r)
                 if log:
                     log(r.line(seconds=True))
