@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         help="dtype(s) of the tiny target: float32, bfloat16, float16 (repeat for several; default float32)",
     )
-    c.add_argument("--quick", action="store_true", help="greedy and rollback checks only (no statistics)")
+    c.add_argument("--quick", action="store_true", help="greedy, rollback and isolation checks only (no statistics)")
     c.add_argument(
         "--no-power",
         action="store_true",

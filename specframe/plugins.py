@@ -110,7 +110,8 @@ def build_registry(autoload: bool | None = None) -> Registry:
     version = importlib.metadata.version("specframe")
     register_plugin(pm, registry, builtin, "builtin", "specframe", version)
     if autoload is None:
-        autoload = not os.environ.get(DISABLE_ENV)
+        # (set means 1/true/yes/on; 0, false or empty leave autoloading on)
+        autoload = os.environ.get(DISABLE_ENV, "").strip().lower() not in {"1", "true", "yes", "on"}
     if not autoload:
         return registry
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):

@@ -171,8 +171,12 @@ def test_a_plugin_cannot_take_a_builtin_name(entry_points):
 
 def test_environment_variable_turns_autoload_off(entry_points, monkeypatch):
     entry_points.append(FakeEntryPoint("echo-plugin", lambda: plugin_module(lambda register: register(Echo))))
-    monkeypatch.setenv(plugins_mod.DISABLE_ENV, "1")
-    assert "echo" not in build_registry().names()
+    for value in ("1", "true", "YES"):
+        monkeypatch.setenv(plugins_mod.DISABLE_ENV, value)
+        assert "echo" not in build_registry().names()
+    for value in ("0", "false", ""):  # (not a way to turn it off)
+        monkeypatch.setenv(plugins_mod.DISABLE_ENV, value)
+        assert "echo" in build_registry().names()
 
 
 def test_require_proposers_skips_naming_only_the_missing_ones():
