@@ -116,8 +116,6 @@ class BenchOptions:
 
     def validate(self) -> None:
         """Raise BadInputError (exit 2) on options that cannot run, before any model is loaded."""
-        if not str(self.out).strip():
-            raise BadInputError("--out must name a folder (it would write the report into the current one)")
         check_report_paths(self.out, self.results_doc)
         for flag, names in (("subtasks", self.subtasks), ("proposers", self.proposers), ("baselines", self.baselines)):
             twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
@@ -249,6 +247,7 @@ def read_questions(path: str | Path, subtasks: list[str], limit: int | None = No
     p = Path(path)
     by_subtask: dict[str, list[Question]] = {s: [] for s in subtasks}
     hint = " (give --questions PATH of Spec-Bench's question.jsonl)"
+    seen: dict[int, int] = {}  # question id -> line (results, seeds and identity are keyed by the id)
     for number, row in read_jsonl(p, "questions file", hint):
         try:
             q = Question(
@@ -261,6 +260,12 @@ def read_questions(path: str | Path, subtasks: list[str], limit: int | None = No
             raise BadInputError(f"questions file '{p}' line {number}: not a Spec-Bench question ({e})") from e
         if not q.turns:
             raise BadInputError(f"questions file '{p}' line {number}: question {q.question_id} has no turns")
+        if q.question_id in seen:
+            raise BadInputError(
+                f"questions file '{p}' line {number}: question_id {q.question_id} is also on line "
+                f"{seen[q.question_id]} (ids must be unique)"
+            )
+        seen[q.question_id] = number
         if q.subtask in by_subtask and (limit is None or len(by_subtask[q.subtask]) < limit):
             by_subtask[q.subtask].append(q)
     empty = [s for s, qs in by_subtask.items() if not qs]
@@ -422,7 +427,10 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
 
     def proposer_config(name: str) -> Any:
         # Not caught below: a bad override (unknown key, wrong type) is the user's to fix and ends the run.
-        return load_config(overrides=[f"proposer.name={name}", *shared, *own.get(name, [])]).proposer
+        try:
+            return load_config(overrides=[f"proposer.name={name}", *shared, *own.get(name, [])]).proposer
+        except BadInputError as e:
+            raise type(e)(bench_keys(name, one_line(e))) from e
 
     # Before the target loads, so a typo fails in a second.
     configs = {name: proposer_config(name) for name in options.override_heads() if name in registry.proposers}
@@ -438,9 +446,6 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
         """Build proposer `name` on the shared target; raises BadInputError when it cannot be built for it."""
         return registry.get(name).cls.from_config(configs[name] if name in configs else proposer_config(name), info)
 
-    def one_line(e: Exception) -> str:
-        return " ".join(str(e).split())
-
     skipped: dict[str, str] = {}
     methods: list[Method] = []
     built: dict[str, Any] = {}
@@ -448,8 +453,7 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
         try:
             built[name] = proposer(name)
         except BadInputError as e:  # no trained artifact for this target, or one that does not fit it
-            # (the proposer's config keys are `<name>.<key>` here, not `proposer.<key>` as in generate)
-            skipped[name] = re.sub(r"(?<![\w.])proposer\.", f"{name}.", one_line(e))
+            skipped[name] = bench_keys(name, one_line(e))
             continue
         entry = registry.get(name)
         decoder = SpeculativeDecoder(model, built[name], tokenizer=tokenizer, plugin=entry.plugin)
@@ -608,12 +612,32 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
     return doc
 
 
-def check_report_paths(out: str | Path | None, results_doc: str | None) -> None:
-    """Refuse (BadInputError) a report folder or results page that cannot be written, before any work."""
-    if out:
-        check_output_path(out, "--out", folder=True)
+REPORT_FILES = ("bench.json", "bench.md", "speedup.png", "accepted_lengths.png")  # what a run writes in --out
+
+
+def one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
+
+
+def bench_keys(name: str, message: str) -> str:
+    """`message` with proposer `name`'s config keys as bench takes them: `<name>.<key>`, not `proposer.<key>`
+    as in generate."""
+    return re.sub(r"(?<![\w.])proposer\.", f"{name}.", message)
+
+
+def check_report_paths(out: str | Path, results_doc: str | None) -> None:
+    """Refuse (BadInputError) a report folder or results page that cannot be written, or a results page that
+    would overwrite one of the report's own files, before any work."""
+    if not str(out).strip():
+        raise BadInputError("--out must name a folder (it would write the report into the current one)")
+    check_output_path(out, "--out", folder=True)
     if results_doc:
         check_output_path(results_doc, "--results-doc", folder=False)
+        own = {(Path(out) / name).resolve() for name in REPORT_FILES}
+        if Path(results_doc).resolve() in own:
+            raise BadInputError(
+                f"--results-doc '{results_doc}' is one of the report's own files in --out '{out}': name another file"
+            )
 
 
 def render(path: str | Path, out: str | Path | None = None, results_doc: str | None = None) -> dict[str, Any]:
@@ -622,6 +646,7 @@ def render(path: str | Path, out: str | Path | None = None, results_doc: str | N
     The numbers are recomputed from the stored per-turn records, so a report change needs no new run; the page
     still names the command that produced the records."""
     p = Path(path)
+    out = p.parent if out is None else out
     check_report_paths(out, results_doc)
     try:
         doc = json.loads(p.read_text(encoding="utf-8"))
@@ -632,9 +657,10 @@ def render(path: str | Path, out: str | Path | None = None, results_doc: str | N
     try:
         doc["definitions"] = DEFINITIONS | {"near_tie": doc["definitions"]["near_tie"]}
         doc["summary"] = summarize(doc["records"], list(doc["methods"]), doc["settings"]["subtasks"])
-    except (KeyError, TypeError, AttributeError) as e:
+        results_page(doc)  # (everything the pages read, checked before anything is written)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise BadInputError(f"'{p}' is an incomplete or damaged bench.json ({type(e).__name__}: {e})") from e
-    write_outputs(doc, Path(out) if out is not None else p.parent, results_doc)
+    write_outputs(doc, Path(out), results_doc)
     return doc
 
 

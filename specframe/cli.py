@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--render",
         metavar="BENCH_JSON",
-        help="run nothing: re-make the report (Markdown, plots, --results-doc) from an earlier bench.json",
+        help="run nothing: re-make the report (Markdown, plots, --results-doc) from an earlier bench.json "
+        "(takes --out and --results-doc only)",
     )
     b.add_argument(
         "overrides",
@@ -329,6 +330,9 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
     return 0
 
 
+RENDER_TAKES = {"render", "out", "results_doc", "debug", "run", "command"}  # (argparse's own keys included)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -340,6 +344,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     given = vars(args)  # only the flags given on the command line (the parser suppresses absent ones)
     if given.get("render"):
+        ignored = [k for k, v in given.items() if k not in RENDER_TAKES and not (k == "overrides" and not v)]
+        if ignored:  # (they would be ignored: the records were made with the run's own options)
+            flag = f"--{ignored[0].replace('_', '-')}" if ignored[0] != "overrides" else "KEY=VALUE overrides"
+            raise BadInputError(
+                f"--render re-makes the report of an earlier run from its records: it takes --out and "
+                f"--results-doc only, not {flag} (run the benchmark again to change what it measures)"
+            )
         doc = render(args.render, given.get("out"), given.get("results_doc"))
         print("\n".join(main_table(doc)))
         return 0

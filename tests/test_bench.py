@@ -373,7 +373,9 @@ def test_a_config_file_sets_options_and_flags_win(tiny_dirs, questions, tmp_path
         (["--proposers", "none", "sampling.temperature=1"], "'sampling' is neither 'target' nor a proposer"),
         (["--proposers", "none", "--top-p", "0"], "--top-p must be in (0, 1]"),
         (["--proposers", "medusa", "--baselines", ""], "nothing to run: every method was skipped"),
-        (["--proposers", "none,draft", "draft.num_speculatve_tokens=3"], "proposer.num_speculatve_tokens"),
+        (["--proposers", "none,draft", "draft.num_speculatve_tokens=3"], "draft.num_speculatve_tokens: Key"),
+        (["--proposers", "none,draft", "draft.num_speculative_tokens=abc"], "draft.num_speculative_tokens: Value"),
+        (["--proposers", "none,union", "union.options.ngram.bogus=1"], "union.options.ngram.bogus"),
         (["--seed", str(10**23), "--temperature", "1"], "--seed must be an integer in [-2**63, 2**63)"),
     ],
 )
@@ -392,10 +394,40 @@ def test_render_of_a_damaged_bench_json_names_the_file(full_run, tmp_path):
     del doc["records"][0]["subtask"]
     (tmp_path / "bad.json").write_text(json.dumps(doc))
     (tmp_path / "bytes.json").write_bytes(b"\xff\xfe")
+    doc = json.loads((root / "out" / "bench.json").read_text())
+    del doc["loadavg_start"]  # (read only by the Markdown pages: checked before anything is written)
+    (tmp_path / "no-load.json").write_text(json.dumps(doc))
     for name, message in (("bad.json", "is an incomplete or damaged bench.json (KeyError: 'subtask')"),
-                          ("bytes.json", "cannot read bench results")):  # fmt: skip
+                          ("bytes.json", "cannot read bench results"),
+                          ("no-load.json", "damaged bench.json (KeyError: 'loadavg_start')")):  # fmt: skip
         code, _, err = run_cli("bench", "--render", str(tmp_path / name), "--out", str(tmp_path / "o"))
         assert code == 2 and message in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_render_takes_only_where_to_write(full_run, tmp_path, monkeypatch):
+    root, _, _, _ = full_run
+    source = str(root / "out" / "bench.json")
+    for extra, named in ((["--proposers", "none"], "not --proposers"), (["--limit", "1"], "not --limit"),
+                         (["draft.x=1"], "not KEY=VALUE overrides")):  # fmt: skip
+        code, _, err = run_cli("bench", "--render", source, "--out", str(tmp_path / "o"), *extra)
+        assert code == 2 and "--render re-makes the report" in err and named in err, err
+    monkeypatch.chdir(tmp_path)  # (an empty --out would write the report here)
+    code, _, err = run_cli("bench", "--render", source, "--out", "")
+    assert code == 2 and "--out must name a folder" in err and not list(tmp_path.iterdir()), err
+    # --results-doc may not overwrite the report's own files (then its records would be lost)
+    code, _, err = run_cli(
+        "bench", "--render", source, "--out", str(tmp_path / "o"), "--results-doc", str(tmp_path / "o" / "bench.json")
+    )
+    assert code == 2 and "is one of the report's own files" in err, err
+
+
+def test_question_ids_must_be_unique(tiny_dirs, tmp_path):
+    twice = tmp_path / "q.jsonl"
+    rows = [QUESTIONS[0], {**QUESTIONS[1], "question_id": QUESTIONS[0]["question_id"]}]
+    twice.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, _, err = run_cli(*bench_args(tiny_dirs, twice, tmp_path / "out"))
+    assert code == 2 and "line 2: question_id" in err and "also on line 1" in err, err
 
 
 def test_a_run_where_every_method_failed_is_an_error_not_an_empty_report():
