@@ -195,7 +195,11 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
             if not isinstance(values, DictConfig):
                 raise ConfigError(f"{prefix} must be a mapping, got {values!r}")
             text_fields = {f.name for f in fields(schema) if f.type in ("str", str)} if is_dataclass(schema) else set()
-            list_fields = {f.name for f in fields(schema) if str(f.type).startswith(("list[", "tuple["))}
+            list_fields = {
+                f.name
+                for f in fields(schema)
+                if str(f.type).removeprefix("typing.").startswith(("list[", "tuple[", "List[", "Tuple["))
+            }
             for key in values:
                 if OmegaConf.is_missing(values, key):  # `???` in YAML: the user must set it
                     raise ConfigError(f"{prefix}.{key}: missing mandatory value (set it with {prefix}.{key}=...)")

@@ -569,7 +569,9 @@ def _load_gguf(path: Path, kwargs: dict[str, Any]) -> tuple[Any, Any]:
                 f"GGUF architecture {arch!r} of {path} is not supported by specframe: its transformers model "
                 "has no sdpa attention, which verification with custom attention masks needs"
             ) from e.__cause__
-        raise ModelLoadError(f"{e} (is the file truncated or damaged?)") from e.__cause__
+        if isinstance(e.__cause__, OSError | ValueError | struct.error):  # (what a file cut short raises)
+            raise ModelLoadError(f"{e} (is the file truncated or damaged?)") from e.__cause__
+        raise
     tokenizer = None
     if has_tokenizer:
         # From the file alone: given the file's folder, transformers prefers a tokenizer.json lying beside it.
@@ -632,11 +634,17 @@ def _load_hub(name: str, kwargs: dict[str, Any], quiet: bool) -> tuple[Any, Any]
         )
     except ModelLoadError as e:
         cached = _hub_cache_folder(name) if local_only else None
-        pickles_only = cached is not None and not any(cached.glob("*.safetensors*"))
-        pickles_only = pickles_only and any(p.suffix.lower() in _PICKLE_SUFFIXES for p in cached.iterdir())
-        if pickles_only or "use_safetensors" in str(e.__cause__ or ""):  # (not transformers' advice to allow them)
+        weights = [] if cached is None else [p for p in cached.iterdir() if ".safetensors" in p.name]
+        pickles = [] if cached is None else [p for p in cached.iterdir() if p.suffix.lower() in _PICKLE_SUFFIXES]
+        # (not transformers' advice to allow pickles; offline, only what the cache holds tells)
+        if (pickles and not weights) or (not local_only and "use_safetensors" in str(e.__cause__ or "")):
             raise ModelLoadError(
                 f"model {name!r} has no safetensors weights: specframe never loads pickled (.bin/.pt) weights"
+            ) from e.__cause__
+        if cached is not None and not weights:
+            raise ModelLoadError(
+                f"model {name!r}: the local Hugging Face cache holds its config but not its weights, and they "
+                f"cannot be downloaded: {why}"
             ) from e.__cause__
         if local_only and cached is None:
             raise ModelLoadError(

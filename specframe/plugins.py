@@ -1,7 +1,7 @@
 """The plugin manager and the proposer registry.
 
 Built-ins register first, then every entry point in the group `specframe` (unless the environment variable
-SPECFRAME_DISABLE_PLUGIN_AUTOLOAD is set). A plugin that fails to import, whose hook raises, or that
+SPECFRAME_DISABLE_PLUGIN_AUTOLOAD is 1, true, yes or on). A plugin that fails to import, whose hook raises, or that
 registers a bad class or a taken name is skipped with a warning naming it; the rest keep working.
 """
 

@@ -64,6 +64,18 @@ def test_registered_sampling_in_bfloat16(name, device):
     assert r.passed, r.detail
 
 
+class PrivateRandomDraft(DraftProposer):
+    """Draws from an unseeded generator of its own: the global ones untouched, one seed many outputs."""
+
+    def draw(self, logits, state, q=None):
+        from specframe.sampling import sampling_probs
+
+        q = sampling_probs(logits, state.sampling) if q is None else q
+        generator = torch.Generator(device=q.device)
+        generator.seed()
+        return torch.multinomial(q, 1, generator=generator), q
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_isolation_catches_global_randomness_and_a_changed_target(dtype):
     from specframe.testing.broken import GlobalRandomDraft, RequestMemoryDraft, ReseedingDraft, TargetChangingDraft
@@ -73,6 +85,8 @@ def test_isolation_catches_global_randomness_and_a_changed_target(dtype):
         assert not r.passed and "changed the global random generators" in r.detail, r.detail
     r = conformance.check_isolation(RequestMemoryDraft, "cpu", dtype=dtype)
     assert not r.passed and "keeps state from one request to the next" in r.detail, r.detail
+    r = conformance.check_isolation(PrivateRandomDraft, "cpu", dtype=dtype)  # (not taken for kept state)
+    assert not r.passed and "does not come from the engine's generator" in r.detail, r.detail
     r = conformance.check_isolation(TargetChangingDraft, "cpu", dtype=dtype)
     assert not r.passed and "changed the target's weights (lm_head.weight" in r.detail, r.detail
     # and the references are a fresh target's, so greedy output of the changed target is not taken for its own

@@ -380,15 +380,15 @@ def test_an_adapter_naming_a_hub_base_model_asks_nothing_of_the_hub(
     # which waits on an unreachable one)
     import peft.utils.other
 
-    def asked(*args: object, **kwargs: object) -> bool:
-        raise AssertionError(f"the hub was asked: {args}")
-
-    monkeypatch.setattr(peft.utils.other, "file_exists", asked)
+    asked: list[tuple] = []  # (peft catches what its lookup raises: record the calls instead)
+    monkeypatch.setattr(peft.utils.other, "file_exists", lambda *args, **kwargs: asked.append(args) or False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # (set, peft would skip the lookup anyway)
     adapter = tmp_path / "adapter"
     shutil.copytree(lora_dir, adapter)
     config = json.loads((adapter / "adapter_config.json").read_text())
     (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "org/base"}))
     lm = load_model(str(tiny_dir), adapter=str(adapter), quiet=True)
+    assert asked == []
     assert torch.equal(logits(lm.model), logits(load_model(str(tiny_dir), adapter=str(lora_dir), quiet=True).model))
 
 
@@ -522,11 +522,14 @@ def test_offline_a_cached_hub_id_s_own_error_is_shown(
     _fake_hub_cache(tmp_path / "hub", "org/good", {"config.json": config, "model.safetensors": weights})
     _fake_hub_cache(tmp_path / "hub", "org/cut", {"config.json": config, "model.safetensors": weights[:200]})
     _fake_hub_cache(tmp_path / "hub", "org/pickle", {"config.json": config, "pytorch_model.bin": b"x"})
+    _fake_hub_cache(tmp_path / "hub", "org/config-only", {"config.json": config})
     assert load_model("org/good", quiet=True).source == "hub:org/good"
     with pytest.raises(ModelLoadError, match=r"could not load model 'org/cut': .*(header|metadata)"):
         load_model("org/cut", quiet=True)
     with pytest.raises(ModelLoadError, match=r"'org/pickle' has no safetensors weights: .*never loads pickled"):
         load_model("org/pickle", quiet=True)
+    with pytest.raises(ModelLoadError, match="'org/config-only': the local Hugging Face cache holds its config but"):
+        load_model("org/config-only", quiet=True)
     with pytest.raises(ModelLoadError, match="'org/absent' .* not in the local Hugging Face cache"):
         load_model("org/absent", quiet=True)
 

@@ -233,7 +233,7 @@ def saved_tree(meta: dict, path: str | Path, num_heads: int) -> list[tuple[int, 
         raise ModelLoadError(f"medusa heads '{path}' are corrupt: medusa_config.json's tree: {why}") from e
 
 
-def saved_path_counts(meta: dict, path: str | Path) -> dict:
+def saved_path_counts(meta: dict, path: str | Path, num_heads: int) -> dict:
     """The held-out path statistics saved in medusa_config.json: {"positions": n, "counts": {"0,1": n, ...}}."""
     stats = meta.get("path_counts")
     counts = stats.get("counts") if isinstance(stats, dict) else None
@@ -241,12 +241,13 @@ def saved_path_counts(meta: dict, path: str | Path) -> dict:
         isinstance(counts, dict)
         and is_count(stats.get("positions"), 0)
         and all(isinstance(k, str) and all(r.isdigit() for r in k.split(",")) for k in counts)
+        and all(len(k.split(",")) <= num_heads for k in counts)
         and all(is_count(v, 0) for v in counts.values())
     )
     if not good:
         raise ModelLoadError(
             f"medusa heads '{path}' are corrupt: medusa_config.json's path_counts must be "
-            '{"positions": n, "counts": {"0,1": n, ...}} with counts >= 0'
+            '{"positions": n, "counts": {"0,1": n, ...}} with counts >= 0, paths no deeper than the heads'
         )
     return stats
 
@@ -318,10 +319,10 @@ class MedusaProposer(Proposer):
         elif config.tree_nodes is not None:
             if not meta.get("path_counts"):
                 raise ConfigError(f"proposer.tree_nodes: heads '{path}' carry no path statistics; give proposer.tree")
-            tree = best_tree(saved_path_counts(meta, path), config.tree_nodes)
+            tree = best_tree(saved_path_counts(meta, path, heads.num_heads), config.tree_nodes)
         elif not saved_applies and target.device.type != "cpu" and meta.get("path_counts"):
             # (the saved tree was chosen elsewhere)
-            tree = best_tree(saved_path_counts(meta, path), ACCELERATOR_TREE_NODES)
+            tree = best_tree(saved_path_counts(meta, path, heads.num_heads), ACCELERATOR_TREE_NODES)
         else:
             saved = saved_tree(meta, path, heads.num_heads) if saved_applies else None
             tree = saved or [c for c in DEFAULT_TREE if len(c) <= heads.num_heads]
