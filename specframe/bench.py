@@ -1097,7 +1097,7 @@ def markdown(doc: dict[str, Any], plots: bool = True) -> str:
         ]
         for sub, m, p in preds:
             if not p["applies"]:
-                lines.append(f"| {sub} | {m} | {p['why']} |" + " |" * 10)
+                lines.append(f"| {sub} | {m} | {p['why']} |" + " |" * 9)  # (12 columns in all)
                 continue
             lines.append(
                 f"| {sub} | {m} | {p['gamma']} | {fmt(p['alpha'], '.3f')} | "

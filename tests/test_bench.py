@@ -2,6 +2,7 @@
 
 import contextlib
 import io
+import itertools
 import json
 
 import pytest
@@ -124,6 +125,24 @@ def test_outputs_exist_with_their_structure(full_run):
     page = (root / "docs" / "results.md").read_text()
     assert "do not edit by hand" in page and doc["command"] in page and doc["machine"]["cpu"] in page
     assert "--results-doc" in doc["command"] and "draft.num_speculative_tokens=3" in doc["command"]
+
+
+def test_every_markdown_table_row_has_its_header_s_cells(full_run):
+    import copy
+
+    from specframe.bench import markdown
+
+    _, doc, _, _ = full_run
+    doc = copy.deepcopy(doc)  # (with a row whose prediction does not apply, as a tree proposer's)
+    doc["summary"]["overall"]["draft"]["prediction"] = {"applies": False, "why": "tree proposals: not a chain"}
+    tables, rows = 0, markdown(doc).splitlines()
+    for i, line in enumerate(rows):
+        if line.startswith("|---") or line.startswith("|:--"):
+            tables += 1
+            width = rows[i - 1].count("|")
+            body = [r for r in itertools.takewhile(lambda r: r.startswith("|"), rows[i + 1 :])]
+            assert all(r.count("|") == width for r in body), (rows[i - 1], body)
+    assert tables >= 3 and "tree proposals: not a chain" in markdown(doc)
 
 
 def test_render_remakes_the_report_from_the_json(full_run, tmp_path):

@@ -299,6 +299,20 @@ def test_init_layers_outside_the_target_are_named(tmp_path, layer):
         train_draft(cfg, target, None, log=lambda m: None)
 
 
+def test_more_draft_layers_than_the_target_has_names_train_layers(tmp_path):
+    # (the default start copies target layers 0..layers-1: the error used to blame train.init_layers, not set)
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
+    write_distill_data(tmp_path / "d.jsonl", target, n=10)
+    base = {"data": str(tmp_path / "d.jsonl"), "heldout_fraction": 0.3, "features_cache": "", "epochs": 1}
+    cfg = DraftTrainConfig(**base, out=str(tmp_path / "a"), layers=3)
+    with pytest.raises(ConfigError, match=r"train.layers=3 is more than the target's 2 layers.*give train.init_layers"):
+        train_draft(cfg, target, None, log=lambda m: None)
+    assert not (tmp_path / "a").exists()
+    repeated = DraftTrainConfig(**base, out=str(tmp_path / "b"), layers=3, init_layers=[0, 1, 1])  # (allowed)
+    train_draft(repeated, target, None, log=lambda m: None)
+    assert (tmp_path / "b" / "draft_config.json").is_file()
+
+
 def test_output_folders_that_cannot_be_written_are_refused_before_training(tmp_path):
     # (before: an `out` that is a file failed after the first epoch, at its checkpoint)
     (tmp_path / "file").write_text("")

@@ -134,6 +134,12 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
     from tqdm import tqdm
 
     out = Path(cfg.out)
+    have = target.config.num_hidden_layers
+    if not cfg.init_from and not cfg.init_layers and cfg.layers > have:  # (the default start: layers 0..layers-1)
+        raise ConfigError(
+            f"train.layers={cfg.layers} is more than the target's {have} layers, which the draft's layers start "
+            f"from: give train.init_layers, {cfg.layers} target layers (repeats allowed), or fewer train.layers"
+        )
     train_ex, held_ex, vocab_ids = start_run(cfg, target, tokenizer)
     vocab_size = target.get_output_embeddings().weight.shape[0]
     if cfg.init_from:  # (loaded and checked before the features are extracted)
