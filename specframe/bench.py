@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from specframe.data import read_jsonl, shared_data_file
-from specframe.errors import BadInputError, check_output_path, is_count
+from specframe.errors import BadInputError, brief, check_output_path, is_count
 
 # Spec-Bench's six subtasks and the `category` values of question.jsonl that make them up.
 SUBTASKS: dict[str, tuple[str, ...]] = {
@@ -430,7 +430,7 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
         try:
             return load_config(overrides=[f"proposer.name={name}", *shared, *own.get(name, [])]).proposer
         except BadInputError as e:
-            raise type(e)(bench_keys(name, one_line(e))) from e
+            raise type(e)(bench_keys(name, brief(e))) from e
 
     # Before the target loads, so a typo fails in a second.
     configs = {name: proposer_config(name) for name in options.override_heads() if name in registry.proposers}
@@ -453,7 +453,7 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
         try:
             built[name] = proposer(name)
         except BadInputError as e:  # no trained artifact for this target, or one that does not fit it
-            skipped[name] = bench_keys(name, one_line(e))
+            skipped[name] = bench_keys(name, brief(e))
             continue
         entry = registry.get(name)
         decoder = SpeculativeDecoder(model, built[name], tokenizer=tokenizer, plugin=entry.plugin)
@@ -484,7 +484,7 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
                 try:
                     draft = proposer("draft")
                 except BadInputError as e:
-                    skipped[name] = f"no draft model: {one_line(e)}"
+                    skipped[name] = f"no draft model: {brief(e)}"
                     continue
             assistant, gamma = hf_assistant(draft, info.vocab_size)
             about = (
@@ -613,10 +613,6 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
 
 
 REPORT_FILES = ("bench.json", "bench.md", "speedup.png", "accepted_lengths.png")  # what a run writes in --out
-
-
-def one_line(e: Exception) -> str:
-    return " ".join(str(e).split())
 
 
 def bench_keys(name: str, message: str) -> str:

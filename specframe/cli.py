@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from specframe.errors import BadInputError, check_output_path
+from specframe.errors import BadInputError, brief, check_output_path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -439,6 +439,5 @@ def subcommand_parser(parser: argparse.ArgumentParser, args: argparse.Namespace)
 def fail(args: argparse.Namespace, e: Exception, code: int) -> int:
     if getattr(args, "debug", False):
         traceback.print_exc()
-    message = " ".join(str(e).split()) or type(e).__name__
-    print(f"specframe: error: {message}", file=sys.stderr)
+    print(f"specframe: error: {brief(e)}", file=sys.stderr)
     return code

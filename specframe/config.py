@@ -194,10 +194,11 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
         if values is not None:
             if not isinstance(values, DictConfig):
                 raise ConfigError(f"{prefix} must be a mapping, got {values!r}")
-            text_fields = {f.name for f in fields(schema) if f.type in ("str", str)} if is_dataclass(schema) else set()
+            schema_fields = fields(schema) if is_dataclass(schema) else ()
+            text_fields = {f.name for f in schema_fields if f.type in ("str", str)}
             list_fields = {
                 f.name
-                for f in fields(schema)
+                for f in schema_fields
                 if str(f.type).removeprefix("typing.").startswith(("list[", "tuple[", "List[", "Tuple["))
             }
             for key in values:

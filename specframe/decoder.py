@@ -69,7 +69,7 @@ class SpeculativeDecoder:
         self.device = self.info.device
         # The dtype of the hidden states the attention adds a tree mask to (an LM head may be kept in another).
         self.mask_dtype = model.get_input_embeddings().weight.dtype
-        self.who = f"proposer '{proposer.name}'" + (f" (plugin '{plugin}')" if plugin else "")
+        self.who = proposer_who(proposer.name, plugin)
         states = getattr(model.config, "num_hidden_layers", None)  # hidden states: the embeddings + each layer
         for asked in proposer.hidden_state_layers:
             try:
@@ -102,7 +102,7 @@ class SpeculativeDecoder:
         except SpecframeError:
             raise
         except Exception as e:  # a plugin's own bug: name it
-            raise ProposerError(f"proposer '{entry.name}' (plugin '{entry.plugin}') failed to build: {e}") from e
+            raise ProposerError(f"{proposer_who(entry.name, entry.plugin)} failed to build: {e}") from e
         s = cfg.sampling
         return cls(
             loaded.model,
@@ -309,6 +309,11 @@ class SpeculativeDecoder:
 def _is_integer(value: object) -> bool:
     """An integer, Python's or a library's (NumPy's): not a bool, though Python counts it as one."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def proposer_who(name: str, plugin: str = "") -> str:
+    """How errors name a proposer: "proposer 'x' (plugin 'p')", without the plugin when it is not known."""
+    return f"proposer '{name}'" + (f" (plugin '{plugin}')" if plugin else "")
 
 
 def _as_int(value: object) -> object:

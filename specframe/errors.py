@@ -11,10 +11,10 @@ def is_count(value: object, minimum: int = 1) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
-def brief(e: BaseException, limit: int = 300) -> str:
-    """An exception's message on one line (some embed multi-line reprs), at most `limit` characters."""
+def brief(e: BaseException, limit: int | None = None) -> str:
+    """An exception's message on one line (some embed multi-line reprs), at most `limit` characters if given."""
     text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
 
 
 class SpecframeError(Exception):

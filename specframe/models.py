@@ -634,8 +634,9 @@ def _load_hub(name: str, kwargs: dict[str, Any], quiet: bool) -> tuple[Any, Any]
         )
     except ModelLoadError as e:
         cached = _hub_cache_folder(name) if local_only else None
-        weights = [] if cached is None else [p for p in cached.iterdir() if ".safetensors" in p.name]
-        pickles = [] if cached is None else [p for p in cached.iterdir() if p.suffix.lower() in _PICKLE_SUFFIXES]
+        files = list(cached.iterdir()) if cached is not None else []
+        weights = [p for p in files if ".safetensors" in p.name]
+        pickles = [p for p in files if p.suffix.lower() in _PICKLE_SUFFIXES]
         # (not transformers' advice to allow pickles; offline, only what the cache holds tells)
         if (pickles and not weights) or (not local_only and "use_safetensors" in str(e.__cause__ or "")):
             raise ModelLoadError(
@@ -716,10 +717,11 @@ def _apply_adapter(model: Any, adapter: str, base: str) -> Any:
     # peft loads non-strictly: adapter tensors matching no module are dropped silently and missing ones only
     # warn, leaving part of the adapter unapplied. Compare what the file holds with what this model expects.
     # Never save_embedding_layers="auto" (peft's default): it asks the hub about the base model's id, which can
-    # hang offline. An adapter must hold the False set and may hold the True one (full embedding layers too).
+    # hang offline. An adapter must hold the False set and may hold the True one (its superset: full embedding
+    # layers too).
     expected = set(get_peft_model_state_dict(peft_model, save_embedding_layers=False).keys())
     allowed = set(get_peft_model_state_dict(peft_model, save_embedding_layers=True).keys())
-    unexpected, missing = sorted(saved - expected - allowed), sorted(expected - saved)
+    unexpected, missing = sorted(saved - allowed), sorted(expected - saved)
     if unexpected or missing:
         detail = []
         if unexpected:

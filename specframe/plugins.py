@@ -123,7 +123,7 @@ def build_registry(autoload: bool | None = None) -> Registry:
                 continue
             register_plugin(pm, registry, module, ep.name, dist, ver)
         except Exception as e:
-            msg = f"plugin '{ep.name}' ({dist} {ver}) was not loaded: {type(e).__name__}: {brief(e)}"
+            msg = f"plugin '{ep.name}' ({dist} {ver}) was not loaded: {type(e).__name__}: {brief(e, 300)}"
             registry.failures.append(msg)
             warnings.warn(msg, PluginWarning, stacklevel=2)
     return registry

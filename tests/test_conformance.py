@@ -76,6 +76,16 @@ class PrivateRandomDraft(DraftProposer):
         return torch.multinomial(q, 1, generator=generator), q
 
 
+class NumpyPeekingDraft(DraftProposer):
+    """Draws one number from NumPy's global generator per proposal and ignores it: the user's stream moves on."""
+
+    def propose(self, state):
+        import numpy
+
+        numpy.random.random()
+        return super().propose(state)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_isolation_catches_global_randomness_and_a_changed_target(dtype):
     from specframe.testing.broken import GlobalRandomDraft, RequestMemoryDraft, ReseedingDraft, TargetChangingDraft
@@ -85,6 +95,8 @@ def test_isolation_catches_global_randomness_and_a_changed_target(dtype):
         assert not r.passed and "changed the global random generators" in r.detail, r.detail
     r = conformance.check_isolation(RequestMemoryDraft, "cpu", dtype=dtype)
     assert not r.passed and "keeps state from one request to the next" in r.detail, r.detail
+    r = conformance.check_isolation(NumpyPeekingDraft, "cpu", dtype=dtype)  # (its draws change no output)
+    assert not r.passed and "changed the global random generators" in r.detail, r.detail
     r = conformance.check_isolation(PrivateRandomDraft, "cpu", dtype=dtype)  # (not taken for kept state)
     assert not r.passed and "does not come from the engine's generator" in r.detail, r.detail
     r = conformance.check_isolation(TargetChangingDraft, "cpu", dtype=dtype)

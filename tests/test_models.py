@@ -259,20 +259,24 @@ def test_checkpoint_missing_a_tensor_refused(tmp_path: Path, tiny_dir: Path) -> 
         load_model(str(tmp_path), quiet=True)
 
 
+def with_config(tiny_dir: Path, folder: Path, **changes: object) -> Path:
+    """`folder` holding `tiny_dir`'s weights under its config.json with `changes`."""
+    config = json.loads((tiny_dir / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    (folder / "model.safetensors").write_bytes((tiny_dir / "model.safetensors").read_bytes())
+    return folder
+
+
 def test_weights_of_another_shape_than_the_config_are_named(tmp_path: Path, tiny_dir: Path) -> None:
     # (transformers names them only in a log it prints first, hushed here: its error says "look at the above report")
-    config = json.loads((tiny_dir / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 128}))
-    (tmp_path / "model.safetensors").write_bytes((tiny_dir / "model.safetensors").read_bytes())
+    with_config(tiny_dir, tmp_path, vocab_size=128)
     with pytest.raises(ModelLoadError, match=r": lm_head.weight has shape \[64, 32\] in the checkpoint, \[128, 32\]"):
         load_model(str(tmp_path), quiet=True)
 
 
 def test_a_checkpoint_with_more_layers_than_its_config_is_refused(tmp_path: Path, tiny_dir: Path) -> None:
     # transformers drops the tensors of layer 1 and only warns: a silently smaller model.
-    config = json.loads((tiny_dir / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
-    (tmp_path / "model.safetensors").write_bytes((tiny_dir / "model.safetensors").read_bytes())
+    with_config(tiny_dir, tmp_path, num_hidden_layers=1)
     with pytest.raises(ModelLoadError, match=r"no place for \(e.g. model.layers.1.input_layernorm.weight"):
         load_model(str(tmp_path), quiet=True)
 
@@ -285,9 +289,7 @@ def test_extra_tensors_of_another_kind_are_let_be(tmp_path: Path, tiny_dir: Path
 
 
 def test_a_config_value_of_the_wrong_type_is_a_load_error(tmp_path: Path, tiny_dir: Path) -> None:
-    config = json.loads((tiny_dir / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "two"}))
-    (tmp_path / "model.safetensors").write_bytes((tiny_dir / "model.safetensors").read_bytes())
+    with_config(tiny_dir, tmp_path, num_hidden_layers="two")
     with pytest.raises(ModelLoadError, match=f"could not load model {tmp_path}.*num_hidden_layers"):
         load_model(str(tmp_path), quiet=True)
 

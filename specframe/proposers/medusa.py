@@ -183,18 +183,16 @@ def load_heads(path: str | Path, target: torch.nn.Module) -> tuple[MedusaHeads, 
     if meta.get("version") != 1:
         raise ModelLoadError(f"medusa heads '{path}': {FORMAT} version {meta.get('version')!r}; this specframe reads 1")
     hidden = target.config.hidden_size
-    try:
-        trained_hidden, trained_vocab, num_heads, layers = (
-            meta[k] for k in ("hidden_size", "target_vocab_size", "num_heads", "layers")
-        )
-    except KeyError as e:
-        raise ModelLoadError(f"medusa heads '{path}' are incomplete or corrupt: medusa_config.json lacks {e}") from e
-    sizes = {"hidden_size": trained_hidden, "target_vocab_size": trained_vocab, "num_heads": num_heads}
-    for name, value in {**sizes, "layers": layers}.items():
-        if not is_count(value):
+    sizes = ("hidden_size", "target_vocab_size", "num_heads", "layers")
+    for key in sizes:
+        if key not in meta:
+            raise ModelLoadError(f"medusa heads '{path}' are incomplete or corrupt: medusa_config.json lacks {key!r}")
+        if not is_count(meta[key]):
             raise ModelLoadError(
-                f"medusa heads '{path}' are corrupt: medusa_config.json's {name} must be an integer >= 1, got {value!r}"
+                f"medusa heads '{path}' are corrupt: medusa_config.json's {key} must be an integer >= 1, "
+                f"got {meta[key]!r}"
             )
+    trained_hidden, trained_vocab, num_heads, layers = (meta[k] for k in sizes)
     if num_heads * layers * 2 != len(state):  # (a weight and a bias per residual block; checked before building)
         raise ModelLoadError(
             f"medusa heads '{path}': model.safetensors holds {len(state)} tensors; medusa_config.json's "

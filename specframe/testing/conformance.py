@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from specframe.acceptance import TreeAcceptance
-from specframe.decoder import SpeculativeDecoder, target_info
+from specframe.decoder import SpeculativeDecoder, proposer_who, target_info
 from specframe.errors import BadInputError, ProposerError, SpecframeError, brief
 from specframe.models import resolve_device, resolve_dtype
 from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer
@@ -143,8 +143,10 @@ def make_decoder(
     except SpecframeError:
         raise
     except Exception as e:  # a plugin's own bug: name it
-        who = f"proposer '{proposer_cls.name}'" + (f" (plugin '{plugin}')" if plugin else "")
-        raise ProposerError(f"{who} failed to build its random-weight instance: {type(e).__name__}: {e}") from e
+        raise ProposerError(
+            f"{proposer_who(proposer_cls.name, plugin)} failed to build its random-weight instance: "
+            f"{type(e).__name__}: {e}"
+        ) from e
     return SpeculativeDecoder(target, proposer, acceptance=acceptance, plugin=plugin)
 
 
@@ -384,18 +386,12 @@ def check_isolation(
             numpy.random.seed(7919 * i + 1)
 
     def global_states() -> list:  # (compared whole: a proposer that draws from or reseeds one changes it)
-        states = [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in cuda), random.getstate()]
-        return [*states, numpy.random.get_state()[1].copy()] if numpy is not None else states
-
-    def same(a: list, b: list) -> bool:
-        return all(
-            torch.equal(x, y)
-            if isinstance(x, torch.Tensor)
-            else bool((x == y).all())
-            if numpy is not None and isinstance(x, numpy.ndarray)
-            else x == y
-            for x, y in zip(a, b, strict=True)
-        )
+        torch_states = [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in cuda)]
+        states = [*(t.numpy().tobytes() for t in torch_states), random.getstate()]
+        if numpy is not None:  # (its key array, and its position in it, which a few draws change)
+            name, keys, *rest = numpy.random.get_state()
+            states.append((name, keys.tobytes(), *rest))
+        return states
 
     unseeded = None  # why one seed gave several outputs (reported after a change to the target, its likely cause)
     python_state, numpy_state = random.getstate(), numpy.random.get_state() if numpy is not None else None
@@ -409,7 +405,7 @@ def check_isolation(
                     before = global_states()
                     res = decoder.generate(prompt, max_new_tokens=24, temperature=1.0, seed=seed)
                     runs.append((res.token_ids, [res.stats[k] for k in COUNTED_STATS]))
-                    if unseeded is None and not same(before, global_states()):
+                    if unseeded is None and before != global_states():
                         unseeded = (
                             "a generate call changed the global random generators (torch's, Python's or NumPy's): "
                             "the proposer draws from or reseeds them; every random choice must come from "
@@ -554,7 +550,7 @@ def run_check(name: str, check: Callable[[], CheckResult], device: str, dtype: s
     except BadInputError:
         raise
     except Exception as e:
-        detail = f"raised {type(e).__name__}: {brief(e)}"
+        detail = f"raised {type(e).__name__}: {brief(e, 300)}"
         return CheckResult(name, device, False, detail, None, time.perf_counter() - t0, dtype)
 
 
