@@ -67,3 +67,29 @@ def test_an_interrupted_run_resumed_ends_where_an_uninterrupted_one_does(tmp_pat
     last = load_file(tmp_path / "resumed" / "checkpoint" / "model.safetensors")
     assert last.keys() == after_epoch_1.keys() and any(not torch.equal(last[k], after_epoch_1[k]) for k in last)
     # Not vacuous: the weights moved from where epoch 1 left them.
+
+
+@pytest.mark.parametrize("name", list(TRAINERS))
+def test_a_new_run_never_overwrites_another_run_s_out_folder(tmp_path, name):
+    """Without --resume, an out folder holding a checkpoint or trained weights is refused (it was overwritten)."""
+    import shutil
+
+    from specframe.errors import ConfigError
+
+    train, make = TRAINERS[name]
+    data = tmp_path / "d.jsonl"
+    write_distill_data(data, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), n=40)
+
+    def run(**kw):
+        target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
+        cfg = make(data=str(data), out=str(tmp_path / "out"), features_cache=str(tmp_path / "f"), **{**COMMON, **kw})
+        return train(cfg, target, None, log=lambda m: None)
+
+    run(epochs=1)
+    saved = (tmp_path / "out" / "model.safetensors").read_bytes()
+    with pytest.raises(ConfigError, match=r"train.out .* holds the checkpoint of another run \(after epoch 1\)"):
+        run(epochs=1, lr=5e-3)
+    shutil.rmtree(tmp_path / "out" / "checkpoint")  # a folder holding only a trained artifact
+    with pytest.raises(ConfigError, match=r"already holds trained weights .*--resume"):
+        run(epochs=1, lr=5e-3)
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == saved

@@ -218,6 +218,7 @@ def resuming_from(
     than the checkpoint has done) are checked first, so a run with other options or data is refused before the
     costly feature extraction."""
     if not resume:
+        check_new_run(ckpt)
         return False
     if not (ckpt / "state.json").is_file():  # (a mistyped `out` never silently starts a new run)
         raise ConfigError(f"--resume: no checkpoint in {ckpt} (train without --resume to start a new run)")
@@ -243,6 +244,25 @@ def resuming_from(
             f"{epochs}; give train.epochs >= {done}"
         )
     return True
+
+
+def check_new_run(ckpt: Path) -> None:
+    """A run that does not resume must not overwrite another one's checkpoint or saved weights in its out folder."""
+    out = ckpt.parent
+    if (ckpt / "state.json").is_file():
+        try:
+            done = f"after epoch {int(json.loads((ckpt / 'state.json').read_text())['epoch'])}"
+        except (ValueError, KeyError, TypeError):  # (a damaged state is still another run's)
+            done = "damaged"
+        held = f"the checkpoint of another run ({done})"
+    elif (out / "model.safetensors").is_file():
+        held = "trained weights (model.safetensors)"
+    else:
+        return
+    raise ConfigError(
+        f"train.out '{out}' already holds {held}: add --resume to continue that run, or train into another "
+        "train.out (delete the folder to start it over)"
+    )
 
 
 def load_checkpoint(
