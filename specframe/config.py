@@ -7,7 +7,7 @@ exists in the working directory) resolves to the copy shipped inside the install
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from specframe.errors import ConfigError
+from specframe.errors import ConfigError, check_field_types
 from specframe.sampling import check_sampling, check_seed
 
 
@@ -37,6 +37,9 @@ class TargetConfig:
     # (specframe/cpu_kernels.py has the numbers). False: PyTorch's and transformers' own kernels.
     fast_cpu_kernels: bool = True
 
+    def __post_init__(self) -> None:
+        check_field_types(self, "target.")
+
 
 @dataclass
 class SamplingConfig:
@@ -50,6 +53,7 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        check_field_types(self, "sampling.")
         check_sampling(self.temperature, self.top_k, self.top_p)
         check_seed(self.seed)
 
@@ -62,6 +66,7 @@ class GenerationConfig:
     stop: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        check_field_types(self, "generation.")
         if self.max_new_tokens < 1:
             raise ConfigError(f"generation.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         self.stop = stop_strings(self.stop, key="generation.stop")
@@ -166,6 +171,19 @@ def build_config(from_file: DictConfig, raw: DictConfig, overrides: list[str]) -
     if isinstance(named, DictConfig) and "name" in named and isinstance(chosen, DictConfig):
         if named.name != chosen.get("name", "none"):
             raw = with_overrides(OmegaConf.merge(from_file, {"proposer": None}), overrides)
+    # Interpolations may cross sections (`proposer: {model: ${target.model}}`) and name defaults: resolved on the
+    # whole config, before each section is validated on its own. (A section that cannot be resolved is named.)
+    # (Only the defaults of keys not given are added: a value given in another form, or a whole section given as
+    # something else, is left for the section's own validation to name.)
+    given = {k: raw.get(k) for k in ("target", "sampling", "generation")}
+    defaults = {"target": TargetConfig(), "sampling": SamplingConfig(), "generation": GenerationConfig()}
+    defaults = {
+        k: {f: v for f, v in asdict(d).items() if f not in (given[k] or {})}
+        for k, d in defaults.items()
+        if given[k] is None or isinstance(given[k], DictConfig)
+    }
+    raw = OmegaConf.merge(OmegaConf.create(defaults), raw)
+    OmegaConf.resolve(raw)
     proposer_raw = raw.pop("proposer", None) or OmegaConf.create({})
     if not isinstance(proposer_raw, DictConfig):
         raise ConfigError("proposer must be a mapping with at least 'name'")

@@ -12,7 +12,7 @@ import torch
 
 from specframe.acceptance import TreeAcceptance
 from specframe.config import stop_strings
-from specframe.errors import BadInputError, ProposerError, SpecframeError, is_count
+from specframe.errors import BadInputError, ProposerError, SpecframeError, brief, is_count
 from specframe.kv_cache import keep_positions, new_cache, tree_attention_mask
 from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo, validate_proposal
 from specframe.sampling import SamplingParams, check_sampling, check_seed
@@ -134,9 +134,16 @@ class SpeculativeDecoder:
             if isinstance(prompt, list) and not all(isinstance(m, dict) and "content" in m for m in prompt):
                 raise BadInputError("a list prompt must hold token ids (int) or messages ({'role', 'content'})")
             for m in messages:
+                if not isinstance(m.get("role"), str) or not m["role"].strip():
+                    raise BadInputError(f"a message needs a 'role' (user, assistant, system), got {m.get('role')!r}")
                 check_text(m["content"])
             if not raw and getattr(self.tokenizer, "chat_template", None):
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                from jinja2 import TemplateError
+
+                try:
+                    ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                except TemplateError as e:  # (e.g. a template that wants user and assistant turns to alternate)
+                    raise BadInputError(f"the tokenizer's chat template refused these messages: {brief(e)}") from e
                 if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                     ids = ids["input_ids"]
             else:
@@ -169,6 +176,7 @@ class SpeculativeDecoder:
         raw: bool = False,
     ) -> GenerationResult:
         top_k, max_new_tokens, seed = (_as_int(v) for v in (top_k, max_new_tokens, seed))
+        temperature, top_p = (_as_float(v) for v in (temperature, top_p))
         sampling = (
             self.sampling.temperature if temperature is None else temperature,
             self.sampling.top_k if top_k is None else top_k,
@@ -319,6 +327,13 @@ def proposer_who(name: str, plugin: str = "") -> str:
 def _as_int(value: object) -> object:
     """Integer scalars of any library as Python ints; anything else unchanged, for the checks to name."""
     return int(value) if _is_integer(value) else value
+
+
+def _as_float(value: object) -> object:
+    """A 0-d tensor's number as a Python float; anything else unchanged, for the checks to name."""
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and value.dtype != torch.bool and not value.is_complex():
+        return float(value)
+    return value
 
 
 def check_text(text: object) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import numbers
+import os
 from pathlib import Path
 
 
@@ -9,6 +12,32 @@ def is_count(value: object, minimum: int = 1) -> bool:
     """Whether `value` is an integer >= `minimum` (a bool is not one, though Python counts it as an int): the
     check behind every "must be an integer >= 1" (or >= 0) error."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+_PLAIN_TYPES = {  # a field's annotation -> (what a value must be, how errors say it)
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "int": (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool), "an integer"),
+    "float": (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool), "a number"),
+    "str": (lambda v: isinstance(v, str | os.PathLike), "text"),
+}
+
+
+def check_field_types(config: object, prefix: str) -> None:
+    """Raise ConfigError naming the first field of dataclass `config` annotated with a plain type (bool, int,
+    float, str; optionally `| None`) whose value is not one. A config built from YAML or overrides is typed by
+    OmegaConf already; this is the same check for one built in Python, where a string for a flag would be
+    truthy and True would count as 1. Range checks come after it."""
+    for f in dataclasses.fields(config):
+        annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        kinds = [k.strip() for k in annotation.split("|")]
+        value = getattr(config, f.name)
+        plain = [k for k in kinds if k != "None"]
+        if (value is None and "None" in kinds) or len(plain) != 1 or plain[0] not in _PLAIN_TYPES:
+            continue
+        fits, words = _PLAIN_TYPES[plain[0]]
+        if not fits(value):
+            unset = " or unset" if "None" in kinds else ""
+            raise ConfigError(f"{prefix}{f.name} must be {words}{unset}, got {value!r}")
 
 
 def brief(e: BaseException, limit: int | None = None) -> str:

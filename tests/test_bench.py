@@ -390,7 +390,7 @@ def test_a_config_file_sets_options_and_flags_win(tiny_dirs, questions, tmp_path
         (["--proposers", "none", "--out", ""], "--out must name a folder"),
         (["--proposers", "none", "--questions", "/no/${where}.jsonl"], "questions file '/no/${where}.jsonl' does not"),
         (["--proposers", "none", "sampling.temperature=1"], "'sampling' is neither 'target' nor a proposer"),
-        (["--proposers", "none", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--proposers", "none", "--top-p", "0"], "--top-p must be a number in (0, 1]"),
         (["--proposers", "medusa", "--baselines", ""], "nothing to run: every method was skipped"),
         (["--proposers", "none,draft", "draft.num_speculatve_tokens=3"], "draft.num_speculatve_tokens: Key"),
         (["--proposers", "none,draft", "draft.num_speculative_tokens=abc"], "draft.num_speculative_tokens: Value"),

@@ -251,7 +251,7 @@ def test_sampled_chain_with_a_threshold_is_a_prefix_of_the_same_seed_chain():
 @pytest.mark.parametrize("make", [DraftConfig, EagleConfig, MedusaConfig])
 @pytest.mark.parametrize("value", [1.0, -0.1, "high", True])
 def test_bad_thresholds_are_refused(make, value):
-    with pytest.raises(ConfigError, match="proposer.confidence_threshold must be a number in \\[0, 1\\)"):
+    with pytest.raises(ConfigError, match="proposer.confidence_threshold must be a number"):
         make(confidence_threshold=value)
 
 

@@ -1,9 +1,13 @@
 import pytest
 
 from specframe import load_config
-from specframe.config import packaged_configs, to_yaml
+from specframe.config import GenerationConfig, SamplingConfig, TargetConfig, packaged_configs, to_yaml
 from specframe.errors import ConfigError
 from specframe.proposers.draft import DraftConfig
+from specframe.proposers.eagle import EagleConfig
+from specframe.proposers.medusa import MedusaConfig
+from specframe.training.draft import DraftTrainConfig
+from specframe.training.eagle import EagleTrainConfig
 
 
 def test_defaults():
@@ -131,3 +135,49 @@ def test_another_proposer_over_a_config_file_drops_only_the_file_s_proposer_opti
 def test_a_config_file_whose_proposer_section_names_none_keeps_its_options(tmp_path):
     (tmp_path / "c.yaml").write_text("proposer:\n  num_speculative_tokens: 7\n")
     assert load_config(tmp_path / "c.yaml", ["proposer.name=draft"]).proposer.num_speculative_tokens == 7
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (
+            lambda: TargetConfig(trust_remote_code="false"),
+            "target.trust_remote_code must be true or false, got 'false'",
+        ),
+        (lambda: TargetConfig(model=5), "target.model must be text, got 5"),
+        (lambda: SamplingConfig(temperature="0.5"), "sampling.temperature must be a number, got '0.5'"),
+        (lambda: SamplingConfig(top_p=True), "sampling.top_p must be a number, got True"),
+        (lambda: GenerationConfig(max_new_tokens="3"), "generation.max_new_tokens must be an integer, got '3'"),
+        (lambda: DraftConfig(greedy="yes"), "proposer.greedy must be true or false, got 'yes'"),
+        (lambda: MedusaConfig(tree=[[True]]), r"proposer.tree: each choice must be a non-empty list of ranks"),
+        (lambda: MedusaConfig(tree_nodes="5"), "proposer.tree_nodes must be an integer or unset, got '5'"),
+        (lambda: EagleConfig(depth=2.0), "proposer.depth must be an integer or unset, got 2.0"),
+        (lambda: DraftTrainConfig(epochs="3"), "train.epochs must be an integer, got '3'"),
+        (lambda: EagleTrainConfig(prompt_positions=1), "train.prompt_positions must be true or false, got 1"),
+    ],
+)
+def test_configs_built_in_python_have_their_fields_types_checked(build, message):
+    # OmegaConf types a config read from YAML or overrides; one built in Python gets the same check (a string
+    # for a flag was truthy: trust_remote_code="false" turned remote code on).
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        build()
+
+
+def test_field_type_checks_take_numbers_and_paths_of_other_kinds(tmp_path):
+    np = pytest.importorskip("numpy")
+    assert SamplingConfig(temperature=np.float32(0.5), top_p=1).temperature == 0.5
+    assert DraftTrainConfig(out=tmp_path / "d", lr=1).lr == 1
+
+
+def test_interpolations_cross_sections_and_reach_defaults(tmp_path):
+    # Each section was validated on its own, so `${generation.max_new_tokens}` in sampling was "not found".
+    cfg = load_config(None, ["generation.max_new_tokens=5", "sampling.top_k=${generation.max_new_tokens}"])
+    assert cfg.sampling.top_k == 5
+    path = tmp_path / "c.yaml"
+    path.write_text("target: {model: /models/t}\nproposer: {name: draft, model: '${target.model}'}\n")
+    assert load_config(path).proposer.model == "/models/t"
+    assert load_config(None, ["proposer.name=draft", "proposer.model=${target.model}"]).proposer.model == (
+        TargetConfig().model  # (a default, not given anywhere)
+    )
+    with pytest.raises(ConfigError, match="^sampling.top_k: Interpolation key 'nope' not found"):
+        load_config(None, ["sampling.top_k=${nope}"])

@@ -385,6 +385,14 @@ def test_numpy_integers_are_integers_and_stop_strings_need_a_tokenizer(target):
         dec.generate([1, 2, 3], max_new_tokens=4, stop="x")
     with pytest.raises(BadInputError, match=r"^top_k must be an integer >= 0"):  # (the argument, not the config key)
         dec.generate([1, 2, 3], max_new_tokens=4, top_k=-1)
+    # Floats of other libraries are numbers; text and bools are not (True was sampling at temperature 1).
+    want = dec.generate([1, 2, 3], max_new_tokens=4, temperature=0.5, top_p=0.9, seed=5).token_ids
+    assert dec.generate([1, 2, 3], max_new_tokens=4, temperature=torch.tensor(0.5), top_p=np.float32(0.9),
+                        seed=5).token_ids == want  # fmt: skip
+    for bad in ({"temperature": "0.5"}, {"temperature": True}, {"top_p": "0.9"}, {"top_p": True}):
+        ((key, value),) = bad.items()
+        with pytest.raises(BadInputError, match=rf"^{key} must be a .*number.*, got {value!r}"):
+            dec.generate([1, 2, 3], max_new_tokens=4, **bad)
 
 
 @pytest.mark.parametrize("stop", [[""], ["ok", ""], [3]])
@@ -538,6 +546,8 @@ class CharTokenizer(LetterTokenizer):
         ([1, {"role": "user", "content": "ab"}], "a list prompt must hold token ids .int. or messages"),
         ([{"role": "user"}], "a list prompt must hold token ids .int. or messages"),
         ([{"role": "user", "content": 5}], "a message's content must be text, got int"),
+        ([{"content": "ab"}], "a message needs a 'role' .user, assistant, system., got None"),
+        ([{"role": " ", "content": "ab"}], "a message needs a 'role'"),
         ({"role": "user", "content": "ab"}, "unsupported prompt type dict"),
         ("   ", "the prompt is empty"),
         ("a\udcffb", "the prompt is not valid UTF-8 text"),
@@ -548,3 +558,55 @@ def test_malformed_prompts_are_named(target, info, prompt, message):
     with pytest.raises(BadInputError, match=message):
         dec.generate(prompt, max_new_tokens=2)
     assert dec.generate([{"role": "user", "content": "ab"}], max_new_tokens=2).token_ids  # (a good one runs)
+
+
+class StrictChatTokenizer(CharTokenizer):
+    """A chat template that refuses two user turns in a row, as many real ones do (`raise_exception`)."""
+
+    chat_template = "strict"
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        from jinja2 import Environment
+        from jinja2.exceptions import TemplateError
+
+        def raise_exception(text):
+            raise TemplateError(text)
+
+        template = (
+            "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+            "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+            "{{ m['content'] }}{% endfor %}"
+        )
+        text = Environment().from_string(template).render(messages=messages, raise_exception=raise_exception)
+        return self(text)["input_ids"]
+
+
+def test_messages_a_chat_template_refuses_are_named(target, info):
+    dec = SpeculativeDecoder(target, NoneProposer(NoneConfig(), info), StrictChatTokenizer())
+    twice = [{"role": "user", "content": "ab"}, {"role": "user", "content": "cd"}]
+    with pytest.raises(BadInputError, match="the tokenizer's chat template refused these messages: .*must alternate"):
+        dec.generate(twice, max_new_tokens=2)
+    assert dec.generate(twice[:1], max_new_tokens=2).token_ids  # (a good one runs)
+
+
+def test_a_draft_as_wide_as_the_target_passes_even_when_the_tokenizer_lists_more_tokens(info):
+    # A GGUF's tokenizer can list a token (an added end-of-text) past both models' logits: the same file as
+    # target and draft was refused ("logit widths 64 and 64 do not cover the tokenizer's 65 tokens").
+    from dataclasses import replace
+
+    from specframe.proposers.draft import check_same_vocabulary
+
+    class Tokenizer:
+        def __init__(self, n):
+            self.n = n
+
+        def get_vocab(self):
+            return {f"t{i}": i for i in range(self.n)}
+
+        def __len__(self):
+            return self.n
+
+    target = replace(info, tokenizer=Tokenizer(info.vocab_size + 1))
+    check_same_vocabulary(tiny_llama(vocab_size=info.vocab_size, seed=1), Tokenizer(info.vocab_size + 1), target)
+    with pytest.raises(BadInputError, match=rf"the draft's 7 logit rows do not cover the {info.vocab_size} tokens"):
+        check_same_vocabulary(tiny_llama(vocab_size=7, seed=1), Tokenizer(info.vocab_size + 1), target)

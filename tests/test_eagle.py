@@ -648,3 +648,27 @@ def test_a_tree_shape_tuned_on_a_cpu_is_not_used_on_other_devices(trained, tmp_p
     (tmp_path / "tuned" / "eagle_config.json").write_text(json.dumps({**meta, "shape_tuned_on": 3}))
     with pytest.raises(ModelLoadError, match="shape_tuned_on in .*eagle_config.json must be a device type"):
         EagleProposer.from_config(EagleConfig(model=str(tmp_path / "tuned")), info)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gptj", "bloom"])
+def test_random_drafters_are_shaped_like_targets_that_name_their_sizes_otherwise(arch):
+    # GPT-2 and GPT-J call their hidden size n_embd (Bloom has no intermediate_size): the drafter was built with
+    # Llama's default sizes (4096 wide for a 16-wide target) and failed in its first forward.
+    import transformers as T
+
+    torch.manual_seed(0)
+    target = {
+        "gpt2": lambda: T.GPT2LMHeadModel(T.GPT2Config(vocab_size=16, n_embd=16, n_layer=2, n_head=2, n_positions=64)),
+        "gptj": lambda: T.GPTJForCausalLM(
+            T.GPTJConfig(vocab_size=16, n_embd=16, n_layer=2, n_head=2, rotary_dim=4, n_positions=64)
+        ),
+        "bloom": lambda: T.BloomForCausalLM(T.BloomConfig(vocab_size=16, hidden_size=16, n_layer=2, n_head=2)),
+    }[arch]().eval()
+    # (Bloom's ALiBi biases go by cache slot, which a tree's side-by-side nodes would get wrong: a chain)
+    config = EagleConfig(tree=False, depth=3) if arch == "bloom" else EagleConfig()
+    proposer = EagleProposer.random(target_info(target), config)
+    drafter = proposer.drafter.config
+    assert (drafter.hidden_size, drafter.intermediate_size, drafter.num_attention_heads) == (16, 64, 2)
+    for prompt in ([1, 2, 3], [5, 4]):
+        got = SpeculativeDecoder(target, proposer).generate(prompt, max_new_tokens=10).token_ids
+        assert got == reference_greedy(target, prompt, 10)

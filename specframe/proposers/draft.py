@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specframe.errors import BadInputError, ConfigError, is_count
+from specframe.errors import BadInputError, ConfigError, check_field_types, is_count
 from specframe.kv_cache import new_cache
 from specframe.models import check_proposer_dtype, proposer_dtype
 from specframe.proposer import (
@@ -53,9 +53,12 @@ class DraftConfig:
     dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        check_field_types(self, "proposer.")
         gamma = self.num_speculative_tokens
         if gamma is not None and not is_count(gamma):
             raise ConfigError(f"proposer.num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not isinstance(self.greedy, bool):
+            raise ConfigError(f"proposer.greedy must be true or false, got {self.greedy!r}")
         check_confidence_threshold(self.confidence_threshold)
         check_proposer_dtype(self.dtype)
 
@@ -221,10 +224,12 @@ def check_same_vocabulary(model: torch.nn.Module, tokenizer, target: TargetInfo)
                 f"draft/target vocabulary mismatch: the draft's tokenizer ({len(tokenizer)} tokens) does not map "
                 f"tokens to the same ids as the target's ({len(target.tokenizer)} tokens)"
             )
-        if min(width, target.vocab_size) < len(target.tokenizer):
+        # The draft must be able to propose every token the target can emit (a tokenizer may list more, e.g. a
+        # GGUF's added end-of-text token that neither model's logits reach: not a mismatch).
+        if width < min(target.vocab_size, len(target.tokenizer)):
             raise BadInputError(
-                f"draft/target vocabulary mismatch: logit widths {width} and {target.vocab_size} do not cover the "
-                f"tokenizer's {len(target.tokenizer)} tokens"
+                f"draft/target vocabulary mismatch: the draft's {width} logit rows do not cover the "
+                f"{min(target.vocab_size, len(target.tokenizer))} tokens the target can emit"
             )
     elif width != target.vocab_size:
         raise BadInputError(

@@ -42,7 +42,7 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from specframe.cpu_kernels import few_rows_linear, use_fast_cpu_kernels
-from specframe.errors import ConfigError, ModelLoadError, is_count
+from specframe.errors import ConfigError, ModelLoadError, brief, check_field_types, is_count
 from specframe.models import check_proposer_dtype, proposer_dtype
 from specframe.proposer import (
     Acceptance,
@@ -105,6 +105,7 @@ class EagleConfig:
     dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        check_field_types(self, "proposer.")
         for key in ("depth", "top_k", "total_tokens"):
             value = getattr(self, key)
             if value is not None and not is_count(value):
@@ -125,12 +126,24 @@ class EagleConfig:
 
 
 def drafter_config(target_config, vocab_size: int) -> LlamaConfig:
-    """The drafter's one-layer Llama config, shaped like the target's layers."""
-    d = target_config.to_dict()
-    keep = {k: d[k] for k in _LAYER_KEYS if d.get(k) is not None}
-    if "rope_parameters" not in keep and d.get("rope_theta") is not None:
-        keep["rope_parameters"] = {"rope_type": "default", "rope_theta": d["rope_theta"]}
-    cfg = LlamaConfig(**keep, num_hidden_layers=1, vocab_size=vocab_size, tie_word_embeddings=False)
+    """The drafter's one-layer Llama config, shaped like the target's layers. Read through the config's own
+    attribute names (GPT-2's `n_embd` is its `hidden_size`); what a non-Llama target lacks gets a Llama
+    layer's usual choice (4x the hidden size for the MLP, heads as the target's attention has)."""
+    keep = {k: v for k in _LAYER_KEYS if (v := getattr(target_config, k, None)) is not None}
+    model_type = getattr(target_config, "model_type", "?")
+    if not is_count(keep.get("hidden_size")):
+        raise ModelLoadError(f"eagle: the '{model_type}' target's config gives no hidden size to shape a drafter by")
+    if "intermediate_size" not in keep:
+        keep["intermediate_size"] = getattr(target_config, "n_inner", None) or 4 * keep["hidden_size"]
+    rope_theta = getattr(target_config, "rope_theta", None)
+    if "rope_parameters" not in keep and rope_theta is not None:
+        keep["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta}
+    try:
+        cfg = LlamaConfig(**keep, num_hidden_layers=1, vocab_size=vocab_size, tie_word_embeddings=False)
+    except (TypeError, ValueError) as e:  # (huggingface_hub's strict dataclass errors are ValueErrors)
+        raise ModelLoadError(
+            f"eagle: cannot shape a one-layer Llama drafter like the '{model_type}' target's layers: {brief(e)}"
+        ) from e
     cfg._attn_implementation = "sdpa"
     return cfg
 

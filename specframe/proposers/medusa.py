@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specframe.cpu_kernels import few_rows_linear
-from specframe.errors import ConfigError, ModelLoadError, is_count
+from specframe.errors import ConfigError, ModelLoadError, check_field_types, is_count
 from specframe.fingerprint import check_vocab_ids, fingerprint_mismatch, read_artifact, target_fingerprint
 from specframe.models import check_proposer_dtype, proposer_dtype
 from specframe.proposer import (
@@ -81,10 +81,11 @@ class MedusaConfig:
     dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        check_field_types(self, "proposer.")
         if self.tree is not None:
             check_tree(self.tree, num_heads=None)
-        if self.tree_nodes is not None and (isinstance(self.tree_nodes, bool) or self.tree_nodes < 1):
-            raise ConfigError(f"proposer.tree_nodes must be >= 1, got {self.tree_nodes}")
+        if self.tree_nodes is not None and not is_count(self.tree_nodes):
+            raise ConfigError(f"proposer.tree_nodes must be an integer >= 1, got {self.tree_nodes!r}")
         if self.tree is not None and self.tree_nodes is not None:
             raise ConfigError("proposer.tree and proposer.tree_nodes are exclusive: give one")
         check_confidence_threshold(self.confidence_threshold)
@@ -95,7 +96,7 @@ def check_tree(tree: list, num_heads: int | None) -> list[tuple[int, ...]]:
     """Validate Medusa-style choices; return them as tuples sorted by depth, then ranks (parents first)."""
     paths = []
     for c in tree:
-        if not isinstance(c, list | tuple) or not c or not all(isinstance(r, int) and r >= 0 for r in c):
+        if not isinstance(c, list | tuple) or not c or not all(is_count(r, 0) for r in c):
             raise ConfigError(f"proposer.tree: each choice must be a non-empty list of ranks >= 0, got {c!r}")
         paths.append(tuple(c))
     if not paths:

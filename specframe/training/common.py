@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from specframe.data import DistillExample
-from specframe.errors import BadInputError, ConfigError, ModelLoadError, check_output_path
+from specframe.errors import BadInputError, ConfigError, ModelLoadError, check_field_types, check_output_path
 
 ARTIFACT_KINDS = ("draft", "medusa", "eagle")  # a trained artifact's folder holds `<kind>_config.json`
 
@@ -49,6 +49,7 @@ class TrainRunConfig:
     features_cache: str = "runs/features"
 
     def __post_init__(self) -> None:
+        check_field_types(self, "train.")
         for key in ("epochs", "batch_size", "max_length", "vocab_size"):
             value = getattr(self, key)
             if isinstance(value, bool) or value < 1:
