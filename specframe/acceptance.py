@@ -45,7 +45,9 @@ class TreeAcceptance:
             if not children[row]:
                 return path, self.bonus(logits, row, parent_row, params, generator)
             for c in children[row]:
-                q = None if deterministic[c] else proposal.draft_probs[c].float()
+                # (q as drawn from: validation lets a row's sum be off by rounding, and torch.multinomial draws
+                # from the row over its sum; the rule must use the same distribution to stay exact)
+                q = None if deterministic[c] else self.normalised(proposal.draft_probs[c].float())
                 if self.accept(r, q, tokens[c], generator):
                     path.append(c)
                     row, parent_row = c + 1, row
@@ -66,6 +68,10 @@ class TreeAcceptance:
                 return path, best[row]
             path.append(nxt)
             row = nxt + 1
+
+    @staticmethod
+    def normalised(q: torch.Tensor) -> torch.Tensor:
+        return q / q.sum()
 
     def target_probs(self, logits: torch.Tensor, row: int, params: SamplingParams) -> torch.Tensor:
         return sampling_probs(logits[row], params)

@@ -108,3 +108,19 @@ def test_sampled_bonus_token_comes_from_the_leafs_row(seed):
     chain = Proposal.chain(torch.tensor([0, 1]), draft_probs=torch.tensor([[0.8, 0.1, 0.1], [0.1, 0.8, 0.1]]))
     path, nxt = TreeAcceptance()(logits, chain, SamplingParams(1.0), torch.Generator().manual_seed(seed))
     assert path == [0, 1] and nxt == 2
+
+
+def test_draft_rows_are_used_as_the_distribution_they_were_drawn_from():
+    # torch.multinomial draws from a row over its sum, and validation lets a row's sum be off by rounding: the rule
+    # reads q the same way, so a scaled row decides exactly as the normalised one (it compared u * q(x) < r(x)
+    # with the raw row, biased by the scale).
+    logits = torch.zeros(3, V)
+    logits[0] = P_ROOT.log()
+    toks = torch.tensor([3, 4])
+    for scale in (0.5, 0.999):
+        for seed in range(300):
+            decided = []
+            for q in (Q_ROOT, Q_ROOT * scale):
+                prop = Proposal(toks, torch.tensor([-1, -1]), torch.zeros(2, dtype=torch.bool), q.expand(2, V).clone())
+                decided.append(TreeAcceptance()(logits, prop, SamplingParams(1.0), torch.Generator().manual_seed(seed)))
+            assert decided[0] == decided[1], (scale, seed)
