@@ -37,21 +37,52 @@ class ProposerEntry:
     version: str
 
 
+class ContestedName(PluginError):
+    """Two plugins register one proposer name: neither gets it (which loaded first would decide otherwise)."""
+
+    def __init__(self, message: str, name: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
 class Registry:
     def __init__(self) -> None:
         self.proposers: dict[str, ProposerEntry] = {}
         self.failures: list[str] = []  # one message per plugin that could not be loaded
+        self.contested: dict[str, str] = {}  # proposer name -> the plugins that both register it, in words
 
     def add(self, cls: type, plugin: str, distribution: str, version: str) -> None:
         check_proposer_class(cls, plugin)
+        here = f"plugin '{plugin}' ({distribution})"
+        if cls.name in self.contested:
+            raise ContestedName(f"{here} registers proposer '{cls.name}', as {self.contested[cls.name]} do", cls.name)
         if cls.name in self.proposers:
             other = self.proposers[cls.name]
+            if "builtin" not in (plugin, other.plugin) and (plugin, distribution) != (other.plugin, other.distribution):
+                raise ContestedName(
+                    f"{here} registers proposer '{cls.name}', already registered by plugin '{other.plugin}' "
+                    f"({other.distribution}): neither is used (uninstall one)",
+                    cls.name,
+                )
             raise PluginError(
                 f"plugin '{plugin}' registers proposer '{cls.name}', already registered by plugin '{other.plugin}'"
             )
         self.proposers[cls.name] = ProposerEntry(cls.name, cls, plugin, distribution, version)
 
+    def contest(self, name: str, plugin: str, distribution: str) -> None:
+        """`name` is registered by two plugins (or more): it is taken from the one that holds it."""
+        held = self.proposers.pop(name, None)
+        if held is not None:
+            self.contested[name] = (
+                f"plugin '{held.plugin}' ({held.distribution}) and plugin '{plugin}' ({distribution})"
+            )
+
     def get(self, name: str) -> ProposerEntry:
+        if name in self.contested:
+            raise BadInputError(
+                f"proposer '{name}' is registered by two plugins, {self.contested[name]}: neither is used; "
+                "uninstall one of them"
+            )
         if name not in self.proposers:
             raise BadInputError(f"unknown proposer '{name}'; installed: {', '.join(sorted(self.proposers))}")
         return self.proposers[name]
@@ -123,6 +154,8 @@ def build_registry(autoload: bool | None = None) -> Registry:
                 continue
             register_plugin(pm, registry, module, ep.name, dist, ver)
         except Exception as e:
+            if isinstance(e, ContestedName):  # (after the plugin's own rollback, which put the name back)
+                registry.contest(e.name, ep.name, dist)
             msg = f"plugin '{ep.name}' ({dist} {ver}) was not loaded: {type(e).__name__}: {brief(e, 300)}"
             registry.failures.append(msg)
             warnings.warn(msg, PluginWarning, stacklevel=2)

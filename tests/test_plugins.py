@@ -169,6 +169,30 @@ def test_a_plugin_cannot_take_a_builtin_name(entry_points):
     assert reg.get("draft").plugin == "builtin"
 
 
+@pytest.mark.parametrize("order", [(0, 1, 2), (1, 0, 2), (2, 1, 0)])
+def test_a_name_two_plugins_register_is_used_by_neither(entry_points, order):
+    # Which plugin loaded first decided who got the name (entry points come in no promised order): a newly
+    # installed package could displace the proposer a user meant.
+    class Echo2(Echo):
+        name = "echo2"
+
+    makers = [
+        ("echo-plugin", types.SimpleNamespace(name="acme-specframe", version="1"), [Echo2, Echo]),
+        ("impostor", types.SimpleNamespace(name="other-specframe", version="2"), [Echo]),
+        ("third", types.SimpleNamespace(name="third-specframe", version="3"), [Echo]),
+    ]
+    for i in order:
+        name, dist, classes = makers[i]
+        load = lambda classes=classes: plugin_module(lambda register: [register(c) for c in classes])  # noqa: E731
+        entry_points.append(FakeEntryPoint(name, load, dist))
+    with pytest.warns(UserWarning, match="proposer 'echo'.*neither is used"):
+        reg = build_registry()
+    assert "echo" not in reg.names()
+    with pytest.raises(BadInputError, match=r"proposer 'echo' is registered by two plugins, plugin '.*' \(.*\) and"):
+        reg.get("echo")
+    assert len(reg.failures) == 2
+
+
 def test_environment_variable_turns_autoload_off(entry_points, monkeypatch):
     entry_points.append(FakeEntryPoint("echo-plugin", lambda: plugin_module(lambda register: register(Echo))))
     for value in ("1", "true", "YES"):

@@ -198,6 +198,33 @@ def test_a_failing_member_is_named(target, info):
         SpeculativeDecoder(target, twice).generate([1, 2], max_new_tokens=5)
 
 
+def test_a_plugin_member_s_failure_names_its_plugin(target, info):
+    pytest.importorskip("specframe_ngram")
+    union = UnionProposer.random(info, UnionConfig(members=["none", "ngram"]))
+    union.members[1].propose = lambda state: det([99], [-1])
+    with pytest.raises(ProposerError, match=r"union member 'ngram' \(plugin 'ngram'\) returned a malformed proposal"):
+        SpeculativeDecoder(target, union).generate([1, 2], max_new_tokens=5)
+
+
+def test_a_member_s_edits_of_the_tokens_stay_its_own(target, info):
+    # A member writing into state.tokens (a breach of the contract) misled every member after it, as the engine's
+    # own copy keeps it from misleading the engine.
+    union = UnionProposer.random(info, UnionConfig(members=["none", "none"]))
+    told = []
+
+    def scribble(state):
+        state.tokens[:] = 0
+        return Proposal.empty(state.tokens.device)
+
+    def record(state):
+        told.append(state.tokens.tolist())
+        return Proposal.empty(state.tokens.device)
+
+    union.members[0].propose, union.members[1].propose = scribble, record
+    out = SpeculativeDecoder(target, union).generate([1, 2], max_new_tokens=4).token_ids
+    assert told == [[1, 2, *out[: i + 1]] for i in range(len(told))] and len(told) == 3
+
+
 def test_a_malformed_member_proposal_is_named(target, info):
     union = UnionProposer.random(info, UnionConfig(members=["none", "draft"]))
     union.members[1].propose = lambda state: det([99], [-1])

@@ -25,9 +25,13 @@ from specframe.errors import ConfigError
 __all__ = ["NgramConfig", "NgramIndex", "NgramProposer", "build_trie", "register_proposers"]
 
 
+MAX_NGRAM = 64  # the longest suffix `max_ngram` may ask for (vLLM's and transformers' defaults are 3 to 5)
+
+
 @dataclass
 class NgramConfig:
-    # Longest suffix to match. Longer matches are rarer but their continuations are more often right.
+    # Longest suffix to match (at most MAX_NGRAM). Longer matches are rarer but their continuations are more
+    # often right.
     max_ngram: int = 3
     # Shortest suffix to match. 1 = also fall back to the last token alone: many more (weaker) guesses, which
     # pays off where verifying extra tokens is nearly free (GPU) but not on a CPU, where any draft at all
@@ -45,6 +49,8 @@ class NgramConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"proposer.{key} must be an integer >= 1, got {value!r}")
+        if self.max_ngram > MAX_NGRAM:  # (every n up to it is indexed at every token: a huge one hangs the run)
+            raise ConfigError(f"proposer.max_ngram must be at most {MAX_NGRAM}, got {self.max_ngram}")
         if self.min_ngram > self.max_ngram:
             raise ConfigError(
                 f"proposer.min_ngram must be <= proposer.max_ngram, got min_ngram={self.min_ngram} "

@@ -27,7 +27,7 @@ often and is seldom right makes every step dearer; pick members whose strengths 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -151,6 +151,7 @@ class UnionProposer(Proposer):
         super().__init__(config, target)
         self.members = members
         self.merged: _Merged | None = None
+        self.whos = [self._name_member(m) for m in range(len(members))]
 
     @property
     def hidden_state_layers(self) -> tuple[int, ...]:  # type: ignore[override]
@@ -185,10 +186,21 @@ class UnionProposer(Proposer):
         ]
         return cls(config, target, members)
 
-    def _who(self, m: int) -> str:
-        """Member m as errors name it; with its position (from 1) when its name is listed more than once."""
+    def _name_member(self, m: int) -> str:
+        """Member m as errors name it: with its position (from 1) when its name is listed more than once, and
+        with its plugin when it comes from one (as a proposer's own errors name it)."""
+        from specframe.plugins import get_registry
+
         name = self.config.members[m]
-        return f"union member {m + 1} '{name}'" if self.config.members.count(name) > 1 else f"union member '{name}'"
+        who = f"union member {m + 1} '{name}'" if self.config.members.count(name) > 1 else f"union member '{name}'"
+        try:
+            plugin = get_registry().get(name).plugin
+        except BadInputError:  # (a member built by hand, not registered)
+            plugin = "builtin"
+        return who if plugin == "builtin" else f"{who} (plugin '{plugin}')"
+
+    def _who(self, m: int) -> str:
+        return self.whos[m]
 
     def _call(self, m: int, fn: Any, *args: Any) -> Any:
         """Call a member's method; its failure names the member."""
@@ -208,7 +220,9 @@ class UnionProposer(Proposer):
     def propose(self, state: DecodeState) -> Proposal:
         proposals = []
         for m, member in enumerate(self.members):
-            p = self._call(m, member.propose, state)
+            # (each member its own copy of the tokens, as the engine gives a proposer: one member's edits of
+            # state.tokens, a breach of the contract, must not mislead the others)
+            p = self._call(m, member.propose, replace(state, tokens=state.tokens.clone()))
             validate_proposal(p, self.target.vocab_size, state.max_depth, self._who(m))
             proposals.append(p)
         self.merged = merge_proposals(proposals, self.target.vocab_size, state.tokens.device)

@@ -39,6 +39,10 @@ def test_config_through_load_config():
     assert cfg.proposer == NgramConfig(max_candidates=3)
     with pytest.raises(ConfigError, match=r"proposer\.max_ngram must be an integer >= 1, got 0"):
         load_config(overrides=["proposer.name=ngram", "proposer.max_ngram=0"])
+    # (every n up to max_ngram is indexed at each token: 10**8 ran out of time and 15 GB of memory)
+    with pytest.raises(ConfigError, match=r"proposer\.max_ngram must be at most 64, got 100000000"):
+        load_config(overrides=["proposer.name=ngram", "proposer.max_ngram=100000000"])
+    assert load_config(overrides=["proposer.name=ngram", "proposer.max_ngram=64"]).proposer.max_ngram == 64
 
 
 def test_cli_reports_a_bad_value_with_exit_code_2(capsys):
