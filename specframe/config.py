@@ -7,7 +7,7 @@ exists in the working directory) resolves to the copy shipped inside the install
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -171,19 +171,10 @@ def build_config(from_file: DictConfig, raw: DictConfig, overrides: list[str]) -
     if isinstance(named, DictConfig) and "name" in named and isinstance(chosen, DictConfig):
         if named.name != chosen.get("name", "none"):
             raw = with_overrides(OmegaConf.merge(from_file, {"proposer": None}), overrides)
-    # Interpolations may cross sections (`proposer: {model: ${target.model}}`) and name defaults: resolved on the
-    # whole config, before each section is validated on its own. (A section that cannot be resolved is named.)
-    # (Only the defaults of keys not given are added: a value given in another form, or a whole section given as
-    # something else, is left for the section's own validation to name.)
-    given = {k: raw.get(k) for k in ("target", "sampling", "generation")}
-    defaults = {"target": TargetConfig(), "sampling": SamplingConfig(), "generation": GenerationConfig()}
-    defaults = {
-        k: {f: v for f, v in asdict(d).items() if f not in (given[k] or {})}
-        for k, d in defaults.items()
-        if given[k] is None or isinstance(given[k], DictConfig)
-    }
-    raw = OmegaConf.merge(OmegaConf.create(defaults), raw)
-    OmegaConf.resolve(raw)
+    unknown = [k for k in raw.keys() if k not in ("target", "proposer", "sampling", "generation")]
+    if unknown:
+        raise ConfigError(f"unknown config key '{unknown[0]}' (known: target, proposer, sampling, generation)")
+    raw = with_defaults(raw)
     proposer_raw = raw.pop("proposer", None) or OmegaConf.create({})
     if not isinstance(proposer_raw, DictConfig):
         raise ConfigError("proposer must be a mapping with at least 'name'")
@@ -198,11 +189,31 @@ def build_config(from_file: DictConfig, raw: DictConfig, overrides: list[str]) -
         structured(GenerationConfig, raw.pop("generation", None), "generation"),
     )
     cfg.proposer = structured(entry.cls.config_class, proposer_raw, "proposer")
-    if len(raw):
-        raise ConfigError(
-            f"unknown config key '{next(iter(raw.keys()))}' (known: target, proposer, sampling, generation)"
-        )
     return cfg
+
+
+def with_defaults(raw: DictConfig) -> DictConfig:
+    """`raw` with every schema default it does not give (the proposer's too, once it names one), interpolations
+    resolved: they may cross sections (`proposer: {model: ${target.model}}`) and name defaults, so they are
+    resolved on the whole config before each section is validated on its own. A key given in any form (`???`
+    included) keeps it, and a section given as something other than a mapping is left for its own validation to
+    name."""
+    from specframe.plugins import get_registry
+
+    schemas: dict[str, Any] = {"target": TargetConfig, "sampling": SamplingConfig, "generation": GenerationConfig}
+    proposer = raw.get("proposer")
+    if isinstance(proposer, DictConfig) and isinstance(proposer.get("name", "none"), str):
+        schemas["proposer"] = get_registry().get(proposer.get("name", "none")).cls.config_class
+    defaults = {}
+    for key, schema in schemas.items():
+        given = raw.get(key)
+        if given is None or isinstance(given, DictConfig):
+            keys = set(given.keys()) if given is not None else set()
+            every = OmegaConf.to_container(OmegaConf.structured(schema))  # (`???` for a field with no default)
+            defaults[key] = {k: v for k, v in every.items() if k not in keys}
+    raw = OmegaConf.merge(OmegaConf.create(defaults), raw)
+    OmegaConf.resolve(raw)
+    return raw
 
 
 def structured(schema: type, values: Any, prefix: str) -> Any:

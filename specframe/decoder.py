@@ -134,11 +134,13 @@ class SpeculativeDecoder:
             if isinstance(prompt, list) and not all(isinstance(m, dict) and "content" in m for m in prompt):
                 raise BadInputError("a list prompt must hold token ids (int) or messages ({'role', 'content'})")
             for m in messages:
-                if not isinstance(m.get("role"), str) or not m["role"].strip():
-                    raise BadInputError(f"a message needs a 'role' (user, assistant, system), got {m.get('role')!r}")
                 check_text(m["content"])
             if not raw and getattr(self.tokenizer, "chat_template", None):
                 from jinja2 import TemplateError
+
+                for m in messages:  # (the template reads roles; without it only the contents are joined)
+                    if not isinstance(m.get("role"), str) or not m["role"].strip():
+                        raise BadInputError(f"a message needs a 'role' (user, assistant...), got {m.get('role')!r}")
 
                 try:
                     ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

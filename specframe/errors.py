@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-import os
+import sys
 from pathlib import Path
 
 
@@ -14,19 +14,40 @@ def is_count(value: object, minimum: int = 1) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
+def is_number(value: object) -> bool:
+    """A real number of any library (NumPy's, a 0-d tensor's); not a bool (True is not a temperature) nor text."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, numbers.Real):
+        return True
+    torch = sys.modules.get("torch")  # (a tensor means torch is loaded; not imported here for its sake)
+    return (
+        torch is not None
+        and isinstance(value, torch.Tensor)
+        and value.ndim == 0
+        and value.dtype != torch.bool
+        and not value.is_complex()
+    )
+
+
+def is_flag(value: object) -> bool:
+    """True or False, Python's or NumPy's."""
+    return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
+
+
 _PLAIN_TYPES = {  # a field's annotation -> (what a value must be, how errors say it)
-    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "bool": (is_flag, "true or false"),
     "int": (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool), "an integer"),
-    "float": (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool), "a number"),
-    "str": (lambda v: isinstance(v, str | os.PathLike), "text"),
+    "float": (is_number, "a number"),
 }
 
 
 def check_field_types(config: object, prefix: str) -> None:
-    """Raise ConfigError naming the first field of dataclass `config` annotated with a plain type (bool, int,
-    float, str; optionally `| None`) whose value is not one. A config built from YAML or overrides is typed by
+    """Raise ConfigError naming the first field of dataclass `config` annotated with a flag or a number (bool,
+    int, float; optionally `| None`) whose value is not one. A config built from YAML or overrides is typed by
     OmegaConf already; this is the same check for one built in Python, where a string for a flag would be
-    truthy and True would count as 1. Range checks come after it."""
+    truthy and True would count as 1. Range checks come after it. (Text fields are not checked: paths,
+    torch.device and torch.dtype objects stand for text where specframe reads them.)"""
     for f in dataclasses.fields(config):
         annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         kinds = [k.strip() for k in annotation.split("|")]

@@ -58,7 +58,8 @@ class Registry:
             raise ContestedName(f"{here} registers proposer '{cls.name}', as {self.contested[cls.name]} do", cls.name)
         if cls.name in self.proposers:
             other = self.proposers[cls.name]
-            if "builtin" not in (plugin, other.plugin) and (plugin, distribution) != (other.plugin, other.distribution):
+            rival = (plugin, distribution) != (other.plugin, other.distribution) and other.cls is not cls
+            if rival and "builtin" not in (plugin, other.plugin):
                 raise ContestedName(
                     f"{here} registers proposer '{cls.name}', already registered by plugin '{other.plugin}' "
                     f"({other.distribution}): neither is used (uninstall one)",
@@ -69,13 +70,21 @@ class Registry:
             )
         self.proposers[cls.name] = ProposerEntry(cls.name, cls, plugin, distribution, version)
 
-    def contest(self, name: str, plugin: str, distribution: str) -> None:
-        """`name` is registered by two plugins (or more): it is taken from the one that holds it."""
-        held = self.proposers.pop(name, None)
-        if held is not None:
-            self.contested[name] = (
-                f"plugin '{held.plugin}' ({held.distribution}) and plugin '{plugin}' ({distribution})"
-            )
+    def contest(self, name: str, plugin: str, distribution: str) -> str | None:
+        """`name` is registered by two plugins (or more; the one refusing it was rolled back whole): the plugin
+        that holds it is taken out whole too, so what is left does not depend on which loaded first. Returns
+        the warning for that plugin, if one held it."""
+        held = self.proposers.get(name)
+        if held is None:
+            return None
+        self.contested[name] = f"plugin '{held.plugin}' ({held.distribution}) and plugin '{plugin}' ({distribution})"
+        ours = [n for n, e in self.proposers.items() if (e.plugin, e.distribution) == (held.plugin, held.distribution)]
+        for n in ours:
+            del self.proposers[n]
+        return (
+            f"plugin '{held.plugin}' ({held.distribution} {held.version}) was not loaded: ContestedName: plugin "
+            f"'{plugin}' ({distribution}) registers proposer '{name}' too: neither is used (uninstall one)"
+        )
 
     def get(self, name: str) -> ProposerEntry:
         if name in self.contested:
@@ -154,11 +163,13 @@ def build_registry(autoload: bool | None = None) -> Registry:
                 continue
             register_plugin(pm, registry, module, ep.name, dist, ver)
         except Exception as e:
-            if isinstance(e, ContestedName):  # (after the plugin's own rollback, which put the name back)
-                registry.contest(e.name, ep.name, dist)
             msg = f"plugin '{ep.name}' ({dist} {ver}) was not loaded: {type(e).__name__}: {brief(e, 300)}"
             registry.failures.append(msg)
             warnings.warn(msg, PluginWarning, stacklevel=2)
+            first = registry.contest(e.name, ep.name, dist) if isinstance(e, ContestedName) else None
+            if first is not None:
+                registry.failures.append(first)
+                warnings.warn(first, PluginWarning, stacklevel=2)
     return registry
 
 

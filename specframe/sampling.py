@@ -7,12 +7,11 @@ T returns the one-hot distribution of the argmax (lowest index on ties).
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
 import torch
 
-from specframe.errors import ConfigError
+from specframe.errors import ConfigError, is_number
 
 
 @dataclass(frozen=True)
@@ -37,17 +36,12 @@ def check_seed(seed: object, key: str = "sampling.seed") -> None:
 
 def check_sampling(temperature: float, top_k: int, top_p: float, prefix: str = "sampling.") -> None:
     """Raise ConfigError naming the key of the first out-of-range or non-numeric sampling value."""
-    if not _is_real(temperature) or not 0.0 <= temperature < float("inf"):  # also rejects NaN
+    if not is_number(temperature) or not 0.0 <= temperature < float("inf"):  # also rejects NaN
         raise ConfigError(f"{prefix}temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    if not _is_real(top_p) or not (0.0 < top_p <= 1.0):
+    if not is_number(top_p) or not (0.0 < top_p <= 1.0):
         raise ConfigError(f"{prefix}top_p must be a number in (0, 1], got {top_p!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         raise ConfigError(f"{prefix}top_k must be an integer >= 0 (0 = off), got {top_k!r}")
-
-
-def _is_real(value: object) -> bool:
-    """A real number (NumPy's too), not a bool (True is not a temperature) nor text."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

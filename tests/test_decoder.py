@@ -546,8 +546,6 @@ class CharTokenizer(LetterTokenizer):
         ([1, {"role": "user", "content": "ab"}], "a list prompt must hold token ids .int. or messages"),
         ([{"role": "user"}], "a list prompt must hold token ids .int. or messages"),
         ([{"role": "user", "content": 5}], "a message's content must be text, got int"),
-        ([{"content": "ab"}], "a message needs a 'role' .user, assistant, system., got None"),
-        ([{"role": " ", "content": "ab"}], "a message needs a 'role'"),
         ({"role": "user", "content": "ab"}, "unsupported prompt type dict"),
         ("   ", "the prompt is empty"),
         ("a\udcffb", "the prompt is not valid UTF-8 text"),
@@ -586,6 +584,10 @@ def test_messages_a_chat_template_refuses_are_named(target, info):
     twice = [{"role": "user", "content": "ab"}, {"role": "user", "content": "cd"}]
     with pytest.raises(BadInputError, match="the tokenizer's chat template refused these messages: .*must alternate"):
         dec.generate(twice, max_new_tokens=2)
+    for roleless in ([{"content": "ab"}], [{"role": " ", "content": "ab"}]):  # (the template reads roles)
+        with pytest.raises(BadInputError, match="a message needs a 'role' .user, assistant...., got"):
+            dec.generate(roleless, max_new_tokens=2)
+        assert dec.generate(roleless, max_new_tokens=2, raw=True).token_ids  # (raw: only the contents are read)
     assert dec.generate(twice[:1], max_new_tokens=2).token_ids  # (a good one runs)
 
 

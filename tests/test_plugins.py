@@ -176,10 +176,16 @@ def test_a_name_two_plugins_register_is_used_by_neither(entry_points, order):
     class Echo2(Echo):
         name = "echo2"
 
+    class OtherEcho(Echo):  # (another class of the same name; the very same class is not a rival: below)
+        pass
+
+    class ThirdEcho(Echo):
+        pass
+
     makers = [
         ("echo-plugin", types.SimpleNamespace(name="acme-specframe", version="1"), [Echo2, Echo]),
-        ("impostor", types.SimpleNamespace(name="other-specframe", version="2"), [Echo]),
-        ("third", types.SimpleNamespace(name="third-specframe", version="3"), [Echo]),
+        ("impostor", types.SimpleNamespace(name="other-specframe", version="2"), [OtherEcho]),
+        ("third", types.SimpleNamespace(name="third-specframe", version="3"), [ThirdEcho]),
     ]
     for i in order:
         name, dist, classes = makers[i]
@@ -187,10 +193,20 @@ def test_a_name_two_plugins_register_is_used_by_neither(entry_points, order):
         entry_points.append(FakeEntryPoint(name, load, dist))
     with pytest.warns(UserWarning, match="proposer 'echo'.*neither is used"):
         reg = build_registry()
-    assert "echo" not in reg.names()
+    assert "echo" not in reg.names() and "echo2" not in reg.names()  # (the rivals are out whole, either way round)
     with pytest.raises(BadInputError, match=r"proposer 'echo' is registered by two plugins, plugin '.*' \(.*\) and"):
         reg.get("echo")
-    assert len(reg.failures) == 2
+    assert len(reg.failures) == 3 and all(any(f"plugin '{m[0]}'" in f for f in reg.failures) for m in makers)
+
+
+def test_two_plugins_registering_the_very_same_class_keep_it(entry_points):
+    # (a bundle re-exporting another plugin's class is not a rival: the class stays, the second plugin is refused)
+    entry_points.append(FakeEntryPoint("echo-plugin", lambda: plugin_module(lambda register: register(Echo))))
+    other = types.SimpleNamespace(name="bundle-specframe", version="1")
+    entry_points.append(FakeEntryPoint("bundle", lambda: plugin_module(lambda register: register(Echo)), other))
+    with pytest.warns(UserWarning, match="plugin 'bundle' .*already registered by plugin 'echo-plugin'"):
+        reg = build_registry()
+    assert reg.get("echo").plugin == "echo-plugin"
 
 
 def test_environment_variable_turns_autoload_off(entry_points, monkeypatch):

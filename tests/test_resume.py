@@ -87,9 +87,11 @@ def test_a_new_run_never_overwrites_another_run_s_out_folder(tmp_path, name):
 
     run(epochs=1)
     saved = (tmp_path / "out" / "model.safetensors").read_bytes()
-    with pytest.raises(ConfigError, match=r"train.out .* holds the checkpoint of another run \(after epoch 1\)"):
+    with pytest.raises(
+        ConfigError, match=r"train.out .* holds the checkpoint of another run \(after epoch 1\): add --resume"
+    ):
         run(epochs=1, lr=5e-3)
     shutil.rmtree(tmp_path / "out" / "checkpoint")  # a folder holding only a trained artifact
-    with pytest.raises(ConfigError, match=r"already holds trained weights .*--resume"):
+    with pytest.raises(ConfigError, match=r"already holds trained weights .*: train into another train.out"):
         run(epochs=1, lr=5e-3)
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == saved

@@ -57,8 +57,6 @@ class DraftConfig:
         gamma = self.num_speculative_tokens
         if gamma is not None and not is_count(gamma):
             raise ConfigError(f"proposer.num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
-        if not isinstance(self.greedy, bool):
-            raise ConfigError(f"proposer.greedy must be true or false, got {self.greedy!r}")
         check_confidence_threshold(self.confidence_threshold)
         check_proposer_dtype(self.dtype)
 

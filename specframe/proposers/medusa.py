@@ -84,8 +84,8 @@ class MedusaConfig:
         check_field_types(self, "proposer.")
         if self.tree is not None:
             check_tree(self.tree, num_heads=None)
-        if self.tree_nodes is not None and not is_count(self.tree_nodes):
-            raise ConfigError(f"proposer.tree_nodes must be an integer >= 1, got {self.tree_nodes!r}")
+        if self.tree_nodes is not None and self.tree_nodes < 1:  # (an integer: checked above)
+            raise ConfigError(f"proposer.tree_nodes must be >= 1, got {self.tree_nodes!r}")
         if self.tree is not None and self.tree_nodes is not None:
             raise ConfigError("proposer.tree and proposer.tree_nodes are exclusive: give one")
         check_confidence_threshold(self.confidence_threshold)

@@ -52,7 +52,7 @@ class TrainRunConfig:
         check_field_types(self, "train.")
         for key in ("epochs", "batch_size", "max_length", "vocab_size"):
             value = getattr(self, key)
-            if isinstance(value, bool) or value < 1:
+            if value < 1:  # (an integer: checked first)
                 raise ConfigError(f"train.{key} must be >= 1, got {value}")
         if not self.lr > 0:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
@@ -255,15 +255,15 @@ def check_new_run(ckpt: Path) -> None:
             done = f"after epoch {int(json.loads((ckpt / 'state.json').read_text())['epoch'])}"
         except (ValueError, KeyError, TypeError):  # (a damaged state is still another run's)
             done = "damaged"
-        held = f"the checkpoint of another run ({done})"
-    elif (out / "model.safetensors").is_file():
-        held = "trained weights (model.safetensors)"
-    else:
-        return
-    raise ConfigError(
-        f"train.out '{out}' already holds {held}: add --resume to continue that run, or train into another "
-        "train.out (delete the folder to start it over)"
-    )
+        raise ConfigError(
+            f"train.out '{out}' already holds the checkpoint of another run ({done}): add --resume to continue "
+            "that run, or train into another train.out"
+        )
+    if (out / "model.safetensors").is_file():  # (a finished artifact, or one copied there: nothing to resume)
+        raise ConfigError(
+            f"train.out '{out}' already holds trained weights (model.safetensors), which this run would overwrite: "
+            "train into another train.out (init_from / init_heads may name this one to start from its weights)"
+        )
 
 
 def load_checkpoint(

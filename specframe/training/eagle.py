@@ -98,8 +98,6 @@ class EagleTrainConfig(TrainRunConfig):
         if not isinstance(self.fuse_layers, list | tuple):
             raise ConfigError(f"train.fuse_layers must be a list of target layers, got {self.fuse_layers!r}")
         self.fuse_layers = list(self.fuse_layers)
-        if not isinstance(self.prompt_positions, bool):
-            raise ConfigError(f"train.prompt_positions must be true or false, got {self.prompt_positions!r}")
         if self.init_from and self.init_from_last_layer:
             raise ConfigError("train.init_from and train.init_from_last_layer both choose the start: set one")
 

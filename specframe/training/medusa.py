@@ -86,7 +86,7 @@ class MedusaTrainConfig(TrainRunConfig):
         super().__post_init__()
         for key in ("num_heads", "layers", "tree_nodes", "lora_rank"):
             value = getattr(self, key)
-            if isinstance(value, bool) or value < 1:
+            if value < 1:  # (an integer: checked first)
                 raise ConfigError(f"train.{key} must be >= 1, got {value}")
         if self.stage not in (1, 2):
             raise ConfigError(f"train.stage must be 1 (Medusa-1) or 2 (Medusa-2), got {self.stage}")
@@ -96,8 +96,6 @@ class MedusaTrainConfig(TrainRunConfig):
             raise ConfigError(f"train.keep_weight must be >= 0, got {self.keep_weight}")
         if not self.lora_modules or not all(isinstance(m, str) and m for m in self.lora_modules):
             raise ConfigError(f"train.lora_modules must name at least one module, got {list(self.lora_modules)}")
-        if not isinstance(self.prompt_positions, bool):
-            raise ConfigError(f"train.prompt_positions must be true or false, got {self.prompt_positions!r}")
 
 
 # ---------------------------------------------------------------------------------------------- trees
