@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 import operator
 import time
 from dataclasses import dataclass, field
@@ -12,7 +11,7 @@ import torch
 
 from specframe.acceptance import TreeAcceptance
 from specframe.config import stop_strings
-from specframe.errors import BadInputError, ProposerError, SpecframeError, brief, is_count
+from specframe.errors import BadInputError, ProposerError, SpecframeError, brief, is_count, is_integer, is_number
 from specframe.kv_cache import keep_positions, new_cache, tree_attention_mask
 from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo, validate_proposal
 from specframe.sampling import SamplingParams, check_sampling, check_seed
@@ -123,7 +122,7 @@ class SpeculativeDecoder:
             if prompt.dim() != 1 or prompt.dtype not in (torch.long, torch.int32, torch.int64):
                 raise BadInputError("a tensor prompt must be a 1-D tensor of token ids")
             ids = prompt.long().tolist()
-        elif isinstance(prompt, list) and all(_is_integer(t) for t in prompt):
+        elif isinstance(prompt, list) and all(is_integer(t) for t in prompt):
             ids = [int(t) for t in prompt]  # (NumPy integers too)
         elif isinstance(prompt, str | list):
             if self.tokenizer is None:
@@ -316,11 +315,6 @@ class SpeculativeDecoder:
         return ids, text[: min(text.index(s) for s in stop if s in text)]
 
 
-def _is_integer(value: object) -> bool:
-    """An integer, Python's or a library's (NumPy's): not a bool, though Python counts it as one."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def proposer_who(name: str, plugin: str = "") -> str:
     """How errors name a proposer: "proposer 'x' (plugin 'p')", without the plugin when it is not known."""
     return f"proposer '{name}'" + (f" (plugin '{plugin}')" if plugin else "")
@@ -328,14 +322,12 @@ def proposer_who(name: str, plugin: str = "") -> str:
 
 def _as_int(value: object) -> object:
     """Integer scalars of any library as Python ints; anything else unchanged, for the checks to name."""
-    return int(value) if _is_integer(value) else value
+    return int(value) if is_integer(value) else value
 
 
 def _as_float(value: object) -> object:
     """A 0-d tensor's number as a Python float; anything else unchanged, for the checks to name."""
-    if isinstance(value, torch.Tensor) and value.ndim == 0 and value.dtype != torch.bool and not value.is_complex():
-        return float(value)
-    return value
+    return float(value) if isinstance(value, torch.Tensor) and is_number(value) else value
 
 
 def check_text(text: object) -> None:

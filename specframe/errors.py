@@ -14,6 +14,11 @@ def is_count(value: object, minimum: int = 1) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
+def is_integer(value: object) -> bool:
+    """An integer, Python's or a library's (NumPy's): not a bool, though Python counts it as one."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def is_number(value: object) -> bool:
     """A real number of any library (NumPy's, a 0-d tensor's); not a bool (True is not a temperature) nor text."""
     if isinstance(value, bool):
@@ -37,7 +42,7 @@ def is_flag(value: object) -> bool:
 
 _PLAIN_TYPES = {  # a field's annotation -> (what a value must be, how errors say it)
     "bool": (is_flag, "true or false"),
-    "int": (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool), "an integer"),
+    "int": (is_integer, "an integer"),
     "float": (is_number, "a number"),
 }
 

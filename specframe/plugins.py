@@ -70,10 +70,10 @@ class Registry:
             )
         self.proposers[cls.name] = ProposerEntry(cls.name, cls, plugin, distribution, version)
 
-    def contest(self, name: str, plugin: str, distribution: str) -> str | None:
+    def contest(self, name: str, plugin: str, distribution: str) -> ProposerEntry | None:
         """`name` is registered by two plugins (or more; the one refusing it was rolled back whole): the plugin
         that holds it is taken out whole too, so what is left does not depend on which loaded first. Returns
-        the warning for that plugin, if one held it."""
+        the entry it held, if one did."""
         held = self.proposers.get(name)
         if held is None:
             return None
@@ -81,10 +81,7 @@ class Registry:
         ours = [n for n, e in self.proposers.items() if (e.plugin, e.distribution) == (held.plugin, held.distribution)]
         for n in ours:
             del self.proposers[n]
-        return (
-            f"plugin '{held.plugin}' ({held.distribution} {held.version}) was not loaded: ContestedName: plugin "
-            f"'{plugin}' ({distribution}) registers proposer '{name}' too: neither is used (uninstall one)"
-        )
+        return held
 
     def get(self, name: str) -> ProposerEntry:
         if name in self.contested:
@@ -163,14 +160,19 @@ def build_registry(autoload: bool | None = None) -> Registry:
                 continue
             register_plugin(pm, registry, module, ep.name, dist, ver)
         except Exception as e:
-            msg = f"plugin '{ep.name}' ({dist} {ver}) was not loaded: {type(e).__name__}: {brief(e, 300)}"
-            registry.failures.append(msg)
-            warnings.warn(msg, PluginWarning, stacklevel=2)
-            first = registry.contest(e.name, ep.name, dist) if isinstance(e, ContestedName) else None
-            if first is not None:
-                registry.failures.append(first)
-                warnings.warn(first, PluginWarning, stacklevel=2)
+            not_loaded(registry, ep.name, dist, ver, f"{type(e).__name__}: {brief(e, 300)}")
+            held = registry.contest(e.name, ep.name, dist) if isinstance(e, ContestedName) else None
+            if held is not None:
+                why = f"plugin '{ep.name}' ({dist}) registers proposer '{e.name}' too: neither is used (uninstall one)"
+                not_loaded(registry, held.plugin, held.distribution, held.version, f"ContestedName: {why}")
     return registry
+
+
+def not_loaded(registry: Registry, plugin: str, dist: str, version: str, why: str) -> None:
+    """Record and warn that a plugin was not loaded, and why."""
+    message = f"plugin '{plugin}' ({dist} {version}) was not loaded: {why}"
+    registry.failures.append(message)
+    warnings.warn(message, PluginWarning, stacklevel=3)
 
 
 _registry: Registry | None = None

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specframe.errors import ConfigError, is_number
+from specframe.errors import ConfigError, is_count, is_number
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ def check_sampling(temperature: float, top_k: int, top_p: float, prefix: str = "
         raise ConfigError(f"{prefix}temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if not is_number(top_p) or not (0.0 < top_p <= 1.0):
         raise ConfigError(f"{prefix}top_p must be a number in (0, 1], got {top_p!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+    if not is_count(top_k, 0):
         raise ConfigError(f"{prefix}top_k must be an integer >= 0 (0 = off), got {top_k!r}")
 
 

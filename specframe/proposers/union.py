@@ -199,15 +199,12 @@ class UnionProposer(Proposer):
             plugin = "builtin"
         return who if plugin == "builtin" else f"{who} (plugin '{plugin}')"
 
-    def _who(self, m: int) -> str:
-        return self.whos[m]
-
     def _call(self, m: int, fn: Any, *args: Any) -> Any:
         """Call a member's method; its failure names the member."""
         try:
             return fn(*args)
         except Exception as e:
-            raise ProposerError(f"{self._who(m)} raised {type(e).__name__}: {e}") from e
+            raise ProposerError(f"{self.whos[m]} raised {type(e).__name__}: {e}") from e
 
     def _hidden(self, m: int, hidden_states: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         return {layer: hidden_states[layer] for layer in self.members[m].hidden_state_layers}
@@ -223,7 +220,7 @@ class UnionProposer(Proposer):
             # (each member its own copy of the tokens, as the engine gives a proposer: one member's edits of
             # state.tokens, a breach of the contract, must not mislead the others)
             p = self._call(m, member.propose, replace(state, tokens=state.tokens.clone()))
-            validate_proposal(p, self.target.vocab_size, state.max_depth, self._who(m))
+            validate_proposal(p, self.target.vocab_size, state.max_depth, self.whos[m])
             proposals.append(p)
         self.merged = merge_proposals(proposals, self.target.vocab_size, state.tokens.device)
         return self.merged.proposal
