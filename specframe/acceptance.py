@@ -1,4 +1,4 @@
-"""Exact acceptance of a draft tree against the target's distributions (DESIGN.md, "The algorithm").
+"""Exact acceptance of a draft tree against the target's distributions (docs/architecture.md, "Acceptance").
 
 Walk from the root. At a node with target distribution r (start r = p at that node), try its children in
 order; child c with token x and draft distribution q (one-hot for deterministic children):

@@ -5,7 +5,7 @@ model object: `hf` (plain `generate`), `hf-assisted` (assisted generation with t
 and `hf-pld` (prompt-lookup decoding). Spec-Bench's protocol: batch 1, greedy by default, every turn of a
 question fed in order with the method's own earlier answers in context, one warm-up call per method.
 
-The numbers (DESIGN.md "Stats", shared/data/README.md):
+The numbers (docs/architecture.md "Stats"; the data: shared/data/README.md):
 - mean accepted length: new tokens / target forwards (prefill included), pooled over every turn of the
   subtask (total tokens / total forwards), so long answers weigh more than short ones;
 - tokens/s: Spec-Bench's mean over questions of (the question's new tokens over all its turns / its seconds);
@@ -21,6 +21,7 @@ page with the machine and the command (docs/results.md).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import json
@@ -282,7 +283,7 @@ class Output:
     token_ids: list[int]  # new tokens, up to and including the first EOS
     target_forwards: int  # prefill included
     seconds: float  # perf_counter around the call
-    stats: dict[str, Any] | None  # specframe's stats (DESIGN.md); None for transformers
+    stats: dict[str, Any] | None  # specframe's stats (docs/architecture.md "Stats"); None for transformers
 
 
 @dataclass
@@ -357,7 +358,9 @@ def hf_method(
             kwargs.update(do_sample=True, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
             torch.manual_seed(seed)
         counter.calls = 0
-        with neutral_generation_config(model), stock_kernels(model):  # (stock: as a transformers user runs it)
+        assistant = extra.get("assistant_model")  # (on the stock kernels too, as a transformers user runs it)
+        assistant_kernels = stock_kernels(assistant) if assistant is not None else contextlib.nullcontext()
+        with neutral_generation_config(model), stock_kernels(model), assistant_kernels:
             t0 = time.perf_counter()
             out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kwargs, **extra)
             seconds = time.perf_counter() - t0
@@ -803,7 +806,7 @@ def float32_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def mean_accepted_length(records: list[dict[str, Any]]) -> float | None:
-    """Total new tokens / total target forwards (DESIGN.md), pooled over the records."""
+    """Total new tokens / total target forwards (docs/architecture.md "Stats"), pooled over the records."""
     forwards = sum(r["target_forwards"] for r in records)
     return sum(r["new_tokens"] for r in records) / forwards if forwards else None
 

@@ -8,15 +8,23 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from specframe.errors import BadInputError, brief, check_output_path
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors on one line (exit 2), as every other error of the command line; the
+    usage itself is one `--help` away. Subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` shows the usage)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specframe", description="Exact speculative decoding.")
+    parser = Parser(prog="specframe", description="Exact speculative decoding.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     g = sub.add_parser("generate", help="generate text with a proposer")
     g.add_argument("--proposer", help="proposer name (proposer.name)")
@@ -71,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(run=cmd_train)
 
     d = sub.add_parser("data", help="training data")
-    dsub = d.add_subparsers(dest="data_command", required=True)
+    dsub = d.add_subparsers(dest="data_command", required=True, metavar="distill")
     dist = dsub.add_parser("distill", help="the target's own responses to training prompts (resumable)")
     dist.add_argument(
         "--prompts", default=None, help="JSONL with id and prompt (default: ../shared/data/train_prompts/prompts.jsonl)"
@@ -154,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(run=cmd_bench)
 
     m = sub.add_parser("models", help="the offline default model(s)")
-    msub = m.add_subparsers(dest="models_command", required=True)
+    msub = m.add_subparsers(dest="models_command", required=True, metavar="pull|list")
     pull = msub.add_parser(
         "pull", help="download, verify and cache a model alias; a cached copy is checked and pulled again if damaged"
     )

@@ -10,7 +10,7 @@ Decoding runs the target on one token, verifying a proposal on 2-64. On this pro
 2. transformers' `sdpa` attention copies the key/value heads of grouped-query attention (`repeat_kv`, a copy
    of the whole cache per layer) whenever a mask is given, that is on every multi-token forward; PyTorch's SDPA
    does grouped-query attention itself (`enable_gqa`) with a mask on CPU. `specframe_sdpa` does that on CPU
-   and is transformers' own `sdpa` otherwise.
+   and is transformers' own `sdpa` otherwise (for the model types in FAST_ATTENTION_MODEL_TYPES only).
 
 SmolLM2-135M, median ms per forward, stock and fast interleaved in one run per context length
 (`scripts/kernel_timings.py`, `CONTEXT=1200` for the second):
@@ -34,7 +34,8 @@ kernels (`stock_kernels`), as a transformers user gets them.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -61,8 +62,8 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return y.reshape(*x.shape[:-1], out_features)
 
 
-def _linear_few_rows(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return few_rows_linear(x, self.weight, self.bias)
+def _linear_few_rows(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return few_rows_linear(x, module.weight, module.bias)
 
 
 def _sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
@@ -89,38 +90,76 @@ def _register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # the masks transformers builds for `sdpa`
 
 
+# Model types whose attention may be renamed `specframe_sdpa`: checked to give the stock logits up to rounding.
+# Some model code tests the name itself (DeepSeek-V3.2's sparse indexer applies its top-k mask only under
+# "eager" or "sdpa"), so a model type not listed here keeps transformers' `sdpa` (and only the linear layers).
+FAST_ATTENTION_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi", "phi3", "granite", "olmo2", "stablelm", "cohere",
+     "gpt2", "opt", "gpt_neox"}
+)  # fmt: skip
+_MARK = "_specframe_fast_cpu_kernels"  # set on a model that `use_fast_cpu_kernels` was given
+
+
+def fast_kernels_on(model: torch.nn.Module) -> bool:
+    """Whether `model` was given specframe's CPU kernels (by `load_model`, unless `fast_cpu_kernels` was false):
+    a proposer's own models follow the target in this."""
+    return bool(getattr(model, _MARK, False))
+
+
 def use_fast_cpu_kernels(model: torch.nn.Module) -> int:
-    """Give `model`'s float32 CPU `nn.Linear` layers the few-row layout and, where it uses `sdpa` attention,
-    `specframe_sdpa`; returns how many linear layers were rerouted."""
+    """Give `model`'s float32 CPU `nn.Linear` layers the few-row layout and, where it uses `sdpa` attention and
+    its type is in FAST_ATTENTION_MODEL_TYPES, `specframe_sdpa`; returns how many linear layers were rerouted."""
     n = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear and module.weight.device.type == "cpu":
             if module.weight.dtype == torch.float32:
-                module.forward = _linear_few_rows.__get__(module)
+                module.forward = functools.partial(_linear_few_rows, module)  # (picklable, unlike a bound method)
                 n += 1
     config = getattr(model, "config", None)
-    if n and getattr(config, "_attn_implementation", None) == "sdpa" and hasattr(model, "set_attn_implementation"):
+    if (
+        n
+        and getattr(config, "_attn_implementation", None) == "sdpa"
+        and getattr(config, "model_type", None) in FAST_ATTENTION_MODEL_TYPES
+        and hasattr(model, "set_attn_implementation")
+    ):
         _register_attention()
         model.set_attn_implementation(ATTENTION)
+    setattr(model, _MARK, True)
     return n
 
 
-def use_stock_kernels(model: torch.nn.Module) -> None:
-    """Undo `use_fast_cpu_kernels`."""
-    for module in model.modules():
-        if type(module) is torch.nn.Linear and "forward" in module.__dict__:
-            del module.forward
-    if getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTENTION:
-        model.set_attn_implementation("sdpa")
+def use_stock_kernels(model: torch.nn.Module) -> Callable[[], None]:
+    """Undo `use_fast_cpu_kernels` in `model` and every module in it (a wrapper's inner model too); returns a
+    function that puts back exactly what was undone (modules shared with other models included)."""
+    modules = list(model.modules())
+    linears = [m for m in modules if type(m) is torch.nn.Linear and "forward" in m.__dict__]
+    configs = {
+        id(c): c for m in modules if getattr(c := getattr(m, "config", None), "_attn_implementation", None) == ATTENTION
+    }
+    marked = [m for m in modules if fast_kernels_on(m)]
+    for module in linears:
+        del module.forward
+    for config in configs.values():  # (attention layers read the name off their config)
+        config._attn_implementation = "sdpa"
+    for module in marked:
+        setattr(module, _MARK, False)
+
+    def restore() -> None:
+        for module in linears:
+            module.forward = functools.partial(_linear_few_rows, module)
+        for config in configs.values():
+            config._attn_implementation = ATTENTION
+        for module in marked:
+            setattr(module, _MARK, True)
+
+    return restore
 
 
 @contextlib.contextmanager
 def stock_kernels(model: torch.nn.Module) -> Iterator[None]:
     """Run `model` on PyTorch's and transformers' own kernels for the duration (e.g. a transformers baseline)."""
-    fast = any(type(m) is torch.nn.Linear and "forward" in m.__dict__ for m in model.modules())
-    use_stock_kernels(model)
+    restore = use_stock_kernels(model)
     try:
         yield
     finally:
-        if fast:
-            use_fast_cpu_kernels(model)
+        restore()

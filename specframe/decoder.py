@@ -11,6 +11,7 @@ import torch
 
 from specframe.acceptance import TreeAcceptance
 from specframe.config import stop_strings
+from specframe.cpu_kernels import fast_kernels_on
 from specframe.errors import BadInputError, ProposerError, SpecframeError, brief, is_count, is_integer, is_number
 from specframe.kv_cache import keep_positions, new_cache, tree_attention_mask
 from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo, validate_proposal
@@ -23,7 +24,7 @@ Prompt = str | list[int] | list[dict[str, str]] | torch.Tensor
 class GenerationResult:
     token_ids: list[int]  # new tokens only
     text: str | None  # decoded new tokens (special tokens skipped), None without a tokenizer
-    stats: dict[str, Any] = field(default_factory=dict)  # see DESIGN.md "Stats"
+    stats: dict[str, Any] = field(default_factory=dict)  # see docs/architecture.md "Stats"
 
 
 def target_info(model: torch.nn.Module, tokenizer: Any = None, name: str = "") -> TargetInfo:
@@ -37,6 +38,7 @@ def target_info(model: torch.nn.Module, tokenizer: Any = None, name: str = "") -
         model=model,
         tokenizer=tokenizer,
         name=name,
+        fast_cpu_kernels=fast_kernels_on(model),
     )
 
 
@@ -394,7 +396,7 @@ def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
 
 
 class Counter:
-    """Accumulates the per-step numbers behind the stats (DESIGN.md "Stats")."""
+    """Accumulates the per-step numbers behind the stats (docs/architecture.md "Stats")."""
 
     def __init__(self) -> None:
         self.target_forwards = 0

@@ -75,6 +75,9 @@ class TargetInfo:
     model: Any = None  # the target model itself (e.g. to share its embeddings or LM head); never modify it
     tokenizer: Any = None  # the target's tokenizer, or None
     name: str = ""  # the target as configured (`target.model`: alias, path or hub id); "" when built in code
+    # Whether the target runs on specframe's CPU kernels (`target.fast_cpu_kernels`, specframe/cpu_kernels.py):
+    # a proposer's own models and few-row products follow it.
+    fast_cpu_kernels: bool = False
 
 
 @dataclass

@@ -4,6 +4,7 @@ import contextlib
 import io
 import itertools
 import json
+import types
 
 import pytest
 import torch
@@ -622,3 +623,28 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_run(tiny_dirs, qu
     assert code == 2 and "folder' is a folder; it must name a file" in err and not (tmp_path / "o").exists(), err
     code, _, err = run_cli("bench", "--render", str(tmp_path / "x.json"), "--results-doc", str(tmp_path / "folder"))
     assert code == 2 and "--results-doc" in err and "is a folder" in err, err
+
+
+def test_hf_assisted_runs_target_and_assistant_on_the_stock_kernels(monkeypatch):
+    """transformers' baselines run as a transformers user gets them, the assistant included (a float32 draft
+    loaded by specframe has its CPU kernels), and the draft has them back afterwards."""
+    from specframe.bench import BenchOptions, ForwardCounter, hf_assistant, hf_method
+    from specframe.cpu_kernels import fast_kernels_on, use_fast_cpu_kernels
+
+    target, draft_model = tiny_llama(vocab_size=16, hidden_size=32), tiny_llama(vocab_size=16, hidden_size=32, seed=1)
+    use_fast_cpu_kernels(target)
+    use_fast_cpu_kernels(draft_model)
+    assistant, _ = hf_assistant(types.SimpleNamespace(gamma=2, model=draft_model), 16)
+    seen = []
+
+    def generate(**kwargs):
+        models = (target, kwargs["assistant_model"])
+        seen.append([("forward" in m.lm_head.__dict__, m.config._attn_implementation) for m in models])
+        return torch.cat([kwargs["input_ids"], kwargs["input_ids"][:, :1]], 1)
+
+    monkeypatch.setattr(target, "generate", generate)
+    method = hf_method("hf-assisted", target, ForwardCounter(target), [], BenchOptions(), "", assistant_model=assistant)
+    method.run([1, 2, 3], 4, 0)
+    assert seen == [[(False, "sdpa"), (False, "sdpa")]]
+    assert fast_kernels_on(target) and fast_kernels_on(draft_model) and "forward" in draft_model.lm_head.__dict__
+    assert draft_model.config._attn_implementation == "specframe_sdpa"

@@ -125,12 +125,20 @@ def test_overrides_may_follow_options(capsys, tiny_dirs):
     assert code == 2 and "unknown config key 'bogus'" in err
     with pytest.raises(SystemExit) as exit_:  # (anything else left over is still argparse's error)
         main(gen_args(tiny_dirs, *opts, "--bogus", "3"))
-    err = capsys.readouterr().err  # (with the subcommand's usage, not the top level's)
-    assert exit_.value.code == 2 and "specframe generate: error: unrecognized arguments: --bogus" in err
-    assert err.startswith("usage: specframe generate [-h]")
-    with pytest.raises(SystemExit):
-        main(["models", "list", "--x"])
-    assert capsys.readouterr().err.startswith("usage: specframe models list [-h]")
+    err = capsys.readouterr().err  # (one line, naming the subcommand, not the top level)
+    assert exit_.value.code == 2 and err.startswith("specframe generate: error: unrecognized arguments: --bogus")
+    assert err.count("\n") == 1 and err.endswith("(`specframe generate --help` shows the usage)\n")
+    for argv, why in (
+        (["models", "list", "--x"], "specframe models list: error: unrecognized arguments: --x"),
+        (["train"], "specframe train: error: the following arguments are required: --proposer"),
+        (["generate", "--max-new-tokens", "x"], "specframe generate: error: argument --max-new-tokens: invalid int"),
+        ([], "specframe: error: the following arguments are required: COMMAND"),
+        (["models"], "specframe models: error: the following arguments are required: pull|list"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.startswith(why) and err.count("\n") == 1, (argv, err)
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,13 @@
+import copy
+import io
+
 import pytest
 import torch
 
 from specframe.cpu_kernels import (
     ATTENTION,
     MAX_ROWS,
+    fast_kernels_on,
     few_rows_linear,
     stock_kernels,
     use_fast_cpu_kernels,
@@ -115,3 +119,86 @@ def test_load_model_applies_them_unless_told_not_to(tiny_dirs):
     off = load_model(str(tiny_dirs["target"]), dtype="float32", device="cpu", quiet=True, fast_cpu_kernels=False).model
     assert "forward" in on.lm_head.__dict__ and "forward" not in off.lm_head.__dict__
     assert on.config._attn_implementation == ATTENTION and off.config._attn_implementation == "sdpa"
+
+
+def test_a_model_type_that_reads_its_attention_name_keeps_sdpa():
+    """DeepSeek-V3.2 applies its sparse indexer's top-k mask only under "eager" or "sdpa": renamed, it would
+    attend densely and be another model. Only listed model types get `specframe_sdpa`; the others keep the
+    stock logits (up to the linear layers' rounding)."""
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    cfg = DeepseekV32Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, n_group=1,
+        topk_group=1, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8,
+        qk_nope_head_dim=8, head_dim=8, index_topk=4, index_head_dim=8, index_n_heads=2, first_k_dense_replace=1,
+        max_position_embeddings=128, initializer_range=0.3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    stock = DeepseekV32ForCausalLM(cfg).eval()
+    fast = copy.deepcopy(stock)
+    assert use_fast_cpu_kernels(fast) > 0
+    assert fast.config._attn_implementation == "sdpa"
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(input_ids=ids).logits, stock(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_on_these_kernels_pickles():
+    model = tiny_llama(vocab_size=16, hidden_size=32)
+    use_fast_cpu_kernels(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    back = torch.load(buffer, weights_only=False)
+    assert fast_kernels_on(back) and back.lm_head.forward.args[0] is back.lm_head  # (its own layer, not the old)
+    ids = torch.tensor([[1, 2, 3]])
+    torch.testing.assert_close(back(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_stock_kernels_put_back_exactly_what_they_took_also_through_a_wrapper():
+    """transformers' assisted generation gets the draft's layers inside another model (bench.hf_assistant):
+    the stock kernels reach them there, and afterwards the draft has its own kernels back and nothing more."""
+    draft = tiny_llama(vocab_size=16, hidden_size=32)
+    use_fast_cpu_kernels(draft)
+    wrapper = tiny_llama(vocab_size=16, hidden_size=32)  # (its own head and config, the draft's layers)
+    wrapper.model = draft.model
+    with stock_kernels(wrapper):
+        assert not any("forward" in m.__dict__ for m in wrapper.modules() if type(m) is torch.nn.Linear)
+        assert draft.config._attn_implementation == "sdpa"  # (the layers read their own config)
+        assert "forward" in draft.lm_head.__dict__ and fast_kernels_on(draft)  # (not in the wrapper)
+    assert all("forward" in m.__dict__ for m in draft.modules() if type(m) is torch.nn.Linear)
+    assert draft.config._attn_implementation == ATTENTION and fast_kernels_on(draft)
+    assert "forward" not in wrapper.lm_head.__dict__ and not fast_kernels_on(wrapper)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_proposers_own_models_follow_the_target(tiny_dirs, fast, monkeypatch):
+    """`target.fast_cpu_kernels=false` means the stock kernels everywhere: in a draft model, an EAGLE drafter
+    and the few-row products of Medusa and EAGLE (float32, where the two differ)."""
+    from specframe import SpeculativeDecoder
+    from specframe.decoder import target_info
+    from specframe.models import load_model
+    from specframe.proposers.draft import DraftConfig, DraftProposer
+    from specframe.proposers.eagle import EagleProposer
+    from specframe.proposers.medusa import MedusaProposer
+
+    loaded = load_model(str(tiny_dirs["target"]), dtype="float32", device="cpu", quiet=True, fast_cpu_kernels=fast)
+    info = target_info(loaded.model, loaded.tokenizer)
+    assert info.fast_cpu_kernels is fast
+    draft = DraftProposer.from_config(DraftConfig(model=str(tiny_dirs["draft"]), dtype="float32"), info)
+    assert fast_kernels_on(draft.model) is fast and ("forward" in draft.model.lm_head.__dict__) is fast
+    eagle = EagleProposer.random(info)
+    assert fast_kernels_on(eagle.drafter) is fast
+    used = []
+
+    def spy(*args):
+        used.append(args)
+        return few_rows_linear(*args)
+
+    monkeypatch.setattr("specframe.proposers.medusa.few_rows_linear", spy)
+    monkeypatch.setattr("specframe.proposers.eagle.few_rows_linear", spy)
+    for proposer in (MedusaProposer.random(info), EagleProposer.random(info)):
+        used.clear()
+        SpeculativeDecoder(loaded.model, proposer, max_new_tokens=4).generate([1, 2, 3])
+        assert bool(used) is fast, proposer.name

@@ -120,7 +120,9 @@ class DraftProposer(Proposer):
             applies = saved_shape_applies(meta, target.device, f"{path}/draft_config.json")
             gamma = saved_gamma(meta, path) if applies else None
             return cls(config, target, model, vocab_ids=vocab_ids, saved_gamma=gamma, saved_threshold=threshold)
-        loaded = load_model(path, dtype=dtype, device=str(target.device), quiet=True)
+        loaded = load_model(
+            path, dtype=dtype, device=str(target.device), quiet=True, fast_cpu_kernels=target.fast_cpu_kernels
+        )
         return cls(config, target, loaded.model, loaded.tokenizer)
 
     @classmethod

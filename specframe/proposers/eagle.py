@@ -41,7 +41,7 @@ from safetensors.torch import save_file
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from specframe.cpu_kernels import few_rows_linear, use_fast_cpu_kernels
+from specframe.cpu_kernels import fast_kernels_on, few_rows_linear, use_fast_cpu_kernels
 from specframe.errors import ConfigError, ModelLoadError, brief, check_field_types, is_count
 from specframe.models import check_proposer_dtype, proposer_dtype
 from specframe.proposer import (
@@ -221,7 +221,9 @@ class EagleDrafter(torch.nn.Module):
 
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
         """Reduced-vocabulary logits (float32) of predicted features ([..., H] -> [..., K])."""
-        return few_rows_linear(feats, self.head).float()  # a proposal's few rows: the faster CPU layout
+        if fast_kernels_on(self):  # a proposal's few rows: the faster CPU layout
+            return few_rows_linear(feats, self.head).float()
+        return torch.nn.functional.linear(feats, self.head).float()
 
 
 def build_drafter(
@@ -384,7 +386,8 @@ class EagleProposer(Proposer):
         self.drafter = drafter.eval().requires_grad_(False)
         # The target layers the drafter reads: its fused layers (if any), then the last one (the feature).
         self.hidden_state_layers = (*drafter.fuse_layers, -1)
-        use_fast_cpu_kernels(self.drafter)  # float32 CPU only: the faster layout for a proposal's few rows
+        if target.fast_cpu_kernels:  # (as the target) float32 CPU only: the faster layout for few rows
+            use_fast_cpu_kernels(self.drafter)
         self.vocab_ids = vocab_ids.to(target.device)  # target ids of the drafter's logit columns
         self.dtype = drafter.fc.weight.dtype
         self.cache: DynamicCache | None = None

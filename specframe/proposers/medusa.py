@@ -361,7 +361,8 @@ class MedusaProposer(Proposer):
         n = self.depth_ends[depth]  # nodes are sorted by depth: the first n are those within reach
         h = self.feature.to(self.lm_rows.dtype)
         feats = torch.stack([self.heads.heads[k](h) for k in range(depth)])  # [depth, H]
-        logits = few_rows_linear(feats, self.lm_rows)  # [depth, Vr]; the faster CPU layout for few rows
+        # [depth, Vr]; on the target's CPU kernels, the faster layout for few rows
+        logits = few_rows_linear(feats, self.lm_rows) if self.target.fast_cpu_kernels else feats @ self.lm_rows.T
         top = logits.topk(self.top, dim=-1).indices  # [depth, top] positions in the reduced vocabulary
         cand = self.vocab_ids[top]
         tokens = cand[self.node_head[:n], self.node_rank[:n]]

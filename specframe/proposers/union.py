@@ -9,10 +9,10 @@ Merging. Deterministic nodes (q one-hot) with the same parent and token are one 
 agree share nodes, and the target scores each distinct continuation once. Sampled nodes (drawn from a
 member's q) are never merged and keep their member's q. The engine's tree rule tries a node's children in
 order against the running residual; that is exact for any mix of deterministic children and children drawn
-from any q, as long as each draw is independent of the others (DESIGN.md, "The algorithm"). So the union is
-exact whenever every member is, and the conformance suite checks it like any other proposer. (Merging may
-reorder a member's own siblings; that is harmless because a deterministic node's token never depends on a
-sampled sibling's draw.) A member's own duplicate siblings are not merged.
+from any q, as long as each draw is independent of the others (docs/architecture.md, "Acceptance, in one
+rule"). So the union is exact whenever every member is, and the conformance suite checks it like any other
+proposer. (Merging may reorder a member's own siblings; that is harmless because a deterministic node's token
+never depends on a sampled sibling's draw.) A member's own duplicate siblings are not merged.
 
 What members learn. After verification every member gets the whole accepted path: `accepted_tokens` and the
 hidden states cover every accepted token, and `accepted_nodes` lists the member's own nodes along the path,
