@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,7 +87,9 @@ class SpeculativeDecoder:
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.context_window = getattr(model.config, "max_position_embeddings", None) or 10**9
         new_cache(model)  # refuses, before any generation, a target whose cache cannot be rolled back
-        self.cache = None  # the target's KV cache of the latest generate call
+        self.cache = None  # the target's KV cache, during a generate call
+        self._one_call = threading.Lock()  # held by the running generate call
+        self._caller: int | None = None  # that call's thread
 
     @classmethod
     def from_config(cls, cfg: Any) -> SpeculativeDecoder:
@@ -178,6 +181,33 @@ class SpeculativeDecoder:
         stop: list[str] | None = None,
         raw: bool = False,
     ) -> GenerationResult:
+        """Generate a continuation of `prompt`. A decoder runs one call at a time (the target's cache and the
+        proposer's state are the call's): calls from several threads wait their turn; for parallel requests,
+        build one decoder per thread (they may share the target model)."""
+        if self._caller == threading.get_ident():
+            raise SpecframeError(
+                "SpeculativeDecoder.generate was called from inside a generate call of the same decoder (by its "
+                f"{self.who}?): a decoder runs one call at a time; use another decoder"
+            )
+        with self._one_call:
+            self._caller = threading.get_ident()
+            try:
+                return self._generate(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, raw)
+            finally:
+                self._caller = None
+                self.cache = None  # (the call's cache: no memory held between calls)
+
+    def _generate(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int | None,
+        temperature: float | None,
+        top_p: float | None,
+        top_k: int | None,
+        seed: int | None,
+        stop: list[str] | None,
+        raw: bool,
+    ) -> GenerationResult:
         top_k, max_new_tokens, seed = (_as_int(v) for v in (top_k, max_new_tokens, seed))
         temperature, top_p = (_as_float(v) for v in (temperature, top_p))
         sampling = (
@@ -206,7 +236,7 @@ class SpeculativeDecoder:
         prompt_ids = self.encode(prompt, raw=raw)
         model, proposer, layers = self.model, self.proposer, tuple(self.proposer.hidden_state_layers)
         limit = min(max_new, self.context_window - prompt_ids.numel())
-        cache = self.cache = new_cache(model)  # kept on self for inspection (the rollback check)
+        cache = self.cache = new_cache(model)  # on self for inspection during the call (the rollback check)
         stats = Counter()
 
         out = model(

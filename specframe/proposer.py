@@ -13,7 +13,10 @@ Each node also says how its token was chosen, which the exact acceptance rule ne
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -134,7 +137,8 @@ class Proposer(ABC):
     def random(cls, target: TargetInfo, config: Any = None, seed: int = 0) -> Proposer:
         """Build with random weights for any target, so the conformance suite needs no trained artifact.
 
-        `config` defaults to `config_class()`; `seed` fixes the random weights. Default: the constructor."""
+        `config` defaults to `config_class()`; `seed` fixes the random weights (draw them inside
+        `with seeded(seed):`). Default: the constructor."""
         return cls(cls.config_class() if config is None else config, target)
 
     @abstractmethod
@@ -242,3 +246,17 @@ def validate_proposal(
         if impossible_token:
             raise bad("a sampled node's token has draft probability 0 in its draft_probs row")
     return depths
+
+
+_SEEDING = threading.Lock()
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """torch's global CPU generator seeded with `seed` for the duration, and put back afterwards: for random
+    weights, since PyTorch's module initialisers draw from that generator. One such block runs at a time in the
+    process, so builds in parallel threads each get their own seed's weights (a thread that draws from the
+    global generator outside such a block still interferes)."""
+    with _SEEDING, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield

@@ -3,7 +3,7 @@ import torch
 
 from specframe import Proposal, SpeculativeDecoder
 from specframe.decoder import target_info
-from specframe.errors import BadInputError, ProposerError
+from specframe.errors import BadInputError, ProposerError, SpecframeError
 from specframe.proposers.draft import DraftConfig, DraftProposer
 from specframe.proposers.none import NoneConfig, NoneProposer
 from specframe.testing.conformance import reference_greedy
@@ -612,3 +612,85 @@ def test_a_draft_as_wide_as_the_target_passes_even_when_the_tokenizer_lists_more
     check_same_vocabulary(tiny_llama(vocab_size=info.vocab_size, seed=1), Tokenizer(info.vocab_size + 1), target)
     with pytest.raises(BadInputError, match=rf"the draft's 7 logit rows do not cover the {info.vocab_size} tokens"):
         check_same_vocabulary(tiny_llama(vocab_size=7, seed=1), Tokenizer(info.vocab_size + 1), target)
+
+
+def run_in_threads(n: int, work) -> list:
+    """`work(i)` in n threads started together; their results in order (an exception is re-raised)."""
+    import threading
+
+    barrier, results = threading.Barrier(n), [None] * n
+
+    def run(i):
+        barrier.wait()
+        try:
+            results[i] = work(i)
+        except BaseException as e:  # (re-raised in the calling thread)
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def test_one_decoder_called_from_two_threads_takes_the_calls_in_turn():
+    """A server's thread pool may share one decoder: each call then keeps the target's cache and the proposer's
+    state to itself, and a seed gives the output it gives alone (the calls overlapped and failed before)."""
+    target = tiny_llama(vocab_size=16, hidden_size=32)
+    dec = SpeculativeDecoder(target, DraftProposer.random(target_info(target), DraftConfig(num_speculative_tokens=3)))
+    requests = [([1 + i % 5, 2, 3], 40, i) for i in range(12)]
+    alone = [dec.generate(p, max_new_tokens=n, temperature=1.0, seed=s).token_ids for p, n, s in requests]
+    together = run_in_threads(2, lambda t: [dec.generate(p, max_new_tokens=n, temperature=1.0, seed=s).token_ids
+                                            for p, n, s in requests])  # fmt: skip
+    assert together == [alone, alone]
+    assert dec.cache is None  # (no call's cache is held between calls)
+
+
+def test_a_generate_call_from_inside_the_same_decoders_call_is_refused():
+    target = tiny_llama(vocab_size=16)
+
+    class Reentrant(NoneProposer):
+        calls = 1
+
+        def propose(self, state):
+            if self.calls:
+                self.calls -= 1
+                self.decoder.generate([1, 2], max_new_tokens=2)
+            return super().propose(state)
+
+    proposer = Reentrant(NoneConfig(), target_info(target))
+    proposer.decoder = dec = SpeculativeDecoder(target, proposer)
+    with pytest.raises(SpecframeError, match="called from inside a generate call of the same decoder"):
+        dec.generate([1, 2, 3], max_new_tokens=4)
+    assert dec.generate([1, 2, 3], max_new_tokens=4, temperature=0.0).token_ids == reference_greedy(
+        target, [1, 2, 3], 4
+    )
+
+
+def test_random_weights_built_in_parallel_threads_are_each_seeds_own():
+    """PyTorch's initialisers draw from the global generator: seeded builds in two threads at once mixed their
+    draws (tiny targets and the random draft, Medusa and EAGLE builds of the conformance suite)."""
+    from specframe.proposers.eagle import EagleProposer
+    from specframe.proposers.medusa import MedusaProposer
+
+    info = target_info(tiny_llama(vocab_size=16, hidden_size=32))
+
+    def weights(build, seed):
+        return torch.cat([p.detach().flatten().float() for p in build(seed)])
+
+    builds = {
+        "tiny_llama": lambda s: tiny_llama(vocab_size=16, hidden_size=32, seed=s).parameters(),
+        "draft": lambda s: DraftProposer.random(info, seed=s).model.parameters(),
+        "medusa": lambda s: MedusaProposer.random(info, seed=s).heads.parameters(),
+        "eagle": lambda s: EagleProposer.random(info, seed=s).drafter.parameters(),
+    }
+    for name, build in builds.items():
+        alone = [weights(build, s) for s in (0, 1)]
+        for _ in range(4):
+            together = run_in_threads(2, lambda s, build=build: weights(build, s))
+            assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True)), name

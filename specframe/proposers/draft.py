@@ -25,6 +25,7 @@ from specframe.proposer import (
     check_confidence_threshold,
     resolve_confidence_threshold,
     saved_shape_applies,
+    seeded,
 )
 from specframe.sampling import sampling_probs
 from specframe.training.draft import DraftTrainConfig
@@ -139,8 +140,7 @@ class DraftProposer(Proposer):
             max_position_embeddings=4096,
             initializer_range=0.5,
         )  # wide init: peaky, varied q, so acceptance rules are exercised
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):
             model = LlamaForCausalLM(cfg)
         config = config or DraftConfig()
         model = model.to(device=target.device, dtype=proposer_dtype(config.dtype, target.dtype, target.device))

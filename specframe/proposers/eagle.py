@@ -53,6 +53,7 @@ from specframe.proposer import (
     check_confidence_threshold,
     resolve_confidence_threshold,
     saved_shape_applies,
+    seeded,
 )
 from specframe.training.eagle import EagleTrainConfig
 from specframe.training.features import check_extra_layers
@@ -433,8 +434,7 @@ class EagleProposer(Proposer):
         is a seeded random 3/4 of the target's."""
         config = config or EagleConfig()
         v = target.vocab_size
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):
             vocab_ids = torch.randperm(v)[: max(1, v - v // 4)].sort().values
             drafter = EagleDrafter(drafter_config(target.model.config, len(vocab_ids)), fuse_layers)
             for p in drafter.parameters():  # wide init: peaky, varied draft scores

@@ -40,6 +40,7 @@ from specframe.proposer import (
     check_confidence_threshold,
     resolve_confidence_threshold,
     saved_shape_applies,
+    seeded,
 )
 from specframe.training.medusa import MedusaTrainConfig
 
@@ -339,9 +340,8 @@ class MedusaProposer(Proposer):
             )
         tree = [tuple(c) for c in config.tree] if config.tree is not None else DEFAULT_TREE
         depth = max(len(p) for p in tree)
-        heads = MedusaHeads(target.hidden_size, depth, 1)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):  # (the heads' own initialisers draw too)
+            heads = MedusaHeads(target.hidden_size, depth, 1)
             for p in heads.parameters():
                 nn.init.normal_(p, std=1.0)  # untrained heads would all copy the LM head; vary them
         vocab_ids = torch.arange(target.vocab_size)

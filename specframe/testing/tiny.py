@@ -8,6 +8,8 @@ from collections.abc import Iterator
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specframe.proposer import seeded
+
 
 @contextlib.contextmanager
 def one_thread() -> Iterator[None]:
@@ -44,8 +46,7 @@ def tiny_llama(
         eos_token_id=None,
         pad_token_id=None,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed):
         model = LlamaForCausalLM(cfg)
     model.generation_config.eos_token_id = None
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
