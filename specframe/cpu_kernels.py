@@ -90,6 +90,8 @@ def _register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # the masks transformers builds for `sdpa`
 
 
+_register_attention()  # (at import: a model saved with the name, e.g. pickled, finds it in a new process)
+
 # Model types whose attention may be renamed `specframe_sdpa`: checked to give the stock logits up to rounding.
 # Some model code tests the name itself (DeepSeek-V3.2's sparse indexer applies its top-k mask only under
 # "eager" or "sdpa"), so a model type not listed here keeps transformers' `sdpa` (and only the linear layers).
@@ -112,7 +114,7 @@ def use_fast_cpu_kernels(model: torch.nn.Module) -> int:
     n = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear and module.weight.device.type == "cpu":
-            if module.weight.dtype == torch.float32:
+            if module.weight.dtype == torch.float32 and ("forward" not in module.__dict__ or is_rerouted(module)):
                 module.forward = functools.partial(_linear_few_rows, module)  # (picklable, unlike a bound method)
                 n += 1
     config = getattr(model, "config", None)
@@ -122,17 +124,24 @@ def use_fast_cpu_kernels(model: torch.nn.Module) -> int:
         and getattr(config, "model_type", None) in FAST_ATTENTION_MODEL_TYPES
         and hasattr(model, "set_attn_implementation")
     ):
-        _register_attention()
         model.set_attn_implementation(ATTENTION)
     setattr(model, _MARK, True)
     return n
+
+
+def is_rerouted(module: torch.nn.Module) -> bool:
+    """Whether `module` is an `nn.Linear` that `use_fast_cpu_kernels` gave the few-row layout."""
+    forward = module.__dict__.get("forward")
+    return (
+        type(module) is torch.nn.Linear and isinstance(forward, functools.partial) and forward.func is _linear_few_rows
+    )
 
 
 def use_stock_kernels(model: torch.nn.Module) -> Callable[[], None]:
     """Undo `use_fast_cpu_kernels` in `model` and every module in it (a wrapper's inner model too); returns a
     function that puts back exactly what was undone (modules shared with other models included)."""
     modules = list(model.modules())
-    linears = [m for m in modules if type(m) is torch.nn.Linear and "forward" in m.__dict__]
+    linears = {m: m.__dict__["forward"] for m in modules if is_rerouted(m)}  # (another library's override stays)
     configs = {
         id(c): c for m in modules if getattr(c := getattr(m, "config", None), "_attn_implementation", None) == ATTENTION
     }
@@ -145,8 +154,8 @@ def use_stock_kernels(model: torch.nn.Module) -> Callable[[], None]:
         setattr(module, _MARK, False)
 
     def restore() -> None:
-        for module in linears:
-            module.forward = functools.partial(_linear_few_rows, module)
+        for module, forward in linears.items():
+            module.forward = forward
         for config in configs.values():
             config._attn_implementation = ATTENTION
         for module in marked:

@@ -91,6 +91,14 @@ class SpeculativeDecoder:
         self._one_call = threading.Lock()  # held by the running generate call
         self._caller: int | None = None  # that call's thread
 
+    def __getstate__(self) -> dict[str, Any]:  # (copies and pickles get a lock of their own, not this one)
+        state = {**self.__dict__, "_caller": None}
+        del state["_one_call"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _one_call=threading.Lock())
+
     @classmethod
     def from_config(cls, cfg: Any) -> SpeculativeDecoder:
         """Build from a `SpecframeConfig` (see `specframe.config.load_config`): load the target, build the proposer."""

@@ -248,7 +248,7 @@ def validate_proposal(
     return depths
 
 
-_SEEDING = threading.Lock()
+_SEEDING = threading.RLock()  # (re-entrant: a build may call another seeded build)
 
 
 @contextlib.contextmanager

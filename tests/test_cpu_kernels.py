@@ -9,6 +9,7 @@ from specframe.cpu_kernels import (
     MAX_ROWS,
     fast_kernels_on,
     few_rows_linear,
+    is_rerouted,
     stock_kernels,
     use_fast_cpu_kernels,
     use_stock_kernels,
@@ -202,3 +203,38 @@ def test_the_proposers_own_models_follow_the_target(tiny_dirs, fast, monkeypatch
         used.clear()
         SpeculativeDecoder(loaded.model, proposer, max_new_tokens=4).generate([1, 2, 3])
         assert bool(used) is fast, proposer.name
+
+
+def test_a_pickled_model_runs_in_a_new_process(tmp_path):
+    """The attention's name is registered when specframe.cpu_kernels is imported, which unpickling does."""
+    import subprocess
+    import sys
+
+    model = tiny_llama(vocab_size=16, hidden_size=32)
+    use_fast_cpu_kernels(model)
+    torch.save(model, tmp_path / "model.pt")
+    ids = torch.tensor([[1, 2, 3]])
+    torch.save(model(input_ids=ids).logits, tmp_path / "logits.pt")
+    script = (
+        "import sys, torch; m = torch.load(sys.argv[1], weights_only=False); "
+        "assert m.config._attn_implementation == 'specframe_sdpa'; "
+        "torch.testing.assert_close(m(input_ids=torch.tensor([[1, 2, 3]])).logits, torch.load(sys.argv[2]))"
+    )
+    argv = [sys.executable, "-c", script, str(tmp_path / "model.pt"), str(tmp_path / "logits.pt")]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_another_librarys_forward_override_is_left_alone():
+    """A hook installed as an instance `forward` (as accelerate does) is neither replaced by these kernels nor
+    dropped by `stock_kernels`."""
+    model = tiny_llama(vocab_size=16, hidden_size=32)
+    head = model.lm_head
+    hooked = head.forward  # (the class's forward, bound: stands for a hook's wrapper)
+    head.forward = hooked
+    use_fast_cpu_kernels(model)
+    assert head.__dict__["forward"] is hooked and not is_rerouted(head)
+    assert is_rerouted(model.model.layers[0].mlp.up_proj)
+    with stock_kernels(model):
+        assert head.__dict__["forward"] is hooked and not is_rerouted(model.model.layers[0].mlp.up_proj)
+    assert head.__dict__["forward"] is hooked and is_rerouted(model.model.layers[0].mlp.up_proj)

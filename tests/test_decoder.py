@@ -694,3 +694,33 @@ def test_random_weights_built_in_parallel_threads_are_each_seeds_own():
         for _ in range(4):
             together = run_in_threads(2, lambda s, build=build: weights(build, s))
             assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True)), name
+
+
+def test_a_seeded_build_may_call_another():
+    """A plugin's random() may build a tiny model (itself seeded) inside its own seeded block."""
+    import threading
+
+    from specframe.proposer import seeded
+
+    built = []
+
+    def nested():
+        with seeded(5):
+            built.append(tiny_llama(vocab_size=16, seed=1))
+
+    thread = threading.Thread(target=nested, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert built, "a seeded block inside another one (same thread) did not finish"
+    alone = tiny_llama(vocab_size=16, seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(built[0].parameters(), alone.parameters(), strict=True))
+
+
+def test_a_copied_decoder_has_its_own_lock():
+    import copy
+
+    target = tiny_llama(vocab_size=16)
+    dec = SpeculativeDecoder(target, DraftProposer.random(target_info(target)))
+    twin = copy.deepcopy(dec)
+    assert twin._one_call is not dec._one_call and copy.copy(dec)._one_call is not dec._one_call
+    assert twin.generate([1, 2, 3], max_new_tokens=8).token_ids == dec.generate([1, 2, 3], max_new_tokens=8).token_ids
