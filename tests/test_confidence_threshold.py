@@ -22,28 +22,32 @@ from specframe.proposers.eagle import EagleConfig, EagleProposer
 from specframe.proposers.medusa import MedusaConfig, MedusaProposer
 from specframe.sampling import SamplingParams
 from specframe.testing import conformance
-from specframe.testing.suite import ProposerConformance
+from specframe.testing.suite import VARIANT_SETTINGS, ProposerConformance
 from specframe.testing.tiny import tiny_llama
 
 
 class TestDraftSampledWithThreshold(ProposerConformance):
     proposer_class = DraftProposer
     proposer_config = DraftConfig(num_speculative_tokens=3, confidence_threshold=0.3)
+    sampling_settings = VARIANT_SETTINGS
 
 
 class TestDraftGreedyWithThreshold(ProposerConformance):
     proposer_class = DraftProposer
     proposer_config = DraftConfig(num_speculative_tokens=3, greedy=True, confidence_threshold=0.3)
+    sampling_settings = VARIANT_SETTINGS
 
 
 class TestEagleWithThreshold(ProposerConformance):
     proposer_class = EagleProposer
     proposer_config = EagleConfig(depth=4, top_k=3, total_tokens=10, confidence_threshold=0.05)
+    sampling_settings = VARIANT_SETTINGS
 
 
 class TestMedusaWithThreshold(ProposerConformance):
     proposer_class = MedusaProposer
     proposer_config = MedusaConfig(confidence_threshold=0.02)
+    sampling_settings = VARIANT_SETTINGS
 
 
 def target16():

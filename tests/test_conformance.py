@@ -13,7 +13,7 @@ from specframe.proposers.eagle import EagleConfig, EagleProposer
 from specframe.proposers.medusa import MedusaConfig, MedusaProposer
 from specframe.proposers.union import DEFAULT_MEMBERS
 from specframe.testing import conformance
-from specframe.testing.suite import ProposerConformance, require_proposers
+from specframe.testing.suite import VARIANT_SETTINGS, ProposerConformance, require_proposers
 from specframe.testing.tiny import available_devices
 from specframe.testing.tree_proposer import TreeConfig, TreeTestProposer
 
@@ -293,16 +293,19 @@ def test_chi_square_flags_impossible_outcome():
 class TestDraftBf16(ProposerConformance):
     proposer_class = DraftProposer
     proposer_config = DraftConfig(num_speculative_tokens=3, dtype="bfloat16")
+    sampling_settings = VARIANT_SETTINGS
 
 
 class TestMedusaBf16(ProposerConformance):
     proposer_class = MedusaProposer
     proposer_config = MedusaConfig(dtype="bfloat16")
+    sampling_settings = VARIANT_SETTINGS
 
 
 class TestEagleBf16(ProposerConformance):
     proposer_class = EagleProposer
     proposer_config = EagleConfig(depth=3, top_k=3, total_tokens=8, dtype="bfloat16")
+    sampling_settings = VARIANT_SETTINGS
 
 
 @pytest.mark.slow  # (two pytest subprocesses: about 20 s)
@@ -324,3 +327,26 @@ def test_the_pytest_plugin_gives_plugin_authors_the_marker_and_the_fixture(tmp_p
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout + run.stderr  # ("slow" is a known marker)
     plan = subprocess.run([*base, "--setup-plan", "test_mine.py"], cwd=tmp_path, capture_output=True, text=True)
     assert "_one_thread" in plan.stdout  # the suite's fixture reaches a subclass in another module
+
+
+class _Metafunc:  # what ProposerConformance.pytest_generate_tests uses of pytest's Metafunc
+    fixturenames = ("device", "setting")
+
+    def parametrize(self, name, values):
+        self.parametrized = (name, list(values))
+
+
+def test_sampling_settings_choose_which_sampling_tests_a_class_runs():
+    metafunc = _Metafunc()
+    TestTreeIID().pytest_generate_tests(metafunc)  # the default: every setting
+    assert metafunc.parametrized == ("setting", list(conformance.SETTINGS))
+    TestDraftBf16().pytest_generate_tests(metafunc)
+    assert metafunc.parametrized == ("setting", list(VARIANT_SETTINGS))
+    assert set(VARIANT_SETTINGS) < set(conformance.SETTINGS)
+
+    class Misspelt(ProposerConformance):
+        proposer_class = TreeTestProposer
+        sampling_settings = ("temperature=1", "temprature=0.7")
+
+    with pytest.raises(ValueError, match=r"Misspelt.sampling_settings must name some of .*'temprature=0.7'"):
+        Misspelt().pytest_generate_tests(metafunc)

@@ -14,7 +14,7 @@ from specframe.proposer import DecodeState, Proposer
 from specframe.proposers.eagle import EagleConfig, EagleProposer, load_drafter
 from specframe.sampling import SamplingParams
 from specframe.testing.conformance import reference_greedy
-from specframe.testing.suite import ProposerConformance
+from specframe.testing.suite import VARIANT_SETTINGS, ProposerConformance
 from specframe.testing.tiny import one_thread, tiny_llama, write_distill_data
 from specframe.training.eagle import EagleTrainConfig, train_eagle
 
@@ -25,11 +25,13 @@ CHAIN = EagleConfig(depth=3, tree=False)
 class TestEagleTreeConformance(ProposerConformance):
     proposer_class = EagleProposer
     proposer_config = TREE
+    sampling_settings = VARIANT_SETTINGS
 
 
 class TestEagleChainConformance(ProposerConformance):
     proposer_class = EagleProposer
     proposer_config = CHAIN
+    sampling_settings = VARIANT_SETTINGS
 
 
 class FusedEagle(EagleProposer):
@@ -43,6 +45,7 @@ class FusedEagle(EagleProposer):
 class TestEagleFusedConformance(ProposerConformance):
     proposer_class = FusedEagle
     proposer_config = TREE
+    sampling_settings = VARIANT_SETTINGS
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -10,18 +10,15 @@ from specframe.decoder import target_info
 from specframe.errors import ConfigError, ModelLoadError
 from specframe.proposers.medusa import DEFAULT_TREE, MedusaConfig, MedusaHeads, MedusaProposer, check_tree, load_heads
 from specframe.testing.conformance import reference_greedy
-from specframe.testing.suite import ProposerConformance
+from specframe.testing.suite import VARIANT_SETTINGS, ProposerConformance
 from specframe.testing.tiny import one_thread, tiny_llama, write_distill_data
 from specframe.training.medusa import MedusaTrainConfig, best_tree, expected_accepted_length, train_medusa
-
-
-class TestMedusaDefaultTree(ProposerConformance):
-    proposer_class = MedusaProposer
 
 
 class TestMedusaDeepNarrowTree(ProposerConformance):
     proposer_class = MedusaProposer
     proposer_config = MedusaConfig(tree=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]])
+    sampling_settings = VARIANT_SETTINGS
 
 
 def test_heads_do_not_share_weights():

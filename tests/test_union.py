@@ -13,7 +13,7 @@ from specframe.proposers.union import UnionConfig, UnionProposer, merge_proposal
 from specframe.sampling import SamplingParams
 from specframe.testing import conformance
 from specframe.testing.conformance import reference_greedy
-from specframe.testing.suite import ProposerConformance
+from specframe.testing.suite import VARIANT_SETTINGS, ProposerConformance
 
 
 def det(tokens, parents):
@@ -237,6 +237,7 @@ def test_a_malformed_member_proposal_is_named(target, info):
 class TestUnionOfTwoSampledDrafts(ProposerConformance):
     proposer_class = UnionProposer
     proposer_config = UnionConfig(members=["draft", "draft"], options={"draft": {"num_speculative_tokens": 2}})
+    sampling_settings = VARIANT_SETTINGS
 
 
 class TestUnionOfTreesAndChains(ProposerConformance):
@@ -244,6 +245,7 @@ class TestUnionOfTreesAndChains(ProposerConformance):
     proposer_config = UnionConfig(
         members=["eagle", "draft", "medusa"], options={"eagle": {"depth": 2, "top_k": 2, "total_tokens": 4}}
     )
+    sampling_settings = VARIANT_SETTINGS
 
 
 @pytest.mark.slow

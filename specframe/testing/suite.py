@@ -6,7 +6,8 @@
         proposer_class = MyProposer      # built with MyProposer.random(target_info, proposer_config)
         proposer_config = None           # optional: a config_class instance
 
-The statistical tests are marked `slow`.
+The statistical tests are marked `slow`. They run every sampling setting (`conformance.SETTINGS`) unless the
+class names fewer in `sampling_settings`: for variants of a proposer whose every setting is tested elsewhere.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ import pytest
 from specframe.proposer import Proposer
 from specframe.testing import conformance
 from specframe.testing.tiny import available_devices, one_thread
+
+# The sampling settings for a variant of a proposer (another config, dtype or random build) whose every setting is
+# run elsewhere: a transformed q (temperature and top-p) and deep drafts, what a variant's own code can get wrong.
+VARIANT_SETTINGS = ("temperature=0.7,top_p=0.9", "deep,temperature=1")
 
 
 def require_proposers(*names: str) -> None:
@@ -37,6 +42,21 @@ def _assert(result: conformance.CheckResult) -> None:
 class ProposerConformance:
     proposer_class: ClassVar[type[Proposer]]
     proposer_config: ClassVar[Any] = None
+    # Which of conformance.SETTINGS the sampling test runs (default: all of them). Fewer only for a variant of a
+    # proposer that is run in every setting elsewhere: each setting costs thousands of generate calls.
+    sampling_settings: ClassVar[tuple[str, ...]] = tuple(conformance.SETTINGS)
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        """Parametrize the sampling test by this class's `sampling_settings` (a name not in SETTINGS is an error)."""
+        if "setting" not in metafunc.fixturenames:
+            return
+        unknown = [s for s in self.sampling_settings if s not in conformance.SETTINGS]
+        if unknown or not self.sampling_settings:
+            raise ValueError(
+                f"{type(self).__name__}.sampling_settings must name some of {list(conformance.SETTINGS)}, "
+                f"got {list(self.sampling_settings)}"
+            )
+        metafunc.parametrize("setting", self.sampling_settings)
 
     @pytest.fixture(autouse=True)
     def _one_thread(self):  # (a method, so that it applies to subclasses in any module)
@@ -53,6 +73,5 @@ class ProposerConformance:
         _assert(conformance.check_isolation(self.proposer_class, device, self.proposer_config))
 
     @pytest.mark.slow
-    @pytest.mark.parametrize("setting", list(conformance.SETTINGS))
     def test_sampling_matches_target_distribution(self, device: str, setting: str) -> None:
         _assert(conformance.check_sampling(self.proposer_class, device, setting, self.proposer_config))
