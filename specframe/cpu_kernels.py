@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -43,14 +44,36 @@ import torch.nn.functional as F
 MAX_ROWS = 64  # longer inputs (prefills) keep PyTorch's own path
 PAD_ROWS = {1: 2, **{n: 16 for n in range(10, 16)}}  # row counts computed as a larger, faster product
 ATTENTION = "specframe_sdpa"
+# Row counts at which the two layouts are timed against each other; a count between two of them follows the
+# larger one (5-8 rows follow 8).
+MEASURED_ROWS = (1, 2, 3, 4, 8, 16, 32, 64)
+# The few-row layout is used where its fastest call takes at most this fraction of the stock one's (a clear
+# win: on a noisy machine the choice should not flip between processes).
+CLEAR_WIN = 0.9
+MEASURE_BUDGET_S = 0.4  # about the most the timing of one weight shape takes (a large one; a small one less)
+MIN_CALLS, MAX_CALLS = 2, 9  # timed calls of each layout per measured row count
+# "measure" (default): per weight shape and thread count, the layout measured faster on this machine at that
+# row count; "few-rows": always the few-row layout; "stock": never (tests pin the layout with this).
+layout_choice = "measure"
+_plans: dict[tuple[int, int, int], tuple[bool, ...]] = {}  # (out, in, threads) -> few-row layout wins, by rows
+_stock_linear = F.linear  # (by this name, so that a test can time a stand-in)
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, through the faster layout for float32 CPU inputs of 1-64 rows."""
-    in_features, out_features = weight.shape[1], weight.shape[0]
+    """`F.linear(x, weight, bias)`, through the few-row layout for float32 CPU inputs of 1-64 rows where that
+    layout is the faster one on this machine (`layout_plan`)."""
+    in_features = weight.shape[1]
     rows = x.numel() // in_features if x.dim() else 0
     if not (1 <= rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == torch.float32):
         return F.linear(x, weight, bias)
+    if layout_choice == "stock" or (layout_choice == "measure" and not layout_plan(weight)[rows]):
+        return _stock_linear(x, weight, bias)
+    return _few_rows_layout(x, weight, bias, rows)
+
+
+def _few_rows_layout(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """`F.linear` as `W @ X.T` with a contiguous X (1 row duplicated, 10-15 padded to 16), output row-major."""
+    in_features, out_features = weight.shape[1], weight.shape[0]
     flat = x.reshape(rows, in_features)
     padded = PAD_ROWS.get(rows, rows)
     if padded > rows:  # materialised copies of the last row (an expanded view is slower still), in one copy
@@ -60,6 +83,45 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], out_features)
+
+
+def layout_plan(weight: torch.Tensor) -> tuple[bool, ...]:
+    """Whether the few-row layout is used for `weight`'s shape at each row count 0..MAX_ROWS, with PyTorch's
+    current thread count: measured once per process (on `weight` itself) by `measure_layouts`."""
+    key = (weight.shape[0], weight.shape[1], torch.get_num_threads())
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = measure_layouts(weight)
+    return plan
+
+
+def measure_layouts(weight: torch.Tensor, timer: Callable[[], float] = time.perf_counter) -> tuple[bool, ...]:
+    """Time `F.linear` against the few-row layout on `weight` (float32, CPU) at each of MEASURED_ROWS, the calls
+    of the two alternating, and return for every row count 0..MAX_ROWS whether the few-row layout wins clearly
+    (fastest call at most CLEAR_WIN of the stock one's; the fastest, as a busy machine only adds time) at the
+    nearest measured count at or above it. At most MAX_CALLS timed pairs per count, fewer (MIN_CALLS) once
+    ~MEASURE_BUDGET_S / len(MEASURED_ROWS) is spent: an LM head's product takes milliseconds."""
+    wins = {}
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for rows in MEASURED_ROWS:
+            x = torch.randn(rows, weight.shape[1], generator=gen)
+            stock: list[float] = []
+            few: list[float] = []
+            spent = 0.0
+            first = 0 if rows > MEASURED_ROWS[0] else 1  # (a warm-up call of each before the first count's)
+            for call in range(MAX_CALLS + 1 - first):
+                for times, few_rows in ((stock, False), (few, True)):
+                    t0 = timer()
+                    _few_rows_layout(x, weight, None, rows) if few_rows else _stock_linear(x, weight)
+                    took = timer() - t0
+                    spent += took
+                    if call >= first:
+                        times.append(took)
+                if call + 1 - first >= MIN_CALLS and spent >= MEASURE_BUDGET_S / len(MEASURED_ROWS):
+                    break
+            wins[rows] = min(few) <= CLEAR_WIN * min(stock)
+    return (False, *(wins[next(m for m in MEASURED_ROWS if m >= r)] for r in range(1, MAX_ROWS + 1)))
 
 
 def _linear_few_rows(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -117,6 +179,8 @@ def use_fast_cpu_kernels(model: torch.nn.Module) -> int:
             if module.weight.dtype == torch.float32 and ("forward" not in module.__dict__ or is_rerouted(module)):
                 module.forward = functools.partial(_linear_few_rows, module)  # (picklable, unlike a bound method)
                 n += 1
+                if layout_choice == "measure":  # (each shape timed now, at load, not in the first forward)
+                    layout_plan(module.weight)
     config = getattr(model, "config", None)
     if (
         n

@@ -4,17 +4,112 @@ import io
 import pytest
 import torch
 
+from specframe import cpu_kernels
 from specframe.cpu_kernels import (
     ATTENTION,
     MAX_ROWS,
+    MEASURED_ROWS,
     fast_kernels_on,
     few_rows_linear,
     is_rerouted,
+    layout_plan,
+    measure_layouts,
     stock_kernels,
     use_fast_cpu_kernels,
     use_stock_kernels,
 )
 from specframe.testing.tiny import tiny_llama
+
+
+@pytest.fixture(autouse=True)
+def few_row_layout_everywhere(monkeypatch):
+    """These tests check the few-row layout's results, so it runs at every row count whichever layout this
+    machine measures faster (the tests of that choice below set it themselves)."""
+    monkeypatch.setattr(cpu_kernels, "layout_choice", "few-rows")
+
+
+class FakeLayouts:
+    """Stand-ins for the two layouts on a fake clock: the stock one costs 1.0 a call, the few-row one
+    `few_cost(rows, call)`; both compute x @ w.T."""
+
+    def __init__(self, monkeypatch, few_cost):
+        self.now = 0.0
+        self.calls = 0
+        self.few_cost = few_cost
+        monkeypatch.setattr(cpu_kernels, "_stock_linear", self.stock)
+        monkeypatch.setattr(cpu_kernels, "_few_rows_layout", self.few)
+
+    def clock(self) -> float:
+        return self.now
+
+    def stock(self, x, w, b=None):
+        self.now += 1.0
+        return x @ w.T
+
+    def few(self, x, w, b, rows):
+        self.calls += 1
+        self.now += self.few_cost(rows, self.calls)
+        return x @ w.T
+
+
+def test_each_row_count_gets_the_layout_measured_clearly_faster_there(monkeypatch):
+    """Clearly faster (fastest call at most CLEAR_WIN of the stock one's) at 1, 2 and 16 rows: those, and 9-15
+    (which follow 16), get the few-row layout; at 0.95 of the stock time (3, 4, 8, 32, 64 rows) stock stays."""
+    fake = FakeLayouts(monkeypatch, lambda rows, call: 0.5 if rows in (1, 2, 16) else 0.95)
+    plan = measure_layouts(torch.randn(40, 24), timer=fake.clock)
+    assert len(plan) == MAX_ROWS + 1 and not plan[0]
+    assert [r for r in range(1, MAX_ROWS + 1) if plan[r]] == [1, 2, *range(9, 17)]
+    assert MEASURED_ROWS == (1, 2, 3, 4, 8, 16, 32, 64)
+
+
+def test_a_busy_moment_does_not_decide_the_layout(monkeypatch):
+    """The fastest call counts, not the mean: a few calls slowed by other work (here every third few-row call
+    takes 50x) leave the few-row layout chosen where it is faster."""
+    fake = FakeLayouts(monkeypatch, lambda rows, call: 50.0 if call % 3 == 0 else 0.5)
+    assert all(measure_layouts(torch.randn(40, 24), timer=fake.clock)[1:])
+
+
+def test_the_layout_is_measured_once_per_shape_and_thread_count(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "layout_choice", "measure")
+    monkeypatch.setattr(cpu_kernels, "_plans", {})
+    measured = []
+
+    def measure(weight):
+        measured.append((tuple(weight.shape), torch.get_num_threads()))
+        return (False,) + (True,) * MAX_ROWS
+
+    monkeypatch.setattr(cpu_kernels, "measure_layouts", measure)
+    layer = torch.nn.Linear(24, 40)
+    use_fast_cpu_kernels(layer)  # (measured here, at load)
+    assert measured == [((40, 24), torch.get_num_threads())]
+    layer(torch.randn(3, 24))
+    layout_plan(torch.randn(40, 24))
+    assert len(measured) == 1
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        layer(torch.randn(3, 24))  # another thread count: measured again, when first used
+    finally:
+        torch.set_num_threads(threads)
+    assert measured[1:] == [((40, 24), threads + 1)]
+
+
+@pytest.mark.parametrize("choice", ["stock", "few-rows", "measure"])
+def test_the_layout_choice_routes_a_rerouted_layer(monkeypatch, choice):
+    """`layout_choice` "stock" never takes the few-row layout, "few-rows" always (1-64 rows), "measure" where
+    the plan says so; the results agree up to rounding."""
+    monkeypatch.setattr(cpu_kernels, "layout_choice", choice)
+    plan = (False, True, False) * 21 + (True, True)  # rows 1, 4, 7, ...
+    monkeypatch.setattr(cpu_kernels, "_plans", {(40, 24, torch.get_num_threads()): plan})
+    taken = []
+    real = cpu_kernels._few_rows_layout
+    monkeypatch.setattr(cpu_kernels, "_few_rows_layout", lambda *a: taken.append(a[3]) or real(*a))
+    layer = torch.nn.Linear(24, 40)
+    cpu_kernels.use_fast_cpu_kernels(layer)
+    for rows in (1, 2, 3, 4):
+        x = torch.randn(rows, 24)
+        torch.testing.assert_close(layer(x), x @ layer.weight.T + layer.bias, rtol=1e-5, atol=1e-5)
+    assert taken == {"stock": [], "few-rows": [1, 2, 3, 4], "measure": [1, 4]}[choice]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 10, 15, 16, MAX_ROWS, MAX_ROWS + 1])
