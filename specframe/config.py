@@ -33,7 +33,8 @@ class TargetConfig:
     # Run model code shipped with a hub model. Off: only turn it on for models you trust.
     trust_remote_code: bool = False
     # On CPU in float32, faster kernels for 1-64-token forwards (decoding and verification): matmuls as W @ X.T
-    # and grouped-query attention without copying the cache; same results up to float rounding
+    # where this machine runs that layout clearly faster (timed at load, per weight shape and row count) and
+    # grouped-query attention without copying the cache; same results up to float rounding
     # (specframe/cpu_kernels.py has the numbers). False: PyTorch's and transformers' own kernels.
     fast_cpu_kernels: bool = True
 

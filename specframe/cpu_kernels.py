@@ -1,19 +1,28 @@
 """Faster CPU kernels for the few-token forwards of decoding and verification (float32).
 
-Decoding runs the target on one token, verifying a proposal on 2-64. On this project's 2-core AMD EPYC machine
-(torch 2.13, MKL) PyTorch's default kernels handle those shapes badly:
+Decoding runs the target on one token, verifying a proposal on 2-64. How well PyTorch's default kernels handle
+those shapes depends on the CPU, so what is used is measured on the machine:
 
-1. `linear` on one row is a matrix-vector product that reads the weights at about a third of the bandwidth
-   that a two-column matrix product gets; on 2-64 rows, `X @ W.T` is slower again than `W @ X.T` with a
-   contiguous X; and 10-15 rows cost more than 16. So every float32 CPU `nn.Linear` computes `W @ X.T`,
-   one row duplicated into two columns and 10-15 rows padded to 16 (padding rows are copies, dropped after).
+1. `linear` on 1-64 rows. On this project's 2-core AMD EPYC machines (torch 2.13, MKL) a one-row `linear` is a
+   matrix-vector product that reads the weights at about a third of the bandwidth that a two-column matrix
+   product gets; on 2-64 rows, `X @ W.T` is slower again than `W @ X.T` with a contiguous X; and 10-15 rows cost
+   more than 16. The *few-row layout* computes `W @ X.T`, one row duplicated into two columns and 10-15 rows
+   padded to 16 (padding rows are copies, dropped after). On its 2-core Intel Xeon machines (AMX, the same
+   torch) the stock products are the fast ones: the few-row layout is 2-5x slower on one to four rows of a
+   layer's weight. So each float32 CPU `nn.Linear` of a model given these kernels, and each few-row product of
+   a proposer (`few_rows_linear`), uses the few-row layout only at the row counts where it is clearly faster on
+   this machine: both are timed once per weight shape and thread count (`measure_layouts`, at load for a
+   model's layers: 0.01-0.7 s a shape, ~1 s for SmolLM2-135M) and the stock product is kept where they are close.
 2. transformers' `sdpa` attention copies the key/value heads of grouped-query attention (`repeat_kv`, a copy
    of the whole cache per layer) whenever a mask is given, that is on every multi-token forward; PyTorch's SDPA
-   does grouped-query attention itself (`enable_gqa`) with a mask on CPU. `specframe_sdpa` does that on CPU
-   and is transformers' own `sdpa` otherwise (for the model types in FAST_ATTENTION_MODEL_TYPES only).
+   does grouped-query attention itself (`enable_gqa`) with a mask on CPU (on the Intel machine, SDPA alone at
+   300-1200 cached: 2-4x faster). `specframe_sdpa` does that on CPU and is transformers' own `sdpa` otherwise
+   (for the model types in FAST_ATTENTION_MODEL_TYPES only).
 
-SmolLM2-135M, median ms per forward, stock and fast interleaved in one run per context length
-(`scripts/kernel_timings.py`, `CONTEXT=1200` for the second):
+SmolLM2-135M, median ms per forward, stock and these kernels interleaved in one run per context length
+(`scripts/kernel_timings.py`, `CONTEXT=1200` for the second of each machine). AMD EPYC, 2026-11 (before the
+layout was measured; the few-row layout was then used at every row count, which these timings say the
+measurement picks there too):
 
     tokens in the forward          1     2     3     4     5     6     8    12    16
     300 cached, stock kernels     55    90   111    80    73    78    80    84    91
@@ -21,13 +30,24 @@ SmolLM2-135M, median ms per forward, stock and fast interleaved in one run per c
     1200 cached, stock kernels    58   101   125    94    89    95    92   101   110
     1200 cached, these kernels    38    37    49    46    55    62    67    91    90
 
-The outputs of the rerouted linear layers are made row-major again: a column-major query sends SDPA to its
-slow math path (measured: 2 tokens at 1200 cached took 49 ms without that copy, 37 with it).
+Intel Xeon with AMX, 2026-12-03, the layout measured (it kept the stock product on one to four rows for every
+weight shape, and chose the few-row one for some shapes at 8-32 rows); the few-row layout everywhere, as
+before, took 100 ms for one token at 300 cached:
+
+    tokens in the forward          1     2     3     4     5     6     8    12    16
+    300 cached, stock kernels     68    82    80   101   116   116   134   157   153
+    300 cached, these kernels     69    74    76    96   103   115   125   162   138
+    1200 cached, stock kernels    76    99   110   137   135   130   159   181   179
+    1200 cached, these kernels    72    78    86   106   112   122   127   161   157
+
+The outputs of the few-row layout are made row-major again: a column-major query sends SDPA to its slow math
+path (measured on the AMD machine: 2 tokens at 1200 cached took 49 ms without that copy, 37 with it).
 
 The results differ from the stock kernels only by float rounding (summation order), and so do a token's
 logits computed in a chunk rather than alone (as with the stock float32 kernels), so chunked verification
-reproduces one-token decoding except at exact near-ties. Models loaded by `specframe.models.load_model` get these
-kernels unless `target.fast_cpu_kernels` is false; the benchmark runs transformers' baselines on the stock
+reproduces one-token decoding except at exact near-ties. As the layout is measured per process, two runs may
+round differently where the two layouts' times are close. Models loaded by `specframe.models.load_model` get
+these kernels unless `target.fast_cpu_kernels` is false; the benchmark runs transformers' baselines on the stock
 kernels (`stock_kernels`), as a transformers user gets them.
 """
 
@@ -62,12 +82,13 @@ _stock_linear = F.linear  # (by this name, so that a test can time a stand-in)
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through the few-row layout for float32 CPU inputs of 1-64 rows where that
     layout is the faster one on this machine (`layout_plan`)."""
-    in_features = weight.shape[1]
-    rows = x.numel() // in_features if x.dim() else 0
-    if not (1 <= rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == torch.float32):
-        return F.linear(x, weight, bias)
-    if layout_choice == "stock" or (layout_choice == "measure" and not layout_plan(weight)[rows]):
+    rows = x.numel() // weight.shape[1] if x.dim() else 0
+    if not (1 <= rows <= MAX_ROWS and x.is_cpu and x.dtype == torch.float32) or layout_choice == "stock":
         return _stock_linear(x, weight, bias)
+    if layout_choice == "measure":
+        plan = _plans.get((weight.shape[0], weight.shape[1], torch.get_num_threads())) or layout_plan(weight)
+        if not plan[rows]:
+            return _stock_linear(x, weight, bias)
     return _few_rows_layout(x, weight, bias, rows)
 
 
@@ -171,19 +192,23 @@ def fast_kernels_on(model: torch.nn.Module) -> bool:
 
 
 def use_fast_cpu_kernels(model: torch.nn.Module) -> int:
-    """Give `model`'s float32 CPU `nn.Linear` layers the few-row layout and, where it uses `sdpa` attention and
-    its type is in FAST_ATTENTION_MODEL_TYPES, `specframe_sdpa`; returns how many linear layers were rerouted."""
-    n = 0
+    """Give `model`'s float32 CPU `nn.Linear` layers the few-row layout where it is faster (`layout_plan`,
+    measured here for each weight shape; a layer whose shape keeps the stock product at every row count is left
+    as it is, so it costs nothing) and, where the model uses `sdpa` attention and its type is in
+    FAST_ATTENTION_MODEL_TYPES, `specframe_sdpa`; returns how many linear layers were rerouted."""
+    n = eligible = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear and module.weight.device.type == "cpu":
             if module.weight.dtype == torch.float32 and ("forward" not in module.__dict__ or is_rerouted(module)):
+                eligible += 1
+                if layout_choice == "measure" and not any(layout_plan(module.weight)):  # (timed now, at load)
+                    module.__dict__.pop("forward", None)  # (rerouted before, e.g. with another thread count)
+                    continue
                 module.forward = functools.partial(_linear_few_rows, module)  # (picklable, unlike a bound method)
                 n += 1
-                if layout_choice == "measure":  # (each shape timed now, at load, not in the first forward)
-                    layout_plan(module.weight)
     config = getattr(model, "config", None)
     if (
-        n
+        eligible
         and getattr(config, "_attn_implementation", None) == "sdpa"
         and getattr(config, "model_type", None) in FAST_ATTENTION_MODEL_TYPES
         and hasattr(model, "set_attn_implementation")

@@ -631,6 +631,7 @@ def test_hf_assisted_runs_target_and_assistant_on_the_stock_kernels(monkeypatch)
     from specframe.bench import BenchOptions, ForwardCounter, hf_assistant, hf_method
     from specframe.cpu_kernels import fast_kernels_on, use_fast_cpu_kernels
 
+    monkeypatch.setattr("specframe.cpu_kernels.layout_choice", "few-rows")  # (every layer rerouted, then put back)
     target, draft_model = tiny_llama(vocab_size=16, hidden_size=32), tiny_llama(vocab_size=16, hidden_size=32, seed=1)
     use_fast_cpu_kernels(target)
     use_fast_cpu_kernels(draft_model)

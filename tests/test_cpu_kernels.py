@@ -94,6 +94,27 @@ def test_the_layout_is_measured_once_per_shape_and_thread_count(monkeypatch):
     assert measured[1:] == [((40, 24), threads + 1)]
 
 
+def test_a_layer_whose_shape_never_gains_keeps_its_own_forward(monkeypatch):
+    """Measured: only layers whose shape has a row count where the few-row layout wins are rerouted (here the LM
+    head, 24 x 32); the others keep nn.Linear's forward and its cost. The attention is renamed all the same."""
+    monkeypatch.setattr(cpu_kernels, "layout_choice", "measure")
+    monkeypatch.setattr(cpu_kernels, "_plans", {})
+    head_wins = (False, True) + (False,) * (MAX_ROWS - 1)
+    monkeypatch.setattr(cpu_kernels, "measure_layouts", lambda w: head_wins if w.shape[0] == 24 else (False,) * 65)
+    stock = tiny_llama(vocab_size=24, hidden_size=32)
+    model = copy.deepcopy(stock)
+    assert use_fast_cpu_kernels(model) == 1
+    assert is_rerouted(model.lm_head) and "forward" not in model.model.layers[0].mlp.up_proj.__dict__
+    assert model.config._attn_implementation == ATTENTION and fast_kernels_on(model)
+    ids = torch.tensor([[1, 2, 3]])
+    torch.testing.assert_close(model(input_ids=ids).logits, stock(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(cpu_kernels, "layout_choice", "few-rows")
+    assert use_fast_cpu_kernels(model) == sum(type(m) is torch.nn.Linear for m in model.modules())
+    monkeypatch.setattr(cpu_kernels, "layout_choice", "measure")
+    assert use_fast_cpu_kernels(model) == 1  # (again measured: the layers put back as they were)
+    assert "forward" not in model.model.layers[0].mlp.up_proj.__dict__
+
+
 @pytest.mark.parametrize("choice", ["stock", "few-rows", "measure"])
 def test_the_layout_choice_routes_a_rerouted_layer(monkeypatch, choice):
     """`layout_choice` "stock" never takes the few-row layout, "few-rows" always (1-64 rows), "measure" where
