@@ -75,6 +75,7 @@ MIN_CALLS, MAX_CALLS = 2, 9  # timed calls of each layout per measured row count
 # "measure" (default): per weight shape and thread count, the layout measured faster on this machine at that
 # row count; "few-rows": always the few-row layout; "stock": never (tests pin the layout with this).
 layout_choice = "measure"
+LAYOUT_CHOICES = ("measure", "few-rows", "stock")
 _plans: dict[tuple[int, int, int], tuple[bool, ...]] = {}  # (out, in, threads) -> few-row layout wins, by rows
 _stock_linear = F.linear  # (by this name, so that a test can time a stand-in)
 
@@ -196,6 +197,8 @@ def use_fast_cpu_kernels(model: torch.nn.Module) -> int:
     measured here for each weight shape; a layer whose shape keeps the stock product at every row count is left
     as it is, so it costs nothing) and, where the model uses `sdpa` attention and its type is in
     FAST_ATTENTION_MODEL_TYPES, `specframe_sdpa`; returns how many linear layers were rerouted."""
+    if layout_choice not in LAYOUT_CHOICES:
+        raise ValueError(f"specframe.cpu_kernels.layout_choice must be one of {LAYOUT_CHOICES}, got {layout_choice!r}")
     n = eligible = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear and module.weight.device.type == "cpu":

@@ -115,6 +115,12 @@ def test_a_layer_whose_shape_never_gains_keeps_its_own_forward(monkeypatch):
     assert "forward" not in model.model.layers[0].mlp.up_proj.__dict__
 
 
+def test_a_misspelt_layout_choice_is_refused(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "layout_choice", "fewrows")
+    with pytest.raises(ValueError, match="layout_choice must be one of .*'fewrows'"):
+        use_fast_cpu_kernels(torch.nn.Linear(24, 40))
+
+
 @pytest.mark.parametrize("choice", ["stock", "few-rows", "measure"])
 def test_the_layout_choice_routes_a_rerouted_layer(monkeypatch, choice):
     """`layout_choice` "stock" never takes the few-row layout, "few-rows" always (1-64 rows), "measure" where
