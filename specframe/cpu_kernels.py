@@ -87,8 +87,7 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if not (1 <= rows <= MAX_ROWS and x.is_cpu and x.dtype == torch.float32) or layout_choice == "stock":
         return _stock_linear(x, weight, bias)
     if layout_choice == "measure":
-        plan = _plans.get((weight.shape[0], weight.shape[1], torch.get_num_threads())) or layout_plan(weight)
-        if not plan[rows]:
+        if not layout_plan(weight)[rows]:
             return _stock_linear(x, weight, bias)
     return _few_rows_layout(x, weight, bias, rows)
 
@@ -125,22 +124,24 @@ def measure_layouts(weight: torch.Tensor, timer: Callable[[], float] = time.perf
     ~MEASURE_BUDGET_S / len(MEASURED_ROWS) is spent: an LM head's product takes milliseconds."""
     wins = {}
     gen = torch.Generator().manual_seed(0)
+
+    def timed(x: torch.Tensor, few_rows: bool) -> float:
+        t0 = timer()
+        _few_rows_layout(x, weight, None, x.shape[0]) if few_rows else _stock_linear(x, weight)
+        return timer() - t0
+
     with torch.no_grad():
         for rows in MEASURED_ROWS:
             x = torch.randn(rows, weight.shape[1], generator=gen)
+            # (a warm-up call of each before the first count's, not kept but spent from its budget)
+            spent = timed(x, False) + timed(x, True) if rows == MEASURED_ROWS[0] else 0.0
             stock: list[float] = []
             few: list[float] = []
-            spent = 0.0
-            first = 0 if rows > MEASURED_ROWS[0] else 1  # (a warm-up call of each before the first count's)
-            for call in range(MAX_CALLS + 1 - first):
-                for times, few_rows in ((stock, False), (few, True)):
-                    t0 = timer()
-                    _few_rows_layout(x, weight, None, rows) if few_rows else _stock_linear(x, weight)
-                    took = timer() - t0
-                    spent += took
-                    if call >= first:
-                        times.append(took)
-                if call + 1 - first >= MIN_CALLS and spent >= MEASURE_BUDGET_S / len(MEASURED_ROWS):
+            while len(stock) < MAX_CALLS:
+                stock.append(timed(x, False))
+                few.append(timed(x, True))
+                spent += stock[-1] + few[-1]
+                if len(stock) >= MIN_CALLS and spent >= MEASURE_BUDGET_S / len(MEASURED_ROWS):
                     break
             wins[rows] = min(few) <= CLEAR_WIN * min(stock)
     return (False, *(wins[next(m for m in MEASURED_ROWS if m >= r)] for r in range(1, MAX_ROWS + 1)))
