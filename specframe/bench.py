@@ -308,6 +308,14 @@ class ForwardCounter:
         self.handle.remove()
 
 
+def shape_choices(proposer: Any) -> list[str]:
+    """How a proposer (or a union's members) chose its proposal shape on this machine, where it was measured."""
+    found = [f"{proposer.name}: {proposer.shape_choice}"] if getattr(proposer, "shape_choice", None) else []
+    for member in getattr(proposer, "members", None) or []:
+        found += shape_choices(member)
+    return found
+
+
 def specframe_method(name: str, decoder: Any, options: BenchOptions, description: str) -> Method:
     def run(ids: list[int], max_new: int, seed: int) -> Output:
         t0 = time.perf_counter()  # around the whole call, as for transformers (stats' wall_time_s is inside it)
@@ -461,6 +469,7 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
         entry = registry.get(name)
         decoder = SpeculativeDecoder(model, built[name], tokenizer=tokenizer, plugin=entry.plugin)
         about = f"specframe proposer '{name}' (plugin {entry.plugin}, {entry.distribution} {entry.version})"
+        about += "".join(f"; {how}" for how in shape_choices(built[name]))
         methods.append(specframe_method(name, decoder, options, about))
     encoder = SpeculativeDecoder(model, built.get("none") or proposer("none"), tokenizer=tokenizer)
 

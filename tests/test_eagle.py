@@ -675,3 +675,50 @@ def test_random_drafters_are_shaped_like_targets_that_name_their_sizes_otherwise
     for prompt in ([1, 2, 3], [5, 4]):
         got = SpeculativeDecoder(target, proposer).generate(prompt, max_new_tokens=10).token_ids
         assert got == reference_greedy(target, prompt, 10)
+
+
+def test_a_drafter_may_have_its_cpu_chain_measured_on_the_machine(trained, tmp_path, monkeypatch):
+    # `"shape_choice": "measured"`: on a CPU, the chain depth (1-3) fastest with this machine's timings
+    # (specframe/step_costs.py); the expected accepted lengths come from the drafter's held-out top-1 per level.
+    import dataclasses
+
+    from specframe.proposers import eagle
+    from specframe.step_costs import StepCosts
+
+    target, cfg, _, _ = trained
+    shutil.copytree(cfg.out, tmp_path / "tuned")
+    meta = json.loads((tmp_path / "tuned" / "eagle_config.json").read_text())
+    chains = eagle.chain_candidates(meta, "here")
+    held = meta["metrics"]["heldout"]
+    p1, p2 = held["top1"], held["top1"] * held["top1_step2"]
+    assert [c.accepted_length for c in chains] == pytest.approx([1 + p1, 1 + p1 + p2, chains[2].accepted_length])
+    assert [(c.shape, c.verify_tokens, c.drafter_forwards) for c in chains] == [(1, 2, 1), (2, 3, 2), (3, 4, 3)]
+    write = lambda m: (tmp_path / "tuned" / "eagle_config.json").write_text(json.dumps(m))  # noqa: E731
+    write({**meta, "shape_choice": "measured", "tree_shape": {"depth": 1, "top_k": 1, "total_tokens": 1}})
+    info = target_info(target)
+    config = EagleConfig(model=str(tmp_path / "tuned"))
+    for relative, depth in (((1.0, 1.0, 1.0, 1.0), 3), ((1.0, 1.0, 9.0, 9.0), 1), ((1.0, 1.0, 1.05, 9.0), 2)):
+        monkeypatch.setattr(eagle, "measure_step_costs", lambda model, r=relative: StepCosts(0.01, r))
+        monkeypatch.setattr(eagle, "relative_cost", lambda call, costs: call() or 0.0)  # (the step runs)
+        p = EagleProposer.from_config(config, info)
+        assert (p.depth, p.top_k, p.total_tokens) == (depth, 1, depth) and p.shape_choice.startswith(
+            f"chain of {depth} (measured"
+        ), relative
+        dec = SpeculativeDecoder(target, p)  # it decodes, and exactly (as every shape)
+        assert dec.generate([1, 2, 3], max_new_tokens=10).token_ids == reference_greedy(target, [1, 2, 3], 10)
+
+    def refuse(model):
+        raise AssertionError("timed")
+
+    monkeypatch.setattr(eagle, "measure_step_costs", refuse)
+    # A configured shape wins and nothing is timed; on another device ("meta" stands in for a GPU), nothing either.
+    p = EagleProposer.from_config(EagleConfig(model=str(tmp_path / "tuned"), depth=4), info)
+    assert p.depth == 4 and p.shape_choice is None
+    assert EagleProposer.from_config(config, dataclasses.replace(info, device=torch.device("meta"))).depth == 1
+    # Without the per-level metrics, or with a misspelt choice, the folder is refused by name.
+    write({**meta, "shape_choice": "measured", "metrics": {}})
+    with pytest.raises(ModelLoadError, match=r'shape_choice "measured" in .*eagle_config.json needs metrics.heldout'):
+        EagleProposer.from_config(config, info)
+    write({**meta, "shape_choice": "measure"})
+    with pytest.raises(ModelLoadError, match=r"shape_choice in .*eagle_config.json must be one of saved, measured"):
+        EagleProposer.from_config(config, info)

@@ -406,3 +406,47 @@ def test_a_tree_tuned_on_a_cpu_is_rebuilt_for_other_devices(trained, tmp_path):
     (tmp_path / "tuned" / "medusa_config.json").write_text(json.dumps({**meta, "shape_tuned_on": "cuda:0"}))
     on_cpu = MedusaProposer.from_config(config, info)
     assert on_cpu.tree == [c for c in DEFAULT_TREE if len(c) <= 3]
+
+
+def test_heads_may_have_their_cpu_tree_measured_on_the_machine(trained, tmp_path, monkeypatch):
+    # `"shape_choice": "measured"`: on a CPU, of the best trees of 1-3 nodes by held-out path counts, the one
+    # fastest with this machine's timings of the target (specframe/step_costs.py).
+    import dataclasses
+
+    from specframe.proposers import medusa
+    from specframe.step_costs import StepCosts
+
+    target, cfg, _ = trained
+    shutil.copytree(cfg.out, tmp_path / "tuned")
+    meta = json.loads((tmp_path / "tuned" / "medusa_config.json").read_text())
+    counts = meta["path_counts"]
+    write = lambda m: (tmp_path / "tuned" / "medusa_config.json").write_text(json.dumps(m))  # noqa: E731
+    write({**meta, "shape_choice": "measured", "tree": [[0]], "shape_tuned_on": "cpu"})
+    info = target_info(target)
+    config = MedusaConfig(model=str(tmp_path / "tuned"))
+    for relative, nodes in (((1.0, 1.0, 1.0, 1.0), 3), ((1.0, 1.0, 9.0, 9.0), 1)):
+        monkeypatch.setattr(medusa, "measure_step_costs", lambda model, r=relative: StepCosts(0.01, r))
+        p = MedusaProposer.from_config(config, info)
+        assert p.tree == best_tree(counts, nodes) and p.shape_choice.startswith(f"{nodes}-node tree (measured"), nodes
+        dec = SpeculativeDecoder(target, p)
+        assert dec.generate([1, 2, 3], max_new_tokens=10).token_ids == reference_greedy(target, [1, 2, 3], 10)
+    # Two nodes win when a third token costs more than its expected gain and a second one costs nothing.
+    one, two, three = (expected_accepted_length(counts, best_tree(counts, n)) for n in (1, 2, 3))
+    monkeypatch.setattr(medusa, "measure_step_costs", lambda model: StepCosts(0.01, (1.0, 1.0, 1.0, 2 * three / two)))
+    assert len(MedusaProposer.from_config(config, info).tree) == (2 if two > one else 1)
+
+    def refuse(model):
+        raise AssertionError("timed")
+
+    monkeypatch.setattr(medusa, "measure_step_costs", refuse)
+    # A configured tree (or size) wins; on another device ("meta" stands in for a GPU) nothing is timed either.
+    assert MedusaProposer.from_config(MedusaConfig(model=config.model, tree_nodes=2), info).shape_choice is None
+    assert MedusaProposer.from_config(MedusaConfig(model=config.model, tree=[[0], [1]]), info).tree == [(0,), (1,)]
+    far = MedusaProposer.from_config(config, dataclasses.replace(info, device=torch.device("meta")))
+    assert far.shape_choice is None and len(far.tree) > 3
+    write({**meta, "shape_choice": "measured", "path_counts": None})
+    with pytest.raises(ModelLoadError, match='shape_choice "measured" needs the heads\' path_counts'):
+        MedusaProposer.from_config(config, info)
+    write({**meta, "shape_choice": 1})
+    with pytest.raises(ModelLoadError, match=r"shape_choice in .*medusa_config.json must be one of saved, measured"):
+        MedusaProposer.from_config(config, info)

@@ -23,7 +23,8 @@ output distribution exactly the target's under greedy and sampled decoding alike
 Saved drafter (a folder, see docs/eagle.md):
     eagle_config.json   {"format": "specframe-eagle", "version": 1 or 2, "llama_config": {...}, "target": {...},
                          "fuse_layers": [...] (version 2 only), "metrics": {...}, "train_config": {...},
-                         "tree_shape": {...} (optional)}
+                         "tree_shape": {...} (optional), "shape_choice": "saved" or "measured" (optional:
+                         "measured" = on a CPU, the chain depth fastest on the machine, specframe/step_costs.py)}
     eagle_vocab.json    [token ids of the draft's output rows]
     model.safetensors   fc.weight, fc.bias, layer.*, norm.weight (float16); with fused layers (version 2,
                         "fuse_layers": [...] in eagle_config.json) also fuse.weight, fuse_norms.*
@@ -55,7 +56,15 @@ from specframe.proposer import (
     saved_shape_applies,
     seeded,
 )
-from specframe.training.eagle import EagleTrainConfig
+from specframe.step_costs import (
+    CONTEXT,
+    ShapeCandidate,
+    check_shape_choice,
+    fastest_shape,
+    measure_step_costs,
+    relative_cost,
+)
+from specframe.training.eagle import LEVEL_KEYS, EagleTrainConfig
 from specframe.training.features import check_extra_layers
 
 FORMAT = "specframe-eagle"
@@ -87,7 +96,8 @@ class EagleConfig:
     # Trained drafter folder (from `specframe train --proposer eagle`); None = the one shipped for the target.
     model: str | None = None
     # Deepest draft level (tokens a step can gain beyond the target's own one). None (this and the next two):
-    # the shape saved with the drafter (tuned on held-out training prompts), else 5 / 6 / 24.
+    # the shape saved with the drafter (tuned on held-out training prompts), else 5 / 6 / 24; on a CPU, a drafter
+    # saved with `"shape_choice": "measured"` drafts the chain timed fastest at load (specframe/step_costs.py).
     depth: int | None = None
     # Tree mode: children proposed per frontier node, and frontier nodes kept per level.
     top_k: int | None = None
@@ -225,6 +235,26 @@ class EagleDrafter(torch.nn.Module):
         if fast_kernels_on(self):  # a proposal's few rows: the faster CPU layout
             return few_rows_linear(feats, self.head).float()
         return torch.nn.functional.linear(feats, self.head).float()
+
+
+def chain_candidates(meta: dict, where: str) -> list[ShapeCandidate]:
+    """Chains of 1-3 draft tokens with their expected accepted lengths from the drafter's held-out top-1 per
+    draft level (`metrics.heldout`: top1, top1_step2, top1_step3), each level's taken as the chance that it is
+    accepted when the levels before it were: 1 + p1 + p1 p2 + p1 p2 p3. (Errors go together, so a level is
+    accepted more often after accepted ones than its own top-1: the estimate is low for deeper chains.)"""
+    held = (meta.get("metrics") or {}).get("heldout") or {}
+    levels = [held.get(k) for k in LEVEL_KEYS]
+    if not all(isinstance(p, (int, float)) and 0 <= p <= 1 for p in levels):
+        raise ModelLoadError(
+            f'shape_choice "measured" {where} needs metrics.heldout.{", ".join(LEVEL_KEYS)} (the trainer\'s '
+            f"held-out top-1 per draft level, each in [0, 1]), got {levels}"
+        )
+    candidates, reach, accepted = [], 1.0, 1.0
+    for depth, p in enumerate(levels, 1):
+        reach *= p
+        accepted += reach
+        candidates.append(ShapeCandidate(depth, accepted, verify_tokens=depth + 1, drafter_forwards=depth))
+    return candidates
 
 
 def build_drafter(
@@ -377,6 +407,7 @@ class EagleProposer(Proposer):
         self.depth = config.depth if config.depth is not None else shape["depth"]
         self.top_k = config.top_k if config.top_k is not None else shape["top_k"]
         self.total_tokens = config.total_tokens if config.total_tokens is not None else shape["total_tokens"]
+        self.shape_choice: str | None = None  # how the shape was measured on this machine (use_fastest_chain)
         threshold = resolve_confidence_threshold(
             config.confidence_threshold,
             shape.get("confidence_threshold"),
@@ -424,7 +455,13 @@ class EagleProposer(Proposer):
         check_confidence_threshold(shape.get("confidence_threshold"), f"tree_shape.confidence_threshold {where}")
         if not saved_shape_applies(meta, target.device, f"{path}/eagle_config.json"):  # (the threshold still does)
             shape = {k: v for k, v in shape.items() if k not in ("depth", "top_k", "total_tokens")}
-        return cls(config, target, drafter, vocab_ids, shape)
+        measure = check_shape_choice(meta.get("shape_choice"), where) == "measured"
+        chains = chain_candidates(meta, where) if measure else []
+        proposer = cls(config, target, drafter, vocab_ids, shape)
+        unset = all(getattr(config, k) is None for k in ("depth", "top_k", "total_tokens"))
+        if measure and unset and target.device.type == "cpu" and target.model is not None:
+            proposer.use_fastest_chain(chains)
+        return proposer
 
     @classmethod
     def random(
@@ -443,6 +480,32 @@ class EagleProposer(Proposer):
         dtype = proposer_dtype(config.dtype, target.dtype, target.device)
         drafter = drafter.to(device=target.device, dtype=dtype).attach(target.model, vocab_ids)
         return cls(config, target, drafter, vocab_ids)
+
+    def use_fastest_chain(self, candidates: list[ShapeCandidate]) -> ShapeCandidate:
+        """Draft the chain depth of `candidates` that is fastest on this machine (specframe/step_costs.py): the
+        target's forwards and one drafter step (a one-pair forward and its logits) timed here."""
+        costs = measure_step_costs(self.target.model)
+        h = self.drafter.fc.weight.shape[0]
+        cache = DynamicCache(config=self.drafter.config)
+        with torch.no_grad():
+            context = torch.zeros(1, CONTEXT, h, dtype=self.dtype, device=self.target.device)
+            tokens = torch.zeros(1, CONTEXT + 1, dtype=torch.long, device=self.target.device)
+            positions = torch.arange(CONTEXT + 1, device=self.target.device)[None]
+            self.drafter(context, tokens[:, :CONTEXT], positions[:, :CONTEXT], None, cache)
+
+            def step() -> None:
+                out = self.drafter(context[:, :1], tokens[:, :1], positions[:, CONTEXT:], None, cache)
+                self.drafter.logits(out[0])
+                cache.crop(-1)
+
+            drafter_cost = relative_cost(step, costs)
+        best = fastest_shape(candidates, costs, drafter_cost)
+        self.depth, self.top_k, self.total_tokens = best.shape, 1, best.shape
+        self.shape_choice = (
+            f"chain of {best.shape} (measured: {len(candidates)} chains, verifying 1-{len(costs.relative)} tokens "
+            f"= {', '.join(f'{c:.2f}' for c in costs.relative)} one-token forwards, a drafter step {drafter_cost:.2f})"
+        )
+        return best
 
     # ------------------------------------------------------------------ state
 

@@ -12,7 +12,8 @@ draft (a top-k choice; q one-hot), verified by the core's exact tree acceptance,
 lossy "typical acceptance" is not offered.
 
 Saved heads (a folder): `medusa_config.json` (format, sizes, the target's fingerprint, the tree chosen on
-held-out training data, its path statistics and the training metrics), `medusa_vocab.json` (the reduced
+held-out training data, its path statistics and the training metrics; `"shape_choice": "measured"` has a CPU
+use instead the tree of 1-4 nodes fastest on the machine, specframe/step_costs.py), `medusa_vocab.json` (the reduced
 vocabulary) and `model.safetensors` (float16 residual blocks only). Heads trained with Medusa-2 also name the
 PEFT adapter they were trained with; load that adapter as `target.adapter` (see docs/medusa.md).
 """
@@ -42,6 +43,7 @@ from specframe.proposer import (
     saved_shape_applies,
     seeded,
 )
+from specframe.step_costs import ShapeCandidate, check_shape_choice, fastest_shape, measure_step_costs
 from specframe.training.medusa import MedusaTrainConfig
 
 FORMAT = "specframe-medusa-heads"
@@ -68,7 +70,8 @@ ACCELERATOR_TREE_NODES = 64
 class MedusaConfig:
     # Folder of trained heads (see `specframe train --proposer medusa`); None = the heads shipped for the target.
     model: str | None = None
-    # The tree as Medusa-style choices, e.g. [[0], [1], [0, 0]]; None = the tree saved with the heads.
+    # The tree as Medusa-style choices, e.g. [[0], [1], [0, 0]]; None = the tree saved with the heads (on a CPU,
+    # heads saved with `"shape_choice": "measured"`: the 1-3 node tree timed fastest at load, step_costs.py).
     tree: list[list[int]] | None = None
     # Rebuild the tree with this many nodes from the path statistics saved with the heads; None = as saved.
     tree_nodes: int | None = None
@@ -252,6 +255,25 @@ def saved_path_counts(meta: dict, path: str | Path, num_heads: int) -> dict:
     return stats
 
 
+def fastest_tree(path_counts: dict, target: torch.nn.Module) -> tuple[list[tuple[int, ...]], str]:
+    """The tree of 1..MAX_VERIFY_TOKENS - 1 nodes (each the best of its size by held-out path counts) that is
+    fastest with `target` on this machine (specframe/step_costs.py), and how it was chosen. The heads cost one
+    small product per step whatever the tree, so only the verification forward's size is weighed."""
+    from specframe.training.medusa import best_tree, expected_accepted_length
+
+    costs = measure_step_costs(target)
+    candidates = []
+    for nodes in range(1, len(costs.relative)):
+        tree = best_tree(path_counts, nodes)
+        candidates.append(ShapeCandidate(tree, expected_accepted_length(path_counts, tree), len(tree) + 1))
+    best = fastest_shape(candidates, costs)
+    how = (
+        f"{len(best.shape)}-node tree (measured: trees of 1-{len(candidates)} nodes, verifying 1-{len(costs.relative)}"
+        f" tokens = {', '.join(f'{c:.2f}' for c in costs.relative)} one-token forwards)"
+    )
+    return best.shape, how
+
+
 class MedusaProposer(Proposer):
     name = "medusa"
     config_class = MedusaConfig
@@ -288,6 +310,7 @@ class MedusaProposer(Proposer):
         self.top = max(p[-1] for p in tree) + 1  # candidates needed per head
         self.used_heads = len(tree[-1])
         self.feature: torch.Tensor | None = None  # h at the position that produced the current root
+        self.shape_choice: str | None = None  # how the tree was measured on this machine (fastest_tree)
         self.threshold = resolve_confidence_threshold(
             config.confidence_threshold, saved_threshold, "the confidence_threshold saved with the heads"
         )  # minimum path probability of a proposed node
@@ -326,9 +349,19 @@ class MedusaProposer(Proposer):
         else:
             saved = saved_tree(meta, path, heads.num_heads) if saved_applies else None
             tree = saved or [c for c in DEFAULT_TREE if len(c) <= heads.num_heads]
+        choice = check_shape_choice(meta.get("shape_choice"), f"{path}/medusa_config.json")
+        measured = None
+        if choice == "measured" and config.tree is None and config.tree_nodes is None and target.device.type == "cpu":
+            if not meta.get("path_counts"):
+                raise ModelLoadError(
+                    f"medusa heads '{path}': shape_choice \"measured\" needs the heads' path_counts to choose from"
+                )
+            tree, measured = fastest_tree(saved_path_counts(meta, path, heads.num_heads), target.model)
         saved = meta.get("confidence_threshold")
         check_confidence_threshold(saved, f"confidence_threshold in {path}/medusa_config.json")
-        return cls(config, target, heads, vocab_ids, tree, saved)
+        proposer = cls(config, target, heads, vocab_ids, tree, saved)
+        proposer.shape_choice = measured
+        return proposer
 
     @classmethod
     def random(cls, target: TargetInfo, config: MedusaConfig | None = None, seed: int = 0) -> MedusaProposer:

@@ -1,0 +1,130 @@
+"""How many draft tokens pay on this machine: a proposal shape chosen by timing the target where it runs.
+
+On a GPU, verifying dozens of tokens costs what one does; on a CPU every token in the verification forward
+costs something, and how much depends on the CPU (specframe/cpu_kernels.py): on this project's AMD EPYC
+machines 2 tokens cost what 1 does and 3 cost 1.2-1.3x, on its Intel Xeon ones 2-3 tokens cost 1.07-1.1x and
+4 cost 1.4x. So the shape that decodes fastest on one machine is not the fastest on another (EAGLE's shipped
+drafter: one draft token per step on the AMD machine, a chain of two on the Intel one).
+
+A trained artifact that says so (`"shape_choice": "measured"` in its config) has its CPU shape chosen at load
+from its candidate shapes: each one's speed relative to plain decoding is estimated as
+
+    expected accepted length / (target forward over its verified tokens + its drafter forwards per step)
+
+with the accepted length from the artifact's held-out statistics and both costs in units of a one-token target
+forward, timed here (`measure_step_costs`, ~1.8 s for SmolLM2-135M, once per target and thread count;
+`relative_cost` for a drafter's forward).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specframe.errors import ModelLoadError
+
+CONTEXT = 128  # cached tokens before the timed forwards (a short prompt)
+MAX_VERIFY_TOKENS = 4  # timed forwards cover 1..this many tokens (on a CPU, more never paid on either machine)
+REPEATS = 5  # timed calls per token count, alternating between counts; the fastest counts (busy time only adds)
+SHAPE_CHOICES = ("saved", "measured")  # values of an artifact's `shape_choice`
+_COSTS = "_specframe_step_costs"  # attribute of a timed model: {thread count: StepCosts}
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """A target's forward times on this machine over a cached context."""
+
+    one_token_s: float  # seconds of a one-token forward (a plain decoding step)
+    relative: tuple[float, ...]  # relative[n - 1]: a forward over n tokens, in one-token forwards (relative[0] = 1)
+
+    def verify(self, tokens: int) -> float:
+        """A forward over `tokens` tokens, in one-token forwards."""
+        if not 1 <= tokens <= len(self.relative):
+            raise ValueError(f"forwards over 1..{len(self.relative)} tokens were timed, not {tokens}")
+        return self.relative[tokens - 1]
+
+
+@dataclass(frozen=True)
+class ShapeCandidate:
+    """One proposal shape a proposer could use, with what it is expected to gain and cost per step."""
+
+    shape: Any  # the proposer's own description (a depth, a tree)
+    accepted_length: float  # expected tokens per step (accepted drafts + the target's own), held-out statistics
+    verify_tokens: int  # tokens in the verification forward: the drafted nodes + the root
+    drafter_forwards: int = 0  # sequential drafter forwards per step (each timed by the proposer)
+
+
+def _time_min(calls: dict[Any, Callable[[], Any]], timer: Callable[[], float]) -> dict[Any, float]:
+    """Fastest of REPEATS timed calls of each, the calls alternating, after one untimed warm-up call of each."""
+    for call in calls.values():
+        call()
+    best = {k: float("inf") for k in calls}
+    for _ in range(REPEATS):
+        for k, call in calls.items():
+            t0 = timer()
+            call()
+            best[k] = min(best[k], timer() - t0)
+    return best
+
+
+def measure_step_costs(model: torch.nn.Module, timer: Callable[[], float] = time.perf_counter) -> StepCosts:
+    """Time `model` (a causal LM, as the decoder calls it) on forwards over 1..MAX_VERIFY_TOKENS tokens after
+    CONTEXT cached ones; once per model and thread count (kept on the model)."""
+    from specframe.kv_cache import new_cache
+
+    memo = model.__dict__.setdefault(_COSTS, {})
+    threads = torch.get_num_threads()
+    if threads in memo:
+        return memo[threads]
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(vocab, (1, CONTEXT + MAX_VERIFY_TOKENS), generator=gen).to(device)
+    cache = new_cache(model)
+    with torch.no_grad():
+        model(input_ids=ids[:, :CONTEXT], cache=cache, use_cache=True, logits_to_keep=1)
+
+        def forward(n: int) -> Callable[[], None]:
+            def call() -> None:
+                model(input_ids=ids[:, CONTEXT : CONTEXT + n], cache=cache, use_cache=True)
+                cache.crop(-n)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+
+            return call
+
+        times = _time_min({n: forward(n) for n in range(1, MAX_VERIFY_TOKENS + 1)}, timer)
+    one = max(times[1], 1e-9)
+    memo[threads] = costs = StepCosts(one, tuple(times[n] / one for n in range(1, MAX_VERIFY_TOKENS + 1)))
+    return costs
+
+
+def relative_cost(call: Callable[[], Any], costs: StepCosts, timer: Callable[[], float] = time.perf_counter) -> float:
+    """`call`'s time (fastest of REPEATS after a warm-up) in one-token forwards of the target timed in `costs`."""
+    return _time_min({0: call}, timer)[0] / costs.one_token_s
+
+
+def fastest_shape(candidates: Sequence[ShapeCandidate], costs: StepCosts, drafter_cost: float = 0.0) -> ShapeCandidate:
+    """The candidate with the most expected tokens per unit of time (the first of equals), given the target's
+    `costs` and one drafter forward's cost in one-token target forwards."""
+    usable = [c for c in candidates if c.verify_tokens <= len(costs.relative)]
+    if not usable:
+        raise ValueError("no candidate shape fits the timed forwards")
+
+    def speed(c: ShapeCandidate) -> float:
+        return c.accepted_length / (costs.verify(c.verify_tokens) + c.drafter_forwards * drafter_cost)
+
+    return max(usable, key=speed)  # (max keeps the first of equal speeds)
+
+
+def check_shape_choice(value: Any, where: str) -> str:
+    """An artifact's `shape_choice` ("saved" when absent), or ModelLoadError naming `where`."""
+    if value is None:
+        return "saved"
+    if value not in SHAPE_CHOICES:
+        raise ModelLoadError(f"shape_choice in {where} must be one of {', '.join(SHAPE_CHOICES)}, got {value!r}")
+    return value

@@ -1,0 +1,105 @@
+"""The proposal shape chosen by timing the target on the machine (specframe/step_costs.py)."""
+
+import pytest
+import torch
+
+from specframe import step_costs
+from specframe.bench import shape_choices
+from specframe.errors import ModelLoadError
+from specframe.step_costs import (
+    MAX_VERIFY_TOKENS,
+    ShapeCandidate,
+    StepCosts,
+    check_shape_choice,
+    fastest_shape,
+    measure_step_costs,
+    relative_cost,
+)
+from specframe.testing.tiny import tiny_llama
+
+# EAGLE's shipped drafter's chains (expected accepted lengths from its held-out top-1 per level), and timings of
+# SmolLM2-135M's forwards over 1-4 tokens on the two kinds of machine (specframe/cpu_kernels.py's tables).
+CHAINS = [ShapeCandidate(d, e, d + 1, d) for d, e in ((1, 1.509), (2, 1.736), (3, 1.829))]
+INTEL = StepCosts(0.069, (1.0, 1.07, 1.10, 1.39))
+AMD = StepCosts(0.034, (1.0, 0.91, 1.21, 1.18))
+
+
+def test_the_fastest_shape_follows_the_machine():
+    assert fastest_shape(CHAINS, INTEL, drafter_cost=0.07).shape == 2  # 1.736 / 1.24 > 1.509 / 1.14
+    assert fastest_shape(CHAINS, AMD, drafter_cost=0.07).shape == 1  # 1.509 / 0.98 > 1.736 / 1.35
+    assert fastest_shape(CHAINS, INTEL, drafter_cost=0.5).shape == 1  # a costly drafter: one token
+    free = StepCosts(0.01, (1.0, 1.0, 1.0, 1.0))
+    assert fastest_shape(CHAINS, free).shape == 3  # verification free, drafting free: the longest
+    same = [ShapeCandidate("a", 1.5, 2), ShapeCandidate("b", 1.5, 2)]
+    assert fastest_shape(same, free).shape == "a"  # equals: the first
+    # A candidate verifying more tokens than were timed is never chosen; none fitting is an error.
+    deep = ShapeCandidate("deep", 9.0, MAX_VERIFY_TOKENS + 1)
+    assert fastest_shape([*CHAINS, deep], free).shape == 3
+    with pytest.raises(ValueError, match="no candidate"):
+        fastest_shape([deep], free)
+    with pytest.raises(ValueError, match="not 5"):
+        free.verify(5)
+
+
+class FakeClock:
+    """A clock that a model's forward advances by a cost per input token count (and nothing else does)."""
+
+    def __init__(self, model, seconds_per_forward):
+        self.now = 0.0
+        self.forwards = []
+
+        def advance(module, args, kwargs):
+            n = kwargs["input_ids"].shape[1]
+            self.forwards.append(n)
+            self.now += seconds_per_forward.get(n, 1.0)
+
+        model.register_forward_pre_hook(advance, with_kwargs=True)
+
+    def __call__(self):
+        return self.now
+
+
+def test_forward_costs_are_timed_once_per_model_and_thread_count():
+    model = tiny_llama(vocab_size=32, seed=0)
+    clock = FakeClock(model, {1: 0.02, 2: 0.021, 3: 0.03, 4: 0.05})
+    costs = measure_step_costs(model, timer=clock)
+    assert costs.one_token_s == pytest.approx(0.02)
+    assert costs.relative == pytest.approx((1.0, 1.05, 1.5, 2.5))
+    # The context once, then each count once untimed and REPEATS times timed, the counts alternating.
+    counts = list(range(1, MAX_VERIFY_TOKENS + 1))
+    assert clock.forwards == [step_costs.CONTEXT] + counts * (1 + step_costs.REPEATS)
+    assert measure_step_costs(model, timer=clock) is costs and len(clock.forwards) == 1 + 4 * 6  # remembered
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert measure_step_costs(model, timer=clock) is not costs  # another thread count: timed again
+    finally:
+        torch.set_num_threads(threads)
+    # Real timing of a real (tiny) forward: positive, one-token forwards as the unit.
+    real = measure_step_costs(tiny_llama(vocab_size=32, seed=1))
+    assert real.one_token_s > 0 and real.relative[0] == 1.0 and len(real.relative) == MAX_VERIFY_TOKENS
+
+
+def test_a_busy_moment_does_not_decide_and_a_drafter_is_timed_in_target_forwards():
+    ticks = iter([0.0, 0.5] + [0.0, 0.01] * 10)  # the first timed call caught a busy moment (0.5 s)
+    costs = StepCosts(0.02, (1.0,))
+    calls = []
+    assert relative_cost(lambda: calls.append(1), costs, timer=lambda: next(ticks)) == pytest.approx(0.5)
+    assert len(calls) == 1 + step_costs.REPEATS  # a warm-up, then the timed calls
+
+
+def test_shape_choice_values():
+    assert check_shape_choice(None, "x.json") == "saved"
+    assert check_shape_choice("measured", "x.json") == "measured"
+    with pytest.raises(ModelLoadError, match="shape_choice in x.json must be one of saved, measured, got 'fast'"):
+        check_shape_choice("fast", "x.json")
+
+
+def test_the_benchmark_names_the_measured_shapes_of_a_proposer_and_its_members():
+    class P:
+        def __init__(self, name, how=None, members=None):
+            self.name, self.shape_choice, self.members = name, how, members
+
+    union = P("union", members=[P("eagle", "chain of 2 (measured)"), P("ngram")])
+    assert shape_choices(union) == ["eagle: chain of 2 (measured)"]
+    assert shape_choices(P("none")) == []
