@@ -4,7 +4,8 @@ On a GPU, verifying dozens of tokens costs what one does; on a CPU every token i
 costs something, and how much depends on the CPU (specframe/cpu_kernels.py): on this project's AMD EPYC
 machines 2 tokens cost what 1 does and 3 cost 1.2-1.3x, on its Intel Xeon ones 2-3 tokens cost 1.07-1.1x and
 4 cost 1.4x. So the shape that decodes fastest on one machine is not the fastest on another (EAGLE's shipped
-drafter: one draft token per step on the AMD machine, a chain of two on the Intel one).
+drafter: one draft token per step on the AMD machine; on the Intel one a chain of two was faster on held-out
+prompts, 1.43x plain decoding against 1.34x, but the timings put the two close and pick either).
 
 A trained artifact that says so (`"shape_choice": "measured"` in its config) has its CPU shape chosen at load
 from its candidate shapes: each one's speed relative to plain decoding is estimated as
