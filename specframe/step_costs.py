@@ -42,6 +42,11 @@ class StepCosts:
     one_token_s: float  # seconds of a one-token forward (a plain decoding step)
     relative: tuple[float, ...]  # relative[n - 1]: a forward over n tokens, in one-token forwards (relative[0] = 1)
 
+    def describe(self) -> str:
+        """The timings as a proposer reports them (the benchmark's method descriptions)."""
+        costs = ", ".join(f"{c:.2f}" for c in self.relative)
+        return f"verifying 1-{len(self.relative)} tokens = {costs} one-token forwards"
+
     def verify(self, tokens: int) -> float:
         """A forward over `tokens` tokens, in one-token forwards."""
         if not 1 <= tokens <= len(self.relative):

@@ -455,7 +455,7 @@ class EagleProposer(Proposer):
         check_confidence_threshold(shape.get("confidence_threshold"), f"tree_shape.confidence_threshold {where}")
         if not saved_shape_applies(meta, target.device, f"{path}/eagle_config.json"):  # (the threshold still does)
             shape = {k: v for k, v in shape.items() if k not in ("depth", "top_k", "total_tokens")}
-        measure = check_shape_choice(meta.get("shape_choice"), where) == "measured"
+        measure = check_shape_choice(meta.get("shape_choice"), f"{path}/eagle_config.json") == "measured"
         chains = chain_candidates(meta, where) if measure else []
         proposer = cls(config, target, drafter, vocab_ids, shape)
         unset = all(getattr(config, k) is None for k in ("depth", "top_k", "total_tokens"))
@@ -502,8 +502,8 @@ class EagleProposer(Proposer):
         best = fastest_shape(candidates, costs, drafter_cost)
         self.depth, self.top_k, self.total_tokens = best.shape, 1, best.shape
         self.shape_choice = (
-            f"chain of {best.shape} (measured: {len(candidates)} chains, verifying 1-{len(costs.relative)} tokens "
-            f"= {', '.join(f'{c:.2f}' for c in costs.relative)} one-token forwards, a drafter step {drafter_cost:.2f})"
+            f"chain of {best.shape} (measured: {len(candidates)} chains, {costs.describe()}, a drafter step "
+            f"{drafter_cost:.2f})"
         )
         return best
 

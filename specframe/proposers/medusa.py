@@ -13,7 +13,7 @@ lossy "typical acceptance" is not offered.
 
 Saved heads (a folder): `medusa_config.json` (format, sizes, the target's fingerprint, the tree chosen on
 held-out training data, its path statistics and the training metrics; `"shape_choice": "measured"` has a CPU
-use instead the tree of 1-4 nodes fastest on the machine, specframe/step_costs.py), `medusa_vocab.json` (the reduced
+use instead the tree of 1-3 nodes fastest on the machine, specframe/step_costs.py), `medusa_vocab.json` (the reduced
 vocabulary) and `model.safetensors` (float16 residual blocks only). Heads trained with Medusa-2 also name the
 PEFT adapter they were trained with; load that adapter as `target.adapter` (see docs/medusa.md).
 """
@@ -267,11 +267,7 @@ def fastest_tree(path_counts: dict, target: torch.nn.Module) -> tuple[list[tuple
         tree = best_tree(path_counts, nodes)
         candidates.append(ShapeCandidate(tree, expected_accepted_length(path_counts, tree), len(tree) + 1))
     best = fastest_shape(candidates, costs)
-    how = (
-        f"{len(best.shape)}-node tree (measured: trees of 1-{len(candidates)} nodes, verifying 1-{len(costs.relative)}"
-        f" tokens = {', '.join(f'{c:.2f}' for c in costs.relative)} one-token forwards)"
-    )
-    return best.shape, how
+    return best.shape, f"{len(best.shape)}-node tree (measured: trees of 1-{len(candidates)} nodes, {costs.describe()})"
 
 
 class MedusaProposer(Proposer):
