@@ -8,11 +8,17 @@ those shapes depends on the CPU, so what is used is measured on the machine:
    product gets; on 2-64 rows, `X @ W.T` is slower again than `W @ X.T` with a contiguous X; and 10-15 rows cost
    more than 16. The *few-row layout* computes `W @ X.T`, one row duplicated into two columns and 10-15 rows
    padded to 16 (padding rows are copies, dropped after). On its 2-core Intel Xeon machines (AMX, the same
-   torch) the stock products are the fast ones: the few-row layout is 2-5x slower on one to four rows of a
-   layer's weight. So each float32 CPU `nn.Linear` of a model given these kernels, and each few-row product of
-   a proposer (`few_rows_linear`), uses the few-row layout only at the row counts where it is clearly faster on
-   this machine: both are timed once per weight shape and thread count (`measure_layouts`, at load for a
-   model's layers: 0.01-0.7 s a shape, ~1 s for SmolLM2-135M) and the stock product is kept where they are close.
+   torch) the stock products are the fast ones on 1-3 rows, and the few-row layout is 2-5x slower there; from
+   4 rows on, the stock product repacks the weight on every call, and MKL's *packed layout* (the weight
+   reordered once by `mkl::_mkl_reorder_linear_weight` for a row count, kept beside the weight, and multiplied
+   by `mkl::_mkl_linear`) is faster; so is it for the 113 MB LM head on one row (5.3 against 8.4 ms). So each
+   float32 CPU `nn.Linear` of a model given these kernels, and each few-row product of a proposer
+   (`few_rows_linear`), uses at each row count the layout that is clearly fastest on this machine: the three
+   are timed once per weight shape and thread count (`measure_layouts`, at load for a model's layers; on copies
+   of the weight taken in turn, so that it comes from memory as in a forward: up to ~1 s a shape, 3-6 s for
+   SmolLM2-135M) and the stock product is kept where they are close. The packed layout keeps one copy of the
+   weight per row count it is used at (1-16 rows; counts between the measured ones are padded up to the next),
+   so memory grows by a copy of those weights for each such count.
 2. transformers' `sdpa` attention copies the key/value heads of grouped-query attention (`repeat_kv`, a copy
    of the whole cache per layer) whenever a mask is given, that is on every multi-token forward; PyTorch's SDPA
    does grouped-query attention itself (`enable_gqa`) with a mask on CPU (on the Intel machine, SDPA alone at
@@ -30,15 +36,16 @@ measurement picks there too):
     1200 cached, stock kernels    58   101   125    94    89    95    92   101   110
     1200 cached, these kernels    38    37    49    46    55    62    67    91    90
 
-Intel Xeon with AMX, 2026-12-03, the layout measured (it kept the stock product on one to four rows for every
-weight shape, and chose the few-row one for some shapes at 8-32 rows); the few-row layout everywhere, as
-before, took 100 ms for one token at 300 cached:
+Intel Xeon with AMX, 2026-12-03, the layouts measured (the three, chosen per weight shape: stock on 1-3 rows
+except the LM head, packed from 4 or 8 rows on), with specframe's cache (`specframe.kv_cache`) against
+transformers' `DynamicCache`; a slow hour of that machine (the same script gave 68 ms for one stock token at 300
+cached in the morning):
 
     tokens in the forward          1     2     3     4     5     6     8    12    16
-    300 cached, stock kernels     68    82    80   101   116   116   134   157   153
-    300 cached, these kernels     69    74    76    96   103   115   125   162   138
-    1200 cached, stock kernels    76    99   110   137   135   130   159   181   179
-    1200 cached, these kernels    72    78    86   106   112   122   127   161   157
+    300 cached, stock kernels     82    97   105   136   143   154   162   196   215
+    300 cached, these kernels     85    89    99   107   127   121   121   149   138
+    1200 cached, stock kernels    94   137   147   182   193   207   216   241   239
+    1200 cached, these kernels    93   100   114   126   127   130   135   164   168
 
 The outputs of the few-row layout are made row-major again: a column-major query sends SDPA to its slow math
 path (measured on the AMD machine: 2 tokens at 1200 cached took 49 ms without that copy, 37 with it).
@@ -64,32 +71,55 @@ import torch.nn.functional as F
 MAX_ROWS = 64  # longer inputs (prefills) keep PyTorch's own path
 PAD_ROWS = {1: 2, **{n: 16 for n in range(10, 16)}}  # row counts computed as a larger, faster product
 ATTENTION = "specframe_sdpa"
-# Row counts at which the two layouts are timed against each other; a count between two of them follows the
-# larger one (5-8 rows follow 8).
+# Row counts at which the layouts are timed against each other; a count between two of them follows the
+# larger one (5-8 rows follow 8; the packed layout pads them to 8 rows).
 MEASURED_ROWS = (1, 2, 3, 4, 8, 16, 32, 64)
-# The few-row layout is used where its fastest call takes at most this fraction of the stock one's (a clear
+# The three layouts of a product (`LAYOUTS`): PyTorch's own `F.linear`; `W @ X.T` ("few-rows"); MKL's packed
+# product ("packed": the weight reordered once for a row count by MKL, kept beside the weight, one copy per
+# row count used, only up to PACKED_MAX_ROWS rows and where this PyTorch has MKL).
+STOCK, FEW_ROWS, PACKED = "stock", "few-rows", "packed"
+LAYOUTS = (STOCK, FEW_ROWS, PACKED)
+PACKED_MAX_ROWS = 16  # (each row count packed is another copy of the weights: the count of copies stays small)
+# Another layout is used where its fastest call takes at most this fraction of the stock one's (a clear
 # win: on a noisy machine the choice should not flip between processes).
 CLEAR_WIN = 0.9
-MEASURE_BUDGET_S = 0.4  # about the most the timing of one weight shape takes (a large one; a small one less)
+MEASURE_BUDGET_S = 0.6  # about the most the timing of one weight shape takes
 MIN_CALLS, MAX_CALLS = 2, 9  # timed calls of each layout per measured row count
-# "measure" (default): per weight shape and thread count, the layout measured faster on this machine at that
-# row count; "few-rows": always the few-row layout; "stock": never (tests pin the layout with this).
+COLD_BYTES, MAX_COPIES = 96 * 2**20, 127  # weights timed in turn: more than the CPU caches hold (`_cold_copies`)
+# "measure" (default): per weight shape and thread count, the layout measured fastest on this machine at that
+# row count; "few-rows" or "packed": that layout wherever it applies; "stock": never another (tests pin the
+# layout with these).
 layout_choice = "measure"
-LAYOUT_CHOICES = ("measure", "few-rows", "stock")
-_plans: dict[tuple[int, int, int], tuple[bool, ...]] = {}  # (out, in, threads) -> few-row layout wins, by rows
+LAYOUT_CHOICES = ("measure", FEW_ROWS, PACKED, STOCK)
+_plans: dict[tuple[int, int, int], tuple[str, ...]] = {}  # (out, in, threads) -> layout, by rows 0..MAX_ROWS
 _stock_linear = F.linear  # (by this name, so that a test can time a stand-in)
+_PACKS = "_specframe_packed"  # a weight's attribute: its packed copies, by row count
+
+
+def _mkl_packing() -> bool:
+    try:
+        return bool(torch._C.has_mkl) and callable(torch.ops.mkl._mkl_reorder_linear_weight)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+PACKED_AVAILABLE = _mkl_packing()
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, through the few-row layout for float32 CPU inputs of 1-64 rows where that
-    layout is the faster one on this machine (`layout_plan`)."""
+    """`F.linear(x, weight, bias)`, for float32 CPU inputs of 1-64 rows through the layout that is fastest on
+    this machine at that row count for that weight shape (`layout_plan`)."""
     rows = x.numel() // weight.shape[1] if x.dim() else 0
-    if not (1 <= rows <= MAX_ROWS and x.is_cpu and x.dtype == torch.float32) or layout_choice == "stock":
+    if not (1 <= rows <= MAX_ROWS and x.is_cpu and x.dtype == torch.float32) or layout_choice == STOCK:
         return _stock_linear(x, weight, bias)
-    if layout_choice == "measure":
-        if not layout_plan(weight)[rows]:
-            return _stock_linear(x, weight, bias)
-    return _few_rows_layout(x, weight, bias, rows)
+    layout = layout_plan(weight)[rows] if layout_choice == "measure" else layout_choice
+    if layout == PACKED:
+        if _packs_here(x, weight, rows):
+            return _packed_layout(x, weight, bias, rows)
+        layout = STOCK
+    if layout == FEW_ROWS:
+        return _few_rows_layout(x, weight, bias, rows)
+    return _stock_linear(x, weight, bias)
 
 
 def _few_rows_layout(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
@@ -106,8 +136,70 @@ def _few_rows_layout(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return y.reshape(*x.shape[:-1], out_features)
 
 
-def layout_plan(weight: torch.Tensor) -> tuple[bool, ...]:
-    """Whether the few-row layout is used for `weight`'s shape at each row count 0..MAX_ROWS, with PyTorch's
+def _packs_here(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
+    """Whether the packed layout can compute this product: MKL present, a float32 CPU weight, at most
+    PACKED_MAX_ROWS rows, and no gradient wanted (MKL's packed product has none)."""
+    return (
+        PACKED_AVAILABLE
+        and rows <= PACKED_MAX_ROWS
+        and weight.is_cpu
+        and weight.dtype == torch.float32
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    )
+
+
+def _packed_rows(rows: int) -> int:
+    """The row count a product of `rows` rows is packed and computed for: the nearest measured one at or above."""
+    return next(m for m in MEASURED_ROWS if m >= rows)
+
+
+def _packed_layout(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """`F.linear` through MKL's packed product: the weight reordered once for `_packed_rows(rows)` rows (kept
+    beside it, `_packed_weight`); fewer rows are padded with copies of the last row, dropped after."""
+    in_features, out_features = weight.shape[1], weight.shape[0]
+    packed_rows = _packed_rows(rows)
+    flat = x.reshape(rows, in_features)
+    if packed_rows > rows:
+        flat = torch.cat([flat, flat[-1:].expand(packed_rows - rows, -1)])
+    y = torch.ops.mkl._mkl_linear(flat.contiguous(), _packed_weight(weight, packed_rows), weight, bias, packed_rows)
+    return y[:rows].reshape(*x.shape[:-1], out_features)
+
+
+class _PackedCopies(dict):
+    """A weight's MKL-packed copies, row count -> (the weight's version when packed, the copy). Not pickled or
+    deep-copied (the copy of a weight packs again when used)."""
+
+    def __reduce__(self):
+        return (_PackedCopies, ())
+
+    def __deepcopy__(self, memo):
+        return _PackedCopies()
+
+
+def _packed_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """`weight` packed by MKL for products of `rows` rows: made on first use, made again when the weight has
+    changed in place since (its version counter; an inference-mode tensor has none and is packed once)."""
+    copies = weight.__dict__.get(_PACKS)
+    if copies is None:
+        copies = _PackedCopies()
+        setattr(weight, _PACKS, copies)
+    try:
+        version = weight._version
+    except RuntimeError:  # (an inference tensor: no version counter)
+        version = -1
+    entry = copies.get(rows)
+    if entry is None or entry[0] != version:
+        entry = copies[rows] = (version, torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows))
+    return entry[1]
+
+
+def drop_packed_copies(weight: torch.Tensor) -> None:
+    """Free `weight`'s MKL-packed copies (they are made again when next used)."""
+    weight.__dict__.pop(_PACKS, None)
+
+
+def layout_plan(weight: torch.Tensor) -> tuple[str, ...]:
+    """The layout used for `weight`'s shape at each row count 0..MAX_ROWS (one of LAYOUTS), with PyTorch's
     current thread count: measured once per process (on `weight` itself) by `measure_layouts`."""
     key = (weight.shape[0], weight.shape[1], torch.get_num_threads())
     plan = _plans.get(key)
@@ -116,35 +208,57 @@ def layout_plan(weight: torch.Tensor) -> tuple[bool, ...]:
     return plan
 
 
-def measure_layouts(weight: torch.Tensor, timer: Callable[[], float] = time.perf_counter) -> tuple[bool, ...]:
-    """Time `F.linear` against the few-row layout on `weight` (float32, CPU) at each of MEASURED_ROWS, the calls
-    of the two alternating, and return for every row count 0..MAX_ROWS whether the few-row layout wins clearly
-    (fastest call at most CLEAR_WIN of the stock one's; the fastest, as a busy machine only adds time) at the
-    nearest measured count at or above it. At most MAX_CALLS timed pairs per count, fewer (MIN_CALLS) once
+def measure_layouts(weight: torch.Tensor, timer: Callable[[], float] = time.perf_counter) -> tuple[str, ...]:
+    """Time `F.linear`, the few-row layout and (where it applies) the packed one on `weight` (float32, CPU) at
+    each of MEASURED_ROWS, their calls alternating, and return for every row count 0..MAX_ROWS the layout that
+    wins clearly at the nearest measured count at or above it: the faster of the other two where its fastest
+    call (the fastest, as a busy machine only adds time) takes at most CLEAR_WIN of the stock one's, else the
+    stock one. A timed call runs the product on `_cold_copies(weight)` in turn, as a forward reads each layer's
+    weights from memory, not from cache. At most MAX_CALLS timed rounds per count, fewer (MIN_CALLS) once
     ~MEASURE_BUDGET_S / len(MEASURED_ROWS) is spent: an LM head's product takes milliseconds."""
-    wins = {}
+    chosen = {}
     gen = torch.Generator().manual_seed(0)
+    weights = _cold_copies(weight)
+    calls = {
+        STOCK: lambda x, w: _stock_linear(x, w),
+        FEW_ROWS: lambda x, w: _few_rows_layout(x, w, None, x.shape[0]),
+        PACKED: lambda x, w: _packed_layout(x, w, None, x.shape[0]),
+    }
 
-    def timed(x: torch.Tensor, few_rows: bool) -> float:
+    def timed(layout: str, x: torch.Tensor) -> float:
         t0 = timer()
-        _few_rows_layout(x, weight, None, x.shape[0]) if few_rows else _stock_linear(x, weight)
+        for w in weights:
+            calls[layout](x, w)
         return timer() - t0
 
     with torch.no_grad():
         for rows in MEASURED_ROWS:
             x = torch.randn(rows, weight.shape[1], generator=gen)
-            # (a warm-up call of each before the first count's, not kept but spent from its budget)
-            spent = timed(x, False) + timed(x, True) if rows == MEASURED_ROWS[0] else 0.0
-            stock: list[float] = []
-            few: list[float] = []
-            while len(stock) < MAX_CALLS:
-                stock.append(timed(x, False))
-                few.append(timed(x, True))
-                spent += stock[-1] + few[-1]
-                if len(stock) >= MIN_CALLS and spent >= MEASURE_BUDGET_S / len(MEASURED_ROWS):
+            layouts = LAYOUTS if _packs_here(x, weight, rows) else (STOCK, FEW_ROWS)
+            # (a warm-up call of each before the first count's, and of a new packed copy, not kept but spent
+            # from its budget)
+            warm = layouts if rows == MEASURED_ROWS[0] else (PACKED,) if PACKED in layouts else ()
+            spent = sum(timed(layout, x) for layout in warm)
+            times: dict[str, list[float]] = {layout: [] for layout in layouts}
+            while len(times[STOCK]) < MAX_CALLS:
+                for layout in layouts:
+                    times[layout].append(timed(layout, x))
+                    spent += times[layout][-1]
+                if len(times[STOCK]) >= MIN_CALLS and spent >= MEASURE_BUDGET_S / len(MEASURED_ROWS):
                     break
-            wins[rows] = min(few) <= CLEAR_WIN * min(stock)
-    return (False, *(wins[next(m for m in MEASURED_ROWS if m >= r)] for r in range(1, MAX_ROWS + 1)))
+            best = min((min(times[layout]), layout) for layout in layouts if layout != STOCK)
+            chosen[rows] = best[1] if best[0] <= CLEAR_WIN * min(times[STOCK]) else STOCK
+            for w in weights:  # (the copies made for the timing; `weight`'s own are made again when used)
+                drop_packed_copies(w)
+    return (STOCK, *(chosen[next(m for m in MEASURED_ROWS if m >= r)] for r in range(1, MAX_ROWS + 1)))
+
+
+def _cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """`weight` and copies of it, COLD_BYTES in all (at most MAX_COPIES copies): run through in turn, they
+    leave the products no weights in the CPU's caches, as in a forward of a model larger than them."""
+    count = min(MAX_COPIES, max(0, COLD_BYTES // max(1, weight.numel() * weight.element_size()) - 1))
+    with torch.no_grad():
+        return [weight.detach(), *(weight.detach().clone() for _ in range(count))]
 
 
 def _linear_few_rows(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -205,7 +319,7 @@ def use_fast_cpu_kernels(model: torch.nn.Module) -> int:
         if type(module) is torch.nn.Linear and module.weight.device.type == "cpu":
             if module.weight.dtype == torch.float32 and ("forward" not in module.__dict__ or is_rerouted(module)):
                 eligible += 1
-                if layout_choice == "measure" and not any(layout_plan(module.weight)):  # (timed now, at load)
+                if layout_choice == "measure" and set(layout_plan(module.weight)) == {STOCK}:  # (timed now, at load)
                     module.__dict__.pop("forward", None)  # (rerouted before, e.g. with another thread count)
                     continue
                 module.forward = functools.partial(_linear_few_rows, module)  # (picklable, unlike a bound method)

@@ -7,8 +7,13 @@ import torch
 from specframe import cpu_kernels
 from specframe.cpu_kernels import (
     ATTENTION,
+    FEW_ROWS,
     MAX_ROWS,
     MEASURED_ROWS,
+    PACKED,
+    PACKED_AVAILABLE,
+    PACKED_MAX_ROWS,
+    STOCK,
     fast_kernels_on,
     few_rows_linear,
     is_rerouted,
@@ -29,15 +34,21 @@ def few_row_layout_everywhere(monkeypatch):
 
 
 class FakeLayouts:
-    """Stand-ins for the two layouts on a fake clock: the stock one costs 1.0 a call, the few-row one
-    `few_cost(rows, call)`; both compute x @ w.T."""
+    """Stand-ins for the three layouts on a fake clock: the stock one costs 1.0 a call, the few-row one
+    `few_cost(rows, call)`, the packed one `packed_cost(rows)`; all compute x @ w.T. The packed one is offered
+    whatever this PyTorch has; a timed call runs the weight alone."""
 
-    def __init__(self, monkeypatch, few_cost):
+    def __init__(self, monkeypatch, few_cost, packed_cost=lambda rows: 2.0):
         self.now = 0.0
         self.calls = 0
         self.few_cost = few_cost
+        self.packed_cost = packed_cost
+        self.packed_rows = set()
         monkeypatch.setattr(cpu_kernels, "_stock_linear", self.stock)
         monkeypatch.setattr(cpu_kernels, "_few_rows_layout", self.few)
+        monkeypatch.setattr(cpu_kernels, "_packed_layout", self.packed)
+        monkeypatch.setattr(cpu_kernels, "PACKED_AVAILABLE", True)
+        monkeypatch.setattr(cpu_kernels, "_cold_copies", lambda w: [w])  # (one call per timed call)
 
     def clock(self) -> float:
         return self.now
@@ -51,22 +62,38 @@ class FakeLayouts:
         self.now += self.few_cost(rows, self.calls)
         return x @ w.T
 
+    def packed(self, x, w, b, rows):
+        self.packed_rows.add(rows)
+        self.now += self.packed_cost(rows)
+        return x @ w.T
+
 
 def test_each_row_count_gets_the_layout_measured_clearly_faster_there(monkeypatch):
     """Clearly faster (fastest call at most CLEAR_WIN of the stock one's) at 1, 2 and 16 rows: those, and 9-15
     (which follow 16), get the few-row layout; at 0.95 of the stock time (3, 4, 8, 32, 64 rows) stock stays."""
     fake = FakeLayouts(monkeypatch, lambda rows, call: 0.5 if rows in (1, 2, 16) else 0.95)
     plan = measure_layouts(torch.randn(40, 24), timer=fake.clock)
-    assert len(plan) == MAX_ROWS + 1 and not plan[0]
-    assert [r for r in range(1, MAX_ROWS + 1) if plan[r]] == [1, 2, *range(9, 17)]
+    assert len(plan) == MAX_ROWS + 1 and plan[0] == STOCK
+    assert [r for r in range(1, MAX_ROWS + 1) if plan[r] == FEW_ROWS] == [1, 2, *range(9, 17)]
+    assert set(plan[3:9]) == set(plan[17:]) == {STOCK}
     assert MEASURED_ROWS == (1, 2, 3, 4, 8, 16, 32, 64)
+
+
+def test_the_packed_layout_is_chosen_where_it_is_fastest_and_only_up_to_its_row_limit(monkeypatch):
+    """Packed at 0.4 of the stock time, few-rows at 0.5: packed wins where it is offered (up to
+    PACKED_MAX_ROWS rows), few-rows above; at 3 rows the packed product is clearly slower and few-rows wins."""
+    fake = FakeLayouts(monkeypatch, lambda rows, call: 0.5, packed_cost=lambda rows: 3.0 if rows == 3 else 0.4)
+    plan = measure_layouts(torch.randn(40, 24), timer=fake.clock)
+    assert plan[1 : PACKED_MAX_ROWS + 1] == (PACKED, PACKED, FEW_ROWS) + (PACKED,) * (PACKED_MAX_ROWS - 3)
+    assert set(plan[PACKED_MAX_ROWS + 1 :]) == {FEW_ROWS}
+    assert fake.packed_rows == {m for m in MEASURED_ROWS if m <= PACKED_MAX_ROWS}
 
 
 def test_a_busy_moment_does_not_decide_the_layout(monkeypatch):
     """The fastest call counts, not the mean: a few calls slowed by other work (here every third few-row call
     takes 50x) leave the few-row layout chosen where it is faster."""
     fake = FakeLayouts(monkeypatch, lambda rows, call: 50.0 if call % 3 == 0 else 0.5)
-    assert all(measure_layouts(torch.randn(40, 24), timer=fake.clock)[1:])
+    assert set(measure_layouts(torch.randn(40, 24), timer=fake.clock)[1:]) == {FEW_ROWS}
 
 
 def test_the_layout_is_measured_once_per_shape_and_thread_count(monkeypatch):
@@ -76,7 +103,7 @@ def test_the_layout_is_measured_once_per_shape_and_thread_count(monkeypatch):
 
     def measure(weight):
         measured.append((tuple(weight.shape), torch.get_num_threads()))
-        return (False,) + (True,) * MAX_ROWS
+        return (STOCK,) + (FEW_ROWS,) * MAX_ROWS
 
     monkeypatch.setattr(cpu_kernels, "measure_layouts", measure)
     layer = torch.nn.Linear(24, 40)
@@ -99,8 +126,8 @@ def test_a_layer_whose_shape_never_gains_keeps_its_own_forward(monkeypatch):
     head, 24 x 32); the others keep nn.Linear's forward and its cost. The attention is renamed all the same."""
     monkeypatch.setattr(cpu_kernels, "layout_choice", "measure")
     monkeypatch.setattr(cpu_kernels, "_plans", {})
-    head_wins = (False, True) + (False,) * (MAX_ROWS - 1)
-    monkeypatch.setattr(cpu_kernels, "measure_layouts", lambda w: head_wins if w.shape[0] == 24 else (False,) * 65)
+    head_wins = (STOCK, FEW_ROWS) + (STOCK,) * (MAX_ROWS - 1)
+    monkeypatch.setattr(cpu_kernels, "measure_layouts", lambda w: head_wins if w.shape[0] == 24 else (STOCK,) * 65)
     stock = tiny_llama(vocab_size=24, hidden_size=32)
     model = copy.deepcopy(stock)
     assert use_fast_cpu_kernels(model) == 1
@@ -126,7 +153,7 @@ def test_the_layout_choice_routes_a_rerouted_layer(monkeypatch, choice):
     """`layout_choice` "stock" never takes the few-row layout, "few-rows" always (1-64 rows), "measure" where
     the plan says so; the results agree up to rounding."""
     monkeypatch.setattr(cpu_kernels, "layout_choice", choice)
-    plan = (False, True, False) * 21 + (True, True)  # rows 1, 4, 7, ...
+    plan = (STOCK, FEW_ROWS, STOCK) * 21 + (FEW_ROWS, FEW_ROWS)  # rows 1, 4, 7, ...
     monkeypatch.setattr(cpu_kernels, "_plans", {(40, 24, torch.get_num_threads()): plan})
     taken = []
     real = cpu_kernels._few_rows_layout
@@ -360,3 +387,75 @@ def test_another_librarys_forward_override_is_left_alone():
     with stock_kernels(model):
         assert head.__dict__["forward"] is hooked and not is_rerouted(model.model.layers[0].mlp.up_proj)
     assert head.__dict__["forward"] is hooked and is_rerouted(model.model.layers[0].mlp.up_proj)
+
+
+needs_mkl = pytest.mark.skipif(not PACKED_AVAILABLE, reason="this PyTorch has no MKL packed products")
+
+
+@needs_mkl
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, PACKED_MAX_ROWS + 1])
+def test_packed_layout_computes_the_same_linear(monkeypatch, rows):
+    """Packed for its row count (5 rows padded to 8, 9 to 16: the copies never leak into the real rows);
+    above PACKED_MAX_ROWS the stock product. With a bias, a batch dimension and a strided input."""
+    monkeypatch.setattr(cpu_kernels, "layout_choice", PACKED)
+    layer = torch.nn.Linear(24, 40)
+    x = torch.randn(24, rows).t()[None]  # [1, rows, 24], not contiguous
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    use_fast_cpu_kernels(layer)
+    with torch.no_grad():
+        y = layer(x)
+    assert y.shape == expected.shape
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    packed = layer.weight.__dict__.get(cpu_kernels._PACKS, {})
+    assert set(packed) == ({cpu_kernels._packed_rows(rows)} if rows <= PACKED_MAX_ROWS else set())
+
+
+@needs_mkl
+def test_a_packed_copy_follows_the_weight_and_gradients_take_the_stock_product(monkeypatch):
+    """An in-place change of the weight (an optimiser step, `load_state_dict`) packs it again; an input that
+    wants a gradient goes through a product that has one."""
+    monkeypatch.setattr(cpu_kernels, "layout_choice", PACKED)
+    layer = torch.nn.Linear(24, 40)
+    use_fast_cpu_kernels(layer)
+    x = torch.randn(4, 24)
+    with torch.no_grad():
+        layer(x)
+        layer.weight.mul_(2.0)
+        torch.testing.assert_close(layer(x), x @ layer.weight.T + layer.bias, rtol=1e-5, atol=1e-5)
+    x.requires_grad_(True)
+    layer(x).sum().backward()
+    torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(4, -1), rtol=1e-5, atol=1e-5)
+
+
+@needs_mkl
+def test_packed_copies_are_not_pickled_or_deep_copied(monkeypatch):
+    """They are made again when used: a saved model stays the size of its weights."""
+    monkeypatch.setattr(cpu_kernels, "layout_choice", PACKED)
+    model = tiny_llama(vocab_size=16, hidden_size=32)
+    use_fast_cpu_kernels(model)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert model.lm_head.weight.__dict__[cpu_kernels._PACKS]
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for other in (torch.load(buffer, weights_only=False), copy.deepcopy(model)):
+        assert not other.lm_head.weight.__dict__.get(cpu_kernels._PACKS)
+        with torch.no_grad():
+            torch.testing.assert_close(other(input_ids=ids).logits, logits)
+
+
+@needs_mkl
+def test_the_timing_runs_on_copies_and_keeps_none_of_their_packed_copies(monkeypatch):
+    """Timed cold (`_cold_copies`: COLD_BYTES of copies in turn); the packed copies made for the timing are all
+    freed, the weight's own too (made again when used)."""
+    made = []
+    real = cpu_kernels._packed_weight
+    monkeypatch.setattr(cpu_kernels, "_packed_weight", lambda w, rows: made.append(w) or real(w, rows))
+    monkeypatch.setattr(cpu_kernels, "MAX_COPIES", 3)
+    weight = torch.randn(40, 24)
+    plan = measure_layouts(weight)
+    assert set(plan) <= {STOCK, FEW_ROWS, PACKED}
+    assert len({id(w) for w in made}) == 4 and all(not w.__dict__.get(cpu_kernels._PACKS) for w in made)
+    assert len(cpu_kernels._cold_copies(torch.randn(2**20))) == 1 + min(3, cpu_kernels.COLD_BYTES // 2**22 - 1)

@@ -63,3 +63,61 @@ def test_a_sliding_window_target_is_refused_when_the_decoder_is_built():
     model = MistralForCausalLM(config)
     with pytest.raises(BadInputError, match="uses a DynamicSlidingWindowLayer in layer 0"):
         SpeculativeDecoder(model, NoneProposer(NoneConfig(), target_info(model)))
+
+
+def test_the_growing_cache_writes_in_place_and_matches_the_dynamic_one():
+    """`new_cache`'s layers grow a buffer: a forward writes only its own positions (the buffer is kept until
+    full), a crop or a kept tree path shortens the view, and the logits equal those with transformers' own
+    concatenating cache, through prefill, chunks, crops, a tree gather and a regrowth."""
+    from specframe.kv_cache import GrowingLayer
+
+    model = tiny_llama(vocab_size=16, hidden_size=32)
+    ours, theirs = new_cache(model), DynamicCache(config=model.config)
+    assert all(type(layer) is GrowingLayer for layer in ours.layers)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():  # (as the decoder runs: views there keep no `_base`)
+        for step, (n, drop) in enumerate([(5, 0), (3, 2), (1, 0), (4, 1), (300, 0), (2, 2)]):
+            ids = torch.randint(0, 16, (1, n), generator=gen)
+            logits = [model(input_ids=ids, cache=c, use_cache=True).logits for c in (ours, theirs)]
+            torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+            if step == 1:
+                buffer = ours.layers[0].key_buffer
+            if step == 3:
+                assert ours.layers[0].key_buffer is buffer  # (not reallocated while there was room)
+                for c in (ours, theirs):
+                    keep_positions(c, start=c.get_seq_length() - n, keep=[0, 2], n_new=n)
+            elif drop:
+                ours.crop(-drop)
+                theirs.crop(-drop)
+            assert ours.get_seq_length() == theirs.get_seq_length()
+            for a, b in zip(ours.layers, theirs.layers, strict=True):
+                assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert ours.layers[0].key_buffer is not buffer  # (300 more positions: grown)
+
+
+def test_the_growing_cache_takes_over_keys_replaced_from_outside():
+    """A layer whose views were replaced by tensors of their own (here `batch_repeat_interleave`) makes its
+    buffers again from them, on the next update."""
+    model = tiny_llama(vocab_size=16, hidden_size=32)
+    cache = new_cache(model)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3]]), cache=cache, use_cache=True)
+        cache.batch_repeat_interleave(2)
+        out = model(input_ids=torch.tensor([[4], [4]]), cache=cache, use_cache=True).logits
+        alone = model(input_ids=torch.tensor([[1, 2, 3, 4]])).logits[:, -1:]
+    torch.testing.assert_close(out, alone.expand(2, -1, -1), rtol=1e-5, atol=1e-5)
+    layer = cache.layers[0]
+    assert layer.keys.shape[0] == 2 and layer.keys.data_ptr() == layer.key_buffer.data_ptr()
+
+
+def test_a_cache_filled_in_inference_mode_goes_on_outside_it():
+    """Buffers made in inference mode cannot be written outside it: a forward there makes them again."""
+    model = tiny_llama(vocab_size=16, hidden_size=32)
+    cache = new_cache(model)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([[1, 2, 3]]), cache=cache, use_cache=True)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([[4]]), cache=cache, use_cache=True).logits
+        alone = model(input_ids=torch.tensor([[1, 2, 3, 4]])).logits[:, -1:]
+    torch.testing.assert_close(out, alone, rtol=1e-5, atol=1e-5)
+    assert not cache.layers[0].key_buffer.is_inference()
