@@ -2,8 +2,9 @@
 
 transformers' `DynamicLayer` appends a forward's keys and values by concatenation, a copy of the layer's whole
 cache on every forward; `GrowingLayer` writes them into a buffer with room to spare and hands out views of it,
-so a forward copies only its own positions (SmolLM2-135M on the 2-core Intel machine, one-token forwards after
-1,200 cached: about 6 ms of 69 saved). Rolling back stays a crop of the view.
+so a forward copies only its own positions (SmolLM2-135M's 30 layers on the 2-core Intel machine, one position
+added after 1,200 cached: 1.0 ms against 6.2; after 300, 1.0 against 2.1; `scripts/kernel_timings.py`). The
+logits are the same, bit for bit. Rolling back stays a crop of the view.
 """
 
 from __future__ import annotations
