@@ -124,16 +124,21 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def _few_rows_layout(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
     """`F.linear` as `W @ X.T` with a contiguous X (1 row duplicated, 10-15 padded to 16), output row-major."""
-    in_features, out_features = weight.shape[1], weight.shape[0]
-    flat = x.reshape(rows, in_features)
-    padded = PAD_ROWS.get(rows, rows)
-    if padded > rows:  # materialised copies of the last row (an expanded view is slower still), in one copy
-        flat = flat.expand(padded, -1) if rows == 1 else torch.cat([flat, flat[-1:].expand(padded - rows, -1)])
-    flat = flat.contiguous()  # a strided X is ~1.7x slower (no copy when it is contiguous already)
+    out_features = weight.shape[0]
+    flat = _padded_rows(x, weight.shape[1], rows, PAD_ROWS.get(rows, rows))  # (a strided X is ~1.7x slower)
     y = torch.mm(weight, flat.t())[:, :rows].t().contiguous()  # row-major out: SDPA needs it
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], out_features)
+
+
+def _padded_rows(x: torch.Tensor, in_features: int, rows: int, padded: int) -> torch.Tensor:
+    """`x` as a contiguous [padded, in_features] matrix: its `rows` rows, then copies of the last one
+    (materialised: an expanded view is slower still; one copy in all, none when `x` is contiguous and unpadded)."""
+    flat = x.reshape(rows, in_features)
+    if padded > rows:
+        flat = torch.cat([flat, flat[-1:].expand(padded - rows, -1)])
+    return flat.contiguous()
 
 
 def _packs_here(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
@@ -148,21 +153,19 @@ def _packs_here(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
     )
 
 
-def _packed_rows(rows: int) -> int:
-    """The row count a product of `rows` rows is packed and computed for: the nearest measured one at or above."""
+def _measured_rows(rows: int) -> int:
+    """The nearest of MEASURED_ROWS at or above `rows`: the count whose measured layout a product of `rows` rows
+    follows, and the count the packed layout packs and computes it for."""
     return next(m for m in MEASURED_ROWS if m >= rows)
 
 
 def _packed_layout(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
-    """`F.linear` through MKL's packed product: the weight reordered once for `_packed_rows(rows)` rows (kept
+    """`F.linear` through MKL's packed product: the weight reordered once for `_measured_rows(rows)` rows (kept
     beside it, `_packed_weight`); fewer rows are padded with copies of the last row, dropped after."""
-    in_features, out_features = weight.shape[1], weight.shape[0]
-    packed_rows = _packed_rows(rows)
-    flat = x.reshape(rows, in_features)
-    if packed_rows > rows:
-        flat = torch.cat([flat, flat[-1:].expand(packed_rows - rows, -1)])
-    y = torch.ops.mkl._mkl_linear(flat.contiguous(), _packed_weight(weight, packed_rows), weight, bias, packed_rows)
-    return y[:rows].reshape(*x.shape[:-1], out_features)
+    packed_rows = _measured_rows(rows)
+    flat = _padded_rows(x, weight.shape[1], rows, packed_rows)
+    y = torch.ops.mkl._mkl_linear(flat, _packed_weight(weight, packed_rows), weight, bias, packed_rows)
+    return y[:rows].reshape(*x.shape[:-1], weight.shape[0])
 
 
 class _PackedCopies(dict):
@@ -250,7 +253,7 @@ def measure_layouts(weight: torch.Tensor, timer: Callable[[], float] = time.perf
             chosen[rows] = best[1] if best[0] <= CLEAR_WIN * min(times[STOCK]) else STOCK
             for w in weights:  # (the copies made for the timing; `weight`'s own are made again when used)
                 drop_packed_copies(w)
-    return (STOCK, *(chosen[next(m for m in MEASURED_ROWS if m >= r)] for r in range(1, MAX_ROWS + 1)))
+    return (STOCK, *(chosen[_measured_rows(r)] for r in range(1, MAX_ROWS + 1)))
 
 
 def _cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:

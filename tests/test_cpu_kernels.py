@@ -407,7 +407,7 @@ def test_packed_layout_computes_the_same_linear(monkeypatch, rows):
     assert y.shape == expected.shape
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
     packed = layer.weight.__dict__.get(cpu_kernels._PACKS, {})
-    assert set(packed) == ({cpu_kernels._packed_rows(rows)} if rows <= PACKED_MAX_ROWS else set())
+    assert set(packed) == ({cpu_kernels._measured_rows(rows)} if rows <= PACKED_MAX_ROWS else set())
 
 
 @needs_mkl
