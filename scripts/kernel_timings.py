@@ -1,5 +1,6 @@
 """Median time of one target forward of 1-16 tokens (300 cached), on the stock kernels with transformers'
-`DynamicCache` and on specframe's CPU kernels with its own cache (`specframe.kv_cache.new_cache`).
+`DynamicCache`, on specframe's CPU kernels with its own cache (`specframe.kv_cache.new_cache`), and on those
+through specframe's lean forward (`specframe.lean_forward`, where it applies to the target).
 
     python scripts/kernel_timings.py [--target smollm2-135m-instruct] [--threads 2]
 
@@ -15,6 +16,7 @@ from transformers import DynamicCache
 
 from specframe.cpu_kernels import stock_kernels
 from specframe.kv_cache import new_cache
+from specframe.lean_forward import engine_forward
 from specframe.models import load_model
 
 
@@ -27,14 +29,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = load_model(args.target, dtype="float32", device="cpu", quiet=True).model
     torch.manual_seed(0)
-    caches = {"stock": DynamicCache(config=model.config), "fast": new_cache(model)}
+    caches = {"stock": DynamicCache(config=model.config), "fast": new_cache(model), "lean": new_cache(model)}
+    runs = {"stock": model, "fast": model, "lean": engine_forward(model)}
     rows = (1, 2, 3, 4, 5, 6, 8, 12, 16)
     context = int(__import__("os").environ.get("CONTEXT", "300"))
-    times: dict[str, dict[int, list[float]]] = {"stock": {r: [] for r in rows}, "fast": {r: [] for r in rows}}
+    times: dict[str, dict[int, list[float]]] = {mode: {r: [] for r in rows} for mode in caches}
 
-    def forward(k: int, cache: DynamicCache) -> float:
+    def forward(k: int, mode: str) -> float:
+        cache = caches[mode]
         t0 = time.perf_counter()
-        model(input_ids=torch.randint(0, 1000, (1, k)), cache=cache, use_cache=True)
+        runs[mode](input_ids=torch.randint(0, 1000, (1, k)), cache=cache, use_cache=True)
         dt = time.perf_counter() - t0
         cache.crop(-k)
         return dt
@@ -46,9 +50,10 @@ def main() -> None:
         for _ in range(args.repeats):
             with stock_kernels(model):
                 for r in rows:
-                    times["stock"][r].append(forward(r, caches["stock"]))
-            for r in rows:
-                times["fast"][r].append(forward(r, caches["fast"]))
+                    times["stock"][r].append(forward(r, "stock"))
+            for mode in ("fast", "lean"):
+                for r in rows:
+                    times[mode][r].append(forward(r, mode))
     print(cache_update_times(model, context, args.repeats))
     print("| tokens in the forward | " + " | ".join(map(str, rows)) + " |")
     print("|---|" + "---|" * len(rows))

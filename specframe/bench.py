@@ -679,8 +679,9 @@ DEFINITIONS = {
     "speedup": "tokens/s of the method / tokens/s of the baseline (hf or none) on the same questions, same run",
     "kernels": "transformers' methods (hf, hf-assisted, hf-pld) run on PyTorch's and transformers' own kernels, as "
     "a transformers user gets them; specframe's methods on its CPU kernels when target.fast_cpu_kernels "
-    "is on (specframe/cpu_kernels.py), so speedup vs none is the gain of speculation alone and speedup "
-    "vs hf also counts the faster kernels",
+    "is on (specframe/cpu_kernels.py) and, for a Llama target, on its lean forward (specframe/lean_forward.py, "
+    "the same results bit for bit), so speedup vs none is the gain of speculation alone and speedup vs hf also "
+    "counts the faster kernels and forward",
     "acceptance_rate": "accepted draft tokens / proposed draft tokens (tree: / depth proposed), pooled",
     "acceptance_by_position": "[d] = verification steps that accepted a token at draft depth d+1 / steps that "
     "proposed one there (not conditional on depth d being accepted, so it falls with "

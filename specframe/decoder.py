@@ -15,6 +15,7 @@ from specframe.config import stop_strings
 from specframe.cpu_kernels import fast_kernels_on
 from specframe.errors import BadInputError, ProposerError, SpecframeError, brief, is_count, is_integer, is_number
 from specframe.kv_cache import keep_positions, new_cache, tree_attention_mask
+from specframe.lean_forward import engine_forward
 from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo, validate_proposal
 from specframe.sampling import SamplingParams, check_sampling, check_seed
 
@@ -245,9 +246,10 @@ class SpeculativeDecoder:
         model, proposer, layers = self.model, self.proposer, tuple(self.proposer.hidden_state_layers)
         limit = min(max_new, self.context_window - prompt_ids.numel())
         cache = self.cache = new_cache(model)  # on self for inspection during the call (the rollback check)
+        forward = engine_forward(model)  # (the model itself, or its lean forward where that is the same)
         stats = Counter()
 
-        out = model(
+        out = forward(
             input_ids=prompt_ids[None], cache=cache, use_cache=True, output_hidden_states=bool(layers), logits_to_keep=1
         )
         stats.target_forwards += 1
@@ -278,7 +280,7 @@ class SpeculativeDecoder:
                 check_tree_attention(model)
                 positions = (past + torch.tensor([0, *depths], device=self.device))[None]
                 mask = tree_attention_mask(proposal.parents.tolist(), past, self.mask_dtype, self.device)
-            out = model(
+            out = forward(
                 input_ids=inputs,
                 position_ids=positions,
                 attention_mask=mask,

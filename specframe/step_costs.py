@@ -81,6 +81,7 @@ def measure_step_costs(model: torch.nn.Module, timer: Callable[[], float] = time
     """Time `model` (a causal LM, as the decoder calls it) on forwards over 1..MAX_VERIFY_TOKENS tokens after
     CONTEXT cached ones; once per model and thread count (kept on the model)."""
     from specframe.kv_cache import new_cache
+    from specframe.lean_forward import engine_forward
 
     memo = model.__dict__.setdefault(_COSTS, {})
     threads = torch.get_num_threads()
@@ -91,12 +92,13 @@ def measure_step_costs(model: torch.nn.Module, timer: Callable[[], float] = time
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(vocab, (1, CONTEXT + MAX_VERIFY_TOKENS), generator=gen).to(device)
     cache = new_cache(model)
+    run_model = engine_forward(model)  # (as the decoder runs it)
     with torch.no_grad():
-        model(input_ids=ids[:, :CONTEXT], cache=cache, use_cache=True, logits_to_keep=1)
+        run_model(input_ids=ids[:, :CONTEXT], cache=cache, use_cache=True, logits_to_keep=1)
 
         def forward(n: int) -> Callable[[], None]:
             def call() -> None:
-                model(input_ids=ids[:, CONTEXT : CONTEXT + n], cache=cache, use_cache=True)
+                run_model(input_ids=ids[:, CONTEXT : CONTEXT + n], cache=cache, use_cache=True)
                 cache.crop(-n)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)

@@ -1,0 +1,176 @@
+"""The target's forward without transformers' per-module machinery, for Llama models: the same results, bit for bit.
+
+A SmolLM2-135M forward on a few tokens runs ~400 modules of tiny work each; on a 2-core CPU, transformers' and
+PyTorch's machinery around them (module calls and hooks, keyword plumbing, output recording) took 7-10 ms of a
+50-75 ms forward (one to four tokens after 300 cached, measured 2026-12-03 on the Intel Xeon machine). The
+engine's forwards, from the prefill to each verification, run `lean_llama_forward` instead wherever it gives
+the same result (`lean_forward_applies`): the same operations on the same tensors in the same order, through
+transformers' own mask builder, rotary embedding, attention function, norms and activation, and through each
+linear layer's own `forward` (specframe's CPU kernels included). What it leaves out is the module-call
+machinery: so a model with hooks, a replaced `forward`, a submodule of another class, or in training mode
+keeps transformers' forward, as does every other model type.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+
+class LeanOutput(NamedTuple):
+    """What the engine reads of a forward: as transformers' `CausalLMOutputWithPast` names it."""
+
+    logits: torch.Tensor  # [batch, kept positions, vocab]
+    hidden_states: tuple[torch.Tensor, ...] | None  # the embeddings, each layer's output, the last one normed
+
+
+ATTENTIONS = ("eager", "sdpa", "specframe_sdpa")  # attention implementations tested to give the same result
+
+
+def lean_forward_applies(model: torch.nn.Module) -> bool:
+    """Whether `lean_llama_forward` computes exactly what `model(...)` would: a transformers LlamaForCausalLM in
+    eval mode, with eager or SDPA attention, whose model, decoder layers, attention and MLP modules (the ones
+    it writes out) are of Llama's own classes, and no module of which has hooks (but the inert ones of
+    `_records_outputs`) or a replaced `forward` (but a linear layer's by specframe's CPU kernels). The other
+    modules (embeddings, norms, rotary embedding, linear layers, activations) it calls as they are."""
+    from transformers.models.llama import modeling_llama as llama
+
+    from specframe.cpu_kernels import is_rerouted
+
+    if type(model) is not llama.LlamaForCausalLM or model.training or _global_hooks():
+        return False
+    if model.config._attn_implementation not in ATTENTIONS or type(model.model) is not llama.LlamaModel:
+        return False
+    for layer in model.model.layers[: model.config.num_hidden_layers]:
+        if type(layer) is not llama.LlamaDecoderLayer:
+            return False
+        if type(layer.self_attn) is not llama.LlamaAttention or type(layer.mlp) is not llama.LlamaMLP:
+            return False
+    for module in model.modules():
+        if module._forward_pre_hooks or hasattr(module, "_hf_hook"):
+            return False
+        if not all(map(_records_outputs, module._forward_hooks.values())):
+            return False
+        if "forward" in module.__dict__ and not is_rerouted(module):
+            return False
+    return True
+
+
+def _records_outputs(hook: Callable[..., Any]) -> bool:
+    """Whether a forward hook is one transformers puts on layers at their first forward to record their outputs
+    (`output_hidden_states`): it does nothing outside transformers' own forward, so the lean forward can skip it."""
+    return (
+        getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
+        and getattr(hook, "__name__", None) == "output_capturing_hook"
+    )
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as torch_module
+
+    return bool(
+        torch_module._global_forward_hooks
+        or torch_module._global_forward_pre_hooks
+        or torch_module._global_module_registration_hooks
+    )
+
+
+def engine_forward(model: torch.nn.Module) -> Callable[..., Any]:
+    """The function to run `model`'s forwards with: `lean_llama_forward` on it where that gives the same result
+    (`lean_forward_applies`, and `same_as_transformers` on first use), else the model itself; both take the
+    keywords of `lean_llama_forward` and return `.logits` and `.hidden_states`."""
+    if not lean_forward_applies(model):
+        return model
+    weight = model.get_input_embeddings().weight
+    checked = model.__dict__.setdefault(_CHECKED, {})
+    where = (weight.device, weight.dtype, model.config._attn_implementation)
+    if where not in checked:
+        checked[where] = same_as_transformers(model)
+    return functools.partial(lean_llama_forward, model) if checked[where] else model
+
+
+_CHECKED = "_specframe_lean_forward_checked"  # a model's attribute: (device, dtype, attention) -> checked the same
+
+
+def same_as_transformers(model: torch.nn.Module) -> bool:
+    """Whether `lean_llama_forward` and `model(...)` give the same logits and hidden states, bit for bit, on a
+    short prefill and then a two-node tree (a check of this transformers version's Llama code on this model and
+    device: the lean forward copies that code)."""
+    from specframe.kv_cache import new_cache, tree_attention_mask
+
+    device = model.get_input_embeddings().weight.device
+    dtype = model.get_input_embeddings().weight.dtype
+    ids = torch.arange(6, device=device)[None] % model.config.vocab_size
+    mask = tree_attention_mask([-1, -1], 3, dtype, device)
+    positions = torch.tensor([[3, 4, 4]], device=device)
+    outputs = []
+    with torch.inference_mode():
+        for run in (model, functools.partial(lean_llama_forward, model)):
+            cache = new_cache(model)
+            prefill = run(input_ids=ids[:, :3], cache=cache, use_cache=True, output_hidden_states=True)
+            tree = run(
+                input_ids=ids[:, 3:], position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
+                output_hidden_states=True,
+            )  # fmt: skip
+            outputs.append([out.logits for out in (prefill, tree)] + [*prefill.hidden_states, *tree.hidden_states])
+    return all(torch.equal(a, b) for a, b in zip(*outputs, strict=True))
+
+
+def lean_llama_forward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    cache: Any,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    output_hidden_states: bool = False,
+    logits_to_keep: int = 0,
+    use_cache: bool = True,
+) -> LeanOutput:
+    """`model(input_ids=..., cache=..., ...)` for a LlamaForCausalLM that `lean_forward_applies` to, written out
+    as transformers 5's LlamaModel, decoder layer, attention and MLP compute it (the hidden states as
+    `output_hidden_states=True` returns them)."""
+    from transformers.masking_utils import create_causal_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
+
+    if not use_cache or cache is None:
+        raise ValueError("lean_llama_forward runs with a cache (use_cache=True and a cache)")
+    inner, config = model.model, model.config
+    hidden = inner.embed_tokens.forward(input_ids)
+    if position_ids is None:
+        position_ids = (torch.arange(hidden.shape[1], device=hidden.device) + cache.get_seq_length())[None]
+    mask = create_causal_mask(
+        config=config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache, position_ids=position_ids
+    )
+    cos, sin = inner.rotary_emb.forward(hidden, position_ids=position_ids)
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
+    states = [hidden] if output_hidden_states else None
+    batch_shape = hidden.shape[:-1]
+    for layer in inner.layers[: config.num_hidden_layers]:
+        attn, mlp = layer.self_attn, layer.mlp
+        residual = hidden
+        hidden = layer.input_layernorm.forward(hidden)
+        heads_shape = (*batch_shape, -1, attn.head_dim)
+        query = attn.q_proj.forward(hidden).view(heads_shape).transpose(1, 2)
+        key = attn.k_proj.forward(hidden).view(heads_shape).transpose(1, 2)
+        value = attn.v_proj.forward(hidden).view(heads_shape).transpose(1, 2)
+        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        key, value = cache.update(key, value, attn.layer_idx)
+        out, _ = attention(
+            attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling, position_ids=position_ids, use_cache=True
+        )
+        hidden = residual + attn.o_proj.forward(out.reshape(*batch_shape, -1).contiguous())
+        residual = hidden
+        hidden = layer.post_attention_layernorm.forward(hidden)
+        hidden = mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(hidden)) * mlp.up_proj.forward(hidden))
+        hidden = residual + hidden
+        if states is not None:
+            states.append(hidden)
+    hidden = inner.norm.forward(hidden)
+    if states is not None:
+        states[-1] = hidden  # (transformers returns the last layer's output after the final norm)
+    kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+    return LeanOutput(model.lm_head.forward(kept), tuple(states) if states is not None else None)

@@ -1,0 +1,203 @@
+"""The lean Llama forward: bit for bit transformers' forward, and used only where it is."""
+
+import functools
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specframe import cpu_kernels, lean_forward
+from specframe.cpu_kernels import use_fast_cpu_kernels
+from specframe.kv_cache import keep_positions, new_cache, tree_attention_mask
+from specframe.lean_forward import engine_forward, lean_forward_applies, lean_llama_forward
+from specframe.proposer import seeded
+from specframe.testing.tiny import tiny_llama
+
+
+def llama(attention: str = "sdpa", **overrides) -> LlamaForCausalLM:
+    """A tiny Llama with grouped-query attention (4 heads, 2 key/value heads), 3 layers, a bias in attention."""
+    fields = dict(
+        vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, attention_bias=True, initializer_range=0.3,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation=attention,
+    )  # fmt: skip
+    with seeded(0):
+        return LlamaForCausalLM(LlamaConfig(**{**fields, **overrides})).eval().requires_grad_(False)
+
+
+class Scaled(torch.nn.Module):
+    """Another module's output times 1.5 (as a library might wrap a model's embeddings)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) * 1.5
+
+
+def forwards(model, call):
+    """Run the same prefill, one-token step, chain, tree (rolled back to a path) and chunk through `call` on a
+    cache of its own; the outputs of each."""
+    cache = new_cache(model)
+    g = torch.Generator().manual_seed(1)
+    ids = lambda n: torch.randint(0, 32, (1, n), generator=g)  # noqa: E731
+    outs = [call(input_ids=ids(9), cache=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)]
+    outs.append(call(input_ids=ids(1), cache=cache, use_cache=True, output_hidden_states=True))
+    past = cache.get_seq_length()
+    outs.append(call(input_ids=ids(3), position_ids=torch.arange(past, past + 3)[None], cache=cache, use_cache=True))
+    cache.crop(-2)
+    past, parents = cache.get_seq_length(), [-1, -1, 0, 1, 2]
+    mask = tree_attention_mask(parents, past, torch.float32, torch.device("cpu"))
+    positions = (past + torch.tensor([0, 1, 1, 2, 2, 3]))[None]
+    outs.append(
+        call(
+            input_ids=ids(6), position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
+            output_hidden_states=True,
+        )
+    )  # fmt: skip
+    keep_positions(cache, past, [0, 1, 3, 5], 6)
+    outs.append(call(input_ids=ids(5), cache=cache, use_cache=True, output_hidden_states=True))
+    return outs, cache
+
+
+def assert_same(model, check_hidden=True):
+    with torch.inference_mode():
+        expected, expected_cache = forwards(model, model)
+        got, got_cache = forwards(model, lambda **kw: lean_llama_forward(model, **kw))
+    for want, have in zip(expected, got, strict=True):
+        assert torch.equal(want.logits, have.logits)
+        if want.hidden_states is not None and check_hidden:
+            assert len(want.hidden_states) == len(have.hidden_states) == model.config.num_hidden_layers + 1
+            for a, b in zip(want.hidden_states, have.hidden_states, strict=True):
+                assert torch.equal(a, b)
+    for a, b in zip(expected_cache.layers, got_cache.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_it_gives_transformers_logits_hidden_states_and_cache_bit_for_bit(attention):
+    model = llama(attention)
+    assert lean_forward_applies(model)
+    assert_same(model)
+
+
+@pytest.mark.parametrize("layout", ["few-rows", "stock"])
+def test_it_gives_the_same_on_specframes_cpu_kernels(monkeypatch, layout):
+    monkeypatch.setattr(cpu_kernels, "layout_choice", layout)
+    model = llama()
+    use_fast_cpu_kernels(model)
+    assert model.config._attn_implementation == cpu_kernels.ATTENTION
+    assert lean_forward_applies(model)  # (the rerouted linear layers are specframe's own)
+    assert_same(model)
+
+
+def test_it_follows_the_config_rope_scaling_and_activation():
+    rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
+    model = llama(rope_parameters=rope, hidden_act="gelu", mlp_bias=True, head_dim=16)
+    assert lean_forward_applies(model)
+    assert_same(model)
+
+
+def test_it_is_not_used_where_it_might_differ():
+    assert lean_forward_applies(llama())
+    model = llama()
+    with torch.inference_mode():  # (transformers hooks the layers to record hidden states: those hooks are inert)
+        model(input_ids=torch.tensor([[1, 2]]), output_hidden_states=True)
+    assert any(layer._forward_hooks for layer in model.model.layers)
+    assert lean_forward_applies(model)
+
+    model = llama()
+    model.train()
+    assert not lean_forward_applies(model)  # (dropout)
+
+    model = llama()
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda *a: None)
+    assert not lean_forward_applies(model)  # (a hook would not run)
+    handle.remove()
+    assert lean_forward_applies(model)
+
+    model = llama()
+    model.model.layers[0].self_attn.q_proj.forward = lambda x: x  # (another library's override)
+    assert not lean_forward_applies(model)
+
+    model = llama()
+    model.model.layers[2].mlp = torch.nn.Identity()  # (a module of another class where it writes one out)
+    assert not lean_forward_applies(model)
+
+    model = llama()  # (a module of another class that it calls as it is: fine)
+    model.model.embed_tokens = Scaled(model.model.embed_tokens)
+    assert lean_forward_applies(model)
+    assert_same(model)
+
+    model = llama()
+    model.config._attn_implementation = "flash_attention_2"
+    assert not lean_forward_applies(model)
+
+    subclass = type("MyLlama", (LlamaForCausalLM,), {})
+    model = llama()
+    model.__class__ = subclass
+    assert not lean_forward_applies(model)
+    assert engine_forward(model) is model
+
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        assert not lean_forward_applies(llama())
+    finally:
+        handle.remove()
+
+
+def test_it_needs_a_cache():
+    model = llama()
+    with pytest.raises(ValueError, match="runs with a cache"):
+        lean_llama_forward(model, input_ids=torch.tensor([[1]]), cache=None)
+
+
+def test_the_decoder_runs_it_and_decodes_the_same_tokens(monkeypatch):
+    from specframe import SpeculativeDecoder
+    from specframe.decoder import target_info
+    from specframe.proposers.medusa import MedusaProposer
+
+    calls = []
+    lean = lean_forward.lean_llama_forward
+    monkeypatch.setattr(lean_forward, "lean_llama_forward", lambda *a, **kw: calls.append(1) or lean(*a, **kw))
+    outs = []
+    for hooked in (False, True):
+        model = tiny_llama(vocab_size=16, hidden_size=32)
+        if hooked:  # (transformers' forward: a hook keeps the lean one out)
+            model.model.register_forward_hook(lambda *a: None)
+        proposer = MedusaProposer.random(target_info(model))  # (a tree, and the target's hidden states)
+        assert proposer.hidden_state_layers and len(proposer.tree) > 1
+        dec = SpeculativeDecoder(model, proposer, max_new_tokens=30)
+        engine_forward(model)  # (its first-use check, outside the count)
+        before = len(calls)
+        result = dec.generate([1, 2, 3, 4])
+        assert (len(calls) - before == result.stats["target_forwards"]) != hooked
+        outs.append(result.token_ids)
+    assert outs[0] == outs[1]
+
+
+def test_it_is_checked_against_transformers_once_on_first_use(monkeypatch):
+    model = llama()
+    assert isinstance(engine_forward(model), functools.partial)  # (the same on this model: used)
+    checks = []
+    monkeypatch.setattr(lean_forward, "same_as_transformers", lambda m: checks.append(m) or True)
+    engine_forward(model)
+    assert checks == []  # (checked once per device, dtype and attention)
+    model.config._attn_implementation = "eager"
+    engine_forward(model)
+    assert checks == [model]
+
+    # A transformers version whose Llama code the lean forward no longer follows: found, and not used.
+    monkeypatch.undo()
+    lean = lean_forward.lean_llama_forward
+
+    def drifted(*args, **kwargs):
+        out = lean(*args, **kwargs)
+        return out._replace(logits=out.logits + 1e-6)
+
+    monkeypatch.setattr(lean_forward, "lean_llama_forward", drifted)
+    model = llama()
+    assert not lean_forward.same_as_transformers(model)
+    assert engine_forward(model) is model
