@@ -201,3 +201,12 @@ def test_it_is_checked_against_transformers_once_on_first_use(monkeypatch):
     model = llama()
     assert not lean_forward.same_as_transformers(model)
     assert engine_forward(model) is model
+
+
+def test_a_lean_forward_that_fails_on_a_model_leaves_it_to_transformers(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("a Llama variant it does not know")
+
+    monkeypatch.setattr(lean_forward, "lean_llama_forward", broken)
+    model = llama()
+    assert engine_forward(model) is model
