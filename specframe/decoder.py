@@ -12,7 +12,7 @@ import torch
 
 from specframe.acceptance import TreeAcceptance
 from specframe.config import stop_strings
-from specframe.cpu_kernels import fast_kernels_on
+from specframe.cpu_kernels import ATTENTION, fast_kernels_on
 from specframe.errors import BadInputError, ProposerError, SpecframeError, brief, is_count, is_integer, is_number
 from specframe.kv_cache import keep_positions, new_cache, tree_attention_mask
 from specframe.lean_forward import engine_forward
@@ -383,7 +383,7 @@ def check_text(text: object) -> None:
         raise BadInputError(f"the prompt is not valid UTF-8 text (bad byte at character {e.start})") from e
 
 
-TREE_ATTENTION = ("eager", "sdpa", "specframe_sdpa")  # attention implementations that apply a 4-D float mask
+TREE_ATTENTION = ("eager", "sdpa", ATTENTION)  # attention implementations that apply a 4-D float mask
 
 
 def check_tree_attention(model: torch.nn.Module) -> None:

@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from specframe.cpu_kernels import ATTENTION, is_rerouted
+
 
 class LeanOutput(NamedTuple):
     """What the engine reads of a forward: as transformers' `CausalLMOutputWithPast` names it."""
@@ -27,7 +29,7 @@ class LeanOutput(NamedTuple):
     hidden_states: tuple[torch.Tensor, ...] | None  # the embeddings, each layer's output, the last one normed
 
 
-ATTENTIONS = ("eager", "sdpa", "specframe_sdpa")  # attention implementations tested to give the same result
+ATTENTIONS = ("eager", "sdpa", ATTENTION)  # attention implementations tested to give the same result
 
 
 def lean_forward_applies(model: torch.nn.Module) -> bool:
@@ -37,8 +39,6 @@ def lean_forward_applies(model: torch.nn.Module) -> bool:
     `_records_outputs`) or a replaced `forward` (but a linear layer's by specframe's CPU kernels). The other
     modules (embeddings, norms, rotary embedding, linear layers, activations) it calls as they are."""
     from transformers.models.llama import modeling_llama as llama
-
-    from specframe.cpu_kernels import is_rerouted
 
     if type(model) is not llama.LlamaForCausalLM or model.training or _global_hooks():
         return False
@@ -104,8 +104,8 @@ def same_as_transformers(model: torch.nn.Module) -> bool:
     device: the lean forward copies that code)."""
     from specframe.kv_cache import new_cache, tree_attention_mask
 
-    device = model.get_input_embeddings().weight.device
-    dtype = model.get_input_embeddings().weight.dtype
+    weight = model.get_input_embeddings().weight
+    device, dtype = weight.device, weight.dtype
     ids = torch.arange(6, device=device)[None] % model.config.vocab_size
     mask = tree_attention_mask([-1, -1], 3, dtype, device)
     positions = torch.tensor([[3, 4, 4]], device=device)

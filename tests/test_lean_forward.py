@@ -61,13 +61,13 @@ def forwards(model, call):
     return outs, cache
 
 
-def assert_same(model, check_hidden=True):
+def assert_same(model):
     with torch.inference_mode():
         expected, expected_cache = forwards(model, model)
         got, got_cache = forwards(model, lambda **kw: lean_llama_forward(model, **kw))
     for want, have in zip(expected, got, strict=True):
         assert torch.equal(want.logits, have.logits)
-        if want.hidden_states is not None and check_hidden:
+        if want.hidden_states is not None:
             assert len(want.hidden_states) == len(have.hidden_states) == model.config.num_hidden_layers + 1
             for a, b in zip(want.hidden_states, have.hidden_states, strict=True):
                 assert torch.equal(a, b)
