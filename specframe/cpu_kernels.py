@@ -5,9 +5,10 @@ those shapes depends on the CPU, so what is used is measured on the machine:
 
 1. `linear` on 1-64 rows. On this project's 2-core AMD EPYC machines (torch 2.13, MKL) a one-row `linear` is a
    matrix-vector product that reads the weights at about a third of the bandwidth that a two-column matrix
-   product gets; on 2-64 rows, `X @ W.T` is slower again than `W @ X.T` with a contiguous X; and 10-15 rows cost
-   more than 16. The *few-row layout* computes `W @ X.T`, one row duplicated into two columns and 10-15 rows
-   padded to 16 (padding rows are copies, dropped after). On its 2-core Intel Xeon machines (AMX, the same
+   product gets; on 2-64 rows, `X @ W.T` is slower again than `W @ X.T` with a contiguous X; and 3, 7 and 10-15
+   rows cost more than 4, 8 and 16 (e.g. 576x576: 111 µs on 3 rows, 90 on 4; the 49152-row LM head 7.7 ms
+   against 6.0; 2026-12-03). The *few-row layout* computes `W @ X.T`, one row duplicated into two columns, 3
+   rows padded to 4, 7 to 8 and 10-15 to 16 (padding rows are copies, dropped after). On its 2-core Intel Xeon machines (AMX, the same
    torch) the stock products are the fast ones on 1-3 rows, and the few-row layout is 2-5x slower there; from
    4 rows on, the stock product repacks the weight on every call, and MKL's *packed layout* (the weight
    reordered once by `mkl::_mkl_reorder_linear_weight` for a row count, kept beside the weight, and multiplied
@@ -69,7 +70,7 @@ import torch
 import torch.nn.functional as F
 
 MAX_ROWS = 64  # longer inputs (prefills) keep PyTorch's own path
-PAD_ROWS = {1: 2, **{n: 16 for n in range(10, 16)}}  # row counts computed as a larger, faster product
+PAD_ROWS = {1: 2, 3: 4, 7: 8, **{n: 16 for n in range(10, 16)}}  # row counts computed as a larger, faster product
 ATTENTION = "specframe_sdpa"
 # Row counts at which the layouts are timed against each other; a count between two of them follows the
 # larger one (5-8 rows follow 8; the packed layout pads them to 8 rows).
@@ -123,7 +124,7 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def _few_rows_layout(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
-    """`F.linear` as `W @ X.T` with a contiguous X (1 row duplicated, 10-15 padded to 16), output row-major."""
+    """`F.linear` as `W @ X.T` with a contiguous X (PAD_ROWS: 1 row duplicated, 3 padded to 4, ...), output row-major."""
     out_features = weight.shape[0]
     flat = _padded_rows(x, weight.shape[1], rows, PAD_ROWS.get(rows, rows))  # (a strided X is ~1.7x slower)
     y = torch.mm(weight, flat.t())[:, :rows].t().contiguous()  # row-major out: SDPA needs it

@@ -205,6 +205,21 @@ def test_a_row_alone_equals_it_in_a_chunk_up_to_rounding():
         torch.testing.assert_close(layer(x[i : i + 1]), together[i : i + 1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 7, 13])
+def test_padded_row_counts_compute_the_larger_product_and_keep_only_the_real_rows(monkeypatch, rows):
+    """1, 3, 7 and 10-15 rows go through the few-row layout as 2, 4, 8 and 16 (PAD_ROWS): the product is taken
+    on that many rows, and what comes back is `F.linear` of the real rows alone."""
+    weight, bias = torch.randn(40, 24), torch.randn(40)
+    x = torch.randn(1, rows, 24)
+    widths = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: widths.append(b.shape[1]) or real_mm(a, b))
+    out = cpu_kernels._few_rows_layout(x, weight, bias, rows)
+    assert widths == [{1: 2, 3: 4, 7: 8, 13: 16}[rows]]
+    assert out.shape == (1, rows, 40) and out.is_contiguous()
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
 def test_only_float32_cpu_linears_are_rerouted_and_stock_kernels_restore_them():
     model = tiny_llama(vocab_size=16, hidden_size=32)
     n_linear = sum(type(m) is torch.nn.Linear for m in model.modules())
