@@ -4,22 +4,22 @@ Decoding runs the target on one token, verifying a proposal on 2-64. How well Py
 those shapes depends on the CPU, so what is used is measured on the machine:
 
 1. `linear` on 1-64 rows. On this project's 2-core AMD EPYC machines (torch 2.13, MKL) a one-row `linear` is a
-   matrix-vector product that reads the weights at about a third of the bandwidth that a two-column matrix
-   product gets; on 2-64 rows, `X @ W.T` is slower again than `W @ X.T` with a contiguous X; and 3, 7 and 10-15
-   rows cost more than 4, 8 and 16 (e.g. 576x576: 111 µs on 3 rows, 90 on 4; the 49152-row LM head 7.7 ms
-   against 6.0; 2026-12-03). The *few-row layout* computes `W @ X.T`, one row duplicated into two columns, 3
-   rows padded to 4, 7 to 8 and 10-15 to 16 (padding rows are copies, dropped after). On its 2-core Intel Xeon machines (AMX, the same
-   torch) the stock products are the fast ones on 1-3 rows, and the few-row layout is 2-5x slower there; from
-   4 rows on, the stock product repacks the weight on every call, and MKL's *packed layout* (the weight
-   reordered once by `mkl::_mkl_reorder_linear_weight` for a row count, kept beside the weight, and multiplied
-   by `mkl::_mkl_linear`) is faster; so is it for the 113 MB LM head on one row (5.3 against 8.4 ms). So each
-   float32 CPU `nn.Linear` of a model given these kernels, and each few-row product of a proposer
-   (`few_rows_linear`), uses at each row count the layout that is clearly fastest on this machine: the three
-   are timed once per weight shape and thread count (`measure_layouts`, at load for a model's layers; on copies
-   of the weight taken in turn, so that it comes from memory as in a forward: up to ~1 s a shape, 3-6 s for
-   SmolLM2-135M) and the stock product is kept where they are close. The packed layout keeps one copy of the
-   weight per row count it is used at (1-16 rows; counts between the measured ones are padded up to the next),
-   so memory grows by a copy of those weights for each such count.
+   matrix-vector product that reads the weights at about a third of the bandwidth that a two-column matrix product
+   gets; on 2-64 rows, `X @ W.T` is slower again than `W @ X.T` with a contiguous X; and 3, 7 and 10-15 rows cost
+   more than 4, 8 and 16 (e.g. 576x576: 111 µs on 3 rows, 90 on 4; the 49152-row LM head 7.7 ms against 6.0;
+   2026-12-03). The *few-row layout* computes `W @ X.T`, one row duplicated into two columns, 3 rows padded to 4,
+   7 to 8 and 10-15 to 16 (padding rows are copies, dropped after). On its 2-core Intel Xeon machines (AMX, the
+   same torch) the stock products are the fast ones on 1-3 rows, and the few-row layout is 2-5x slower there; from
+   4 rows on, the stock product repacks the weight on every call, and MKL's *packed layout* (the weight reordered
+   once by `mkl::_mkl_reorder_linear_weight` for a row count, kept beside the weight, and multiplied by
+   `mkl::_mkl_linear`) is faster; so is it for the 113 MB LM head on one row (5.3 against 8.4 ms). So each float32
+   CPU `nn.Linear` of a model given these kernels, and each few-row product of a proposer (`few_rows_linear`),
+   uses at each row count the layout that is clearly fastest on this machine: the three are timed once per weight
+   shape and thread count (`measure_layouts`, at load for a model's layers; on copies of the weight taken in turn,
+   so that it comes from memory as in a forward: up to ~1 s a shape, 3-6 s for SmolLM2-135M) and the stock product
+   is kept where they are close. The packed layout keeps one copy of the weight per row count it is used at (1-16
+   rows; counts between the measured ones are padded up to the next), so memory grows by a copy of those weights
+   for each such count.
 2. transformers' `sdpa` attention copies the key/value heads of grouped-query attention (`repeat_kv`, a copy
    of the whole cache per layer) whenever a mask is given, that is on every multi-token forward; PyTorch's SDPA
    does grouped-query attention itself (`enable_gqa`) with a mask on CPU (on the Intel machine, SDPA alone at
@@ -47,6 +47,15 @@ cached in the morning):
     300 cached, these kernels     85    89    99   107   127   121   121   149   138
     1200 cached, stock kernels    94   137   147   182   193   207   216   241   239
     1200 cached, these kernels    93   100   114   126   127   130   135   164   168
+
+AMD EPYC, 2026-12-03, the layouts measured (few-row on 2-64 rows, packed for the LM head and the MLP's up
+products on one row), 3 and 7 rows padded to 4 and 8, specframe's cache against `DynamicCache` (before the
+padding, the same script gave 62 ms for 3 tokens with these kernels and the lean forward):
+
+    tokens in the forward          1     2     3     4     5     6     8    12    16
+    300 cached, stock kernels     60    89   107    98   100   102   112   123   130
+    300 cached, these kernels     53    55    57    54    66    74    78    94    94
+    the same + the lean forward   49    52    53    51    63    71    74    89    90
 
 The outputs of the few-row layout are made row-major again: a column-major query sends SDPA to its slow math
 path (measured on the AMD machine: 2 tokens at 1200 cached took 49 ms without that copy, 37 with it).
@@ -124,7 +133,7 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def _few_rows_layout(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
-    """`F.linear` as `W @ X.T` with a contiguous X (PAD_ROWS: 1 row duplicated, 3 padded to 4, ...), output row-major."""
+    """`F.linear` as `W @ X.T` with a contiguous X (padded to PAD_ROWS' counts), output row-major."""
     out_features = weight.shape[0]
     flat = _padded_rows(x, weight.shape[1], rows, PAD_ROWS.get(rows, rows))  # (a strided X is ~1.7x slower)
     y = torch.mm(weight, flat.t())[:, :rows].t().contiguous()  # row-major out: SDPA needs it

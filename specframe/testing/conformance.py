@@ -6,8 +6,8 @@ Checks, on tiny random-weight Llama models (no downloads), per device and dtype:
   emitted token must be the argmax of the from-scratch logits on its own prefix or within twice the
   dtype's rounding tolerance of it (`rounding_tolerance`), and near-ties may take at most 1 token in 10;
 - rollback: after every verification the kept KV cache gives the next token the logits that a cache
-  prefilled afresh on the same tokens gives (to 1e-4 in float32, to the step's rounding tolerance in 16-bit
-  dtypes);
+  prefilled afresh on the same tokens gives (to 1e-4 in float32, to ROLLBACK_ROUNDINGS x the step's rounding
+  tolerance in 16-bit dtypes);
 - isolation: the same seed gives the same output whatever torch's, Python's and NumPy's global generators
   hold (every random choice must come from the engine's generator), and the target's weights are unchanged
   after generating (every reference below is computed on a fresh copy of the target, never the decoder's);
@@ -165,11 +165,18 @@ def reference_target(vocab_size: int, device: str, dtype: str = "float32", seed:
     return tiny_llama(vocab_size, seed=seed, device=device, dtype=resolve_dtype(dtype, torch.device(device)))
 
 
+# In 16-bit dtypes the rollback check allows this many rounding tolerances per logit: on an AMD EPYC machine
+# (2026-12-03) plain decoding, which keeps every row and rolls nothing back, already differed from a fresh prefill
+# by 0.84 of one in bfloat16, and correct rollbacks (EAGLE, union) by 1.05; a kept wrong row differs by 40-330.
+ROLLBACK_ROUNDINGS = 4
+
+
 def rounding_tolerance(dtype: torch.dtype, logits: torch.Tensor) -> float:
     """How far two computations of one logit row (a from-scratch forward and a cached, multi-token one) may
     differ in a 16-bit dtype: 4 x eps x max(1, max |logit|) (bfloat16: 0.03125 x the row's scale; 4 to 8
-    units in the last place of its largest logits). Measured on the tiny targets: at most about half of it.
-    An empirical bound for these tiny models, not a general one (deep models drift further in bfloat16)."""
+    units in the last place of its largest logits). Measured on the tiny targets: up to about half of it on
+    most machines, up to 1.05x on one (the rollback check allows ROLLBACK_ROUNDINGS of it). An empirical bound
+    for these tiny models, not a general one (deep models drift further in bfloat16)."""
     return 4 * torch.finfo(dtype).eps * max(1.0, float(logits.float().abs().max()))
 
 
@@ -334,7 +341,9 @@ class RollbackProbe(Proposer):
         model(input_ids=state.tokens[:-1][None], cache=fresh, use_cache=True)
         reference = model(input_ids=state.tokens[-1:][None], position_ids=pos, cache=fresh).logits[0, -1]
         diff = float((cached.float() - reference.float()).abs().max())
-        tolerance = 1e-4 if model.dtype == torch.float32 else rounding_tolerance(model.dtype, reference)
+        tolerance = (
+            1e-4 if model.dtype == torch.float32 else ROLLBACK_ROUNDINGS * rounding_tolerance(model.dtype, reference)
+        )
         self.max_diff = max(self.max_diff, diff)
         self.worst = max(self.worst, diff / tolerance)
         self.checks += 1
@@ -354,7 +363,7 @@ def check_rollback(
         res = decoder.generate([1, 2, 3, 4], max_new_tokens=20, temperature=temperature, seed=seed)
         accepted += res.stats["accepted_tokens"]
     ok = probe.worst < 1 and probe.checks > 0
-    bound = "1e-4" if dtype == "float32" else "its step's rounding tolerance"
+    bound = "1e-4" if dtype == "float32" else f"{ROLLBACK_ROUNDINGS} x its step's rounding tolerance"
     detail = (
         f"{probe.checks} steps ({accepted} draft tokens accepted), max |logit diff| {probe.max_diff:.2e}"
         f" (at most {probe.worst:.2f}x {bound})"
