@@ -143,6 +143,33 @@ class FixedLogits(torch.nn.Module):
         return types.SimpleNamespace(logits=self.row.expand(1, input_ids.shape[1], -1))
 
 
+@pytest.mark.parametrize(
+    ("draws", "confirm", "passed"),
+    [("good", True, True), ("bad,good", True, True), ("bad,bad", True, False), ("bad", False, False)],
+)
+def test_a_sampling_check_below_alpha_is_sampled_again_on_fresh_seeds(monkeypatch, draws, confirm, passed):
+    """A p-value below ALPHA is confirmed on fresh seeds (seeds from `samples` on): one unlucky draw of an exact
+    proposer passes, two fail; unconfirmed (the power checks) one fails."""
+    draws = draws.split(",")
+    seeds = []
+
+    def fake_counts(decoder, case, n, seed=0):
+        seeds.append(seed)
+        counts = torch.full((conformance.SAMPLING_VOCAB**conformance.CONTINUATION,), n // 512)
+        if draws[len(seeds) - 1] == "bad":
+            counts[0] += 400  # far too often
+        return counts
+
+    monkeypatch.setattr(conformance, "sample_counts", fake_counts)
+    monkeypatch.setattr(conformance, "chi_square", lambda counts, probs: (0.0, 1, 1.0 if counts[0] < 100 else 1e-9))
+    r = conformance.check_sampling(
+        get_registry().get("none").cls, "cpu", "temperature=1", samples=1024, confirm=confirm
+    )
+    assert r.passed is passed, r.detail
+    assert seeds == [0, 1024][: len(draws)]
+    assert ("fresh seeds" in r.detail) == (len(draws) == 2)
+
+
 def test_greedy_mismatch_allows_rounding_near_ties_only_in_16_bit_dtypes():
     # bfloat16 tolerance for a row of scale 4: 4 * 2^-7 * 4 = 0.125 per logit, so a gap up to 0.25 is a near-tie
     row = [4.0, 3.8, 3.5, -4.0]

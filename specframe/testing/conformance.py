@@ -14,6 +14,9 @@ Checks, on tiny random-weight Llama models (no downloads), per device and dtype:
 - sampling: chi-square goodness of fit of sampled 3-token continuations against the target distribution
   enumerated exactly on an 8-token vocabulary, for several sampling settings, one of them after a 12-token
   prompt with budget left for deep drafts (the counted tokens can then be drafts at depths 2-4 of one step);
+  a setting whose p-value falls below ALPHA is sampled again on fresh seeds and fails only if that confirms
+  it (an exact proposer then fails one setting in 10^6, not one in 1,000: with dozens of settings, the
+  seeded draws of some machine's rounding would otherwise fail an exact proposer now and then);
 - power (suite-level): deliberately broken rules (testing/broken.py) must each be rejected by that test.
 
 What the statistics cannot see: a q that differs a little from the one the proposer samples from. With 4,000
@@ -473,10 +476,12 @@ def check_sampling(
     samples: int | None = None,
     name: str = "sampling",
     dtype: str = "float32",
+    confirm: bool = True,
 ) -> CheckResult:
     """Chi-square of sampled continuations against the exact distribution, both from the tiny target in `dtype`
     (in 16-bit dtypes the decoder's own forwards round slightly differently from the enumerating one: far
-    below what 4,000 samples can detect)."""
+    below what 4,000 samples can detect). With `confirm`, a p-value below ALPHA is checked again on fresh seeds
+    and the check fails only if that one is below ALPHA too."""
     t0 = time.perf_counter()
     case = SETTINGS[setting]
     samples = case.samples if samples is None else samples
@@ -485,9 +490,12 @@ def check_sampling(
     reference = reference_target(SAMPLING_VOCAB, device, dtype)
     probs = exact_distribution(reference, list(case.prompt), case.lead + CONTINUATION, case.params)
     probs = probs.reshape(vocab**case.lead, vocab**CONTINUATION).sum(0)  # the lead tokens summed out
-    counts = sample_counts(decoder, case, samples)
-    stat, df, p = chi_square(counts, probs)
+    stat, df, p = chi_square(sample_counts(decoder, case, samples), probs)
     detail = f"{setting}: chi2={stat:.1f} df={df}, {samples} samples"
+    if p < ALPHA and confirm:  # on fresh seeds (seeds 0..samples-1 were used): p is then the larger of the two
+        stat2, _, p2 = chi_square(sample_counts(decoder, case, samples, seed=samples), probs)
+        detail += f" (p={p:.2g}); again on {samples} fresh seeds: chi2={stat2:.1f} (p={p2:.2g})"
+        p = max(p, p2)
     return CheckResult(f"{name} {setting}", device, p >= ALPHA, detail, p, time.perf_counter() - t0, dtype)
 
 
@@ -543,7 +551,9 @@ def check_power(
     """Each broken variant must FAIL the sampling test; the result passes when it does."""
     results = []
     for name, cls, config, acceptance, setting in power_cases():
-        r = check_sampling(cls, device, setting, config=config, acceptance=acceptance, samples=samples, dtype=dtype)
+        r = check_sampling(  # (unconfirmed: a broken rule must be caught by one sample)
+            cls, device, setting, config=config, acceptance=acceptance, samples=samples, dtype=dtype, confirm=False
+        )
         caught = r.p_value is not None and r.p_value < ALPHA
         res = CheckResult(
             f"power {name}",
