@@ -265,5 +265,5 @@ def test_suite_catches_a_merge_that_mixes_up_members_q(monkeypatch):
 
     monkeypatch.setattr(union_module, "merge_proposals", broken)
     config = UnionConfig(members=["draft", "draft"], options={"draft": {"num_speculative_tokens": 2}})
-    r = conformance.check_sampling(UnionProposer, "cpu", "temperature=1", config=config)
+    r = conformance.check_sampling(UnionProposer, "cpu", "temperature=1", config=config, confirm=False)
     assert r.p_value < conformance.ALPHA, r.detail
