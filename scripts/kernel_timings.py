@@ -1,14 +1,16 @@
 """Median time of one target forward of 1-16 tokens (300 cached), on the stock kernels with transformers'
 `DynamicCache`, on specframe's CPU kernels with its own cache (`specframe.kv_cache.new_cache`), and on those
-through specframe's lean forward (`specframe.lean_forward`, where it applies to the target).
+through specframe's lean forward (`specframe.lean_forward`, where it applies to the target), with the
+q/k/v and gate/up products separate and fused.
 
     python scripts/kernel_timings.py [--target smollm2-135m-instruct] [--threads 2]
 
-The two are interleaved in one run (compare them, not times across runs); the table in
+The modes are interleaved in one run (compare them, not times across runs); the table in
 specframe/cpu_kernels.py comes from this script.
 """
 
 import argparse
+import functools
 import time
 
 import torch
@@ -16,7 +18,7 @@ from transformers import DynamicCache
 
 from specframe.cpu_kernels import stock_kernels
 from specframe.kv_cache import new_cache
-from specframe.lean_forward import engine_forward
+from specframe.lean_forward import engine_forward, lean_llama_forward
 from specframe.models import load_model
 
 
@@ -29,8 +31,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = load_model(args.target, dtype="float32", device="cpu", quiet=True).model
     torch.manual_seed(0)
-    caches = {"stock": DynamicCache(config=model.config), "fast": new_cache(model), "lean": new_cache(model)}
-    runs = {"stock": model, "fast": model, "lean": engine_forward(model)}
+    caches = {"stock": DynamicCache(config=model.config), "fast": new_cache(model)}
+    caches.update({"lean, separate products": new_cache(model), "lean": new_cache(model)})
+    runs = {"stock": model, "fast": model, "lean": engine_forward(model)}  # (fused products, lean_forward.py)
+    runs["lean, separate products"] = functools.partial(lean_llama_forward, model, fuse_projections=False)
     rows = (1, 2, 3, 4, 5, 6, 8, 12, 16)
     context = int(__import__("os").environ.get("CONTEXT", "300"))
     times: dict[str, dict[int, list[float]]] = {mode: {r: [] for r in rows} for mode in caches}
@@ -51,7 +55,7 @@ def main() -> None:
             with stock_kernels(model):
                 for r in rows:
                     times["stock"][r].append(forward(r, "stock"))
-            for mode in ("fast", "lean"):
+            for mode in ("fast", "lean, separate products", "lean"):
                 for r in rows:
                     times[mode][r].append(forward(r, mode))
     print(cache_update_times(model, context, args.repeats))

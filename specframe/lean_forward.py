@@ -1,4 +1,5 @@
-"""The target's forward without transformers' per-module machinery, for Llama models: the same results, bit for bit.
+"""The target's forward without transformers' per-module machinery, for Llama models: the same results, bit for bit
+(on specframe's CPU kernels, with q/k/v and gate/up each as one product: the same up to float rounding there).
 
 A SmolLM2-135M forward on a few tokens runs ~400 modules of tiny work each; on a 2-core CPU, transformers' and
 PyTorch's machinery around them (module calls and hooks, keyword plumbing, output recording) took 5-10 ms of a
@@ -9,7 +10,14 @@ docs/models.md). The engine's forwards, from the prefill to each verification, a
 transformers' own mask builder, rotary embedding, attention function, norms and activation, and through each
 linear layer's own `forward` (specframe's CPU kernels included). What it leaves out is the module-call
 machinery: so a model with hooks, a replaced `forward`, a written-out module of another class, or in training
-mode keeps transformers' forward, as does every other model type."""
+mode keeps transformers' forward, as does every other model type.
+
+On a model given specframe's CPU kernels (float32 on a CPU), each layer's three attention projections read the
+same input, and so do the MLP's gate and up: one product over their weights stacked reads them as fast as the
+larger layers and costs one call instead of three and two (`fused_projections`). The layers' weights become views
+of the stacked buffers, so nothing is stored twice and both forwards read the same numbers; only the summation
+order of those products can differ (on SmolLM2-135M the logits were bit-identical on 4 tokens), so the first-use
+check compares transformers' forward with the lean one's separate products, which copy it exactly."""
 
 from __future__ import annotations
 
@@ -19,7 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from specframe.cpu_kernels import ATTENTION, is_rerouted
+from specframe.cpu_kernels import ATTENTION, drop_packed_copies, fast_kernels_on, few_rows_linear, is_rerouted
 
 
 class LeanOutput(NamedTuple):
@@ -27,6 +35,20 @@ class LeanOutput(NamedTuple):
 
     logits: torch.Tensor  # [batch, kept positions, vocab]
     hidden_states: tuple[torch.Tensor, ...] | None  # the embeddings, each layer's output, the last one normed
+
+
+class FusedProjections(NamedTuple):
+    """A decoder layer's products that read the same input, as one product each. The layer's own weights (and
+    biases) are views of these buffers, so both read the same memory and an in-place change of a weight is seen
+    by both; `ptrs` are the addresses those views had when fused (a weight replaced since then is seen)."""
+
+    qkv_weight: torch.Tensor  # [q; k; v] projection weights, one contiguous buffer
+    qkv_bias: torch.Tensor | None  # their biases likewise, or None where the layer has none
+    qkv_sizes: tuple[int, int, int]  # output features of q, k and v
+    gate_up_weight: torch.Tensor  # [gate; up] of the MLP
+    gate_up_bias: torch.Tensor | None
+    gate_size: int  # output features of gate (= of up)
+    ptrs: tuple[int, ...]  # `_layer_ptrs` of the layer when fused
 
 
 ATTENTIONS = ("eager", "sdpa", ATTENTION)  # attention implementations tested to give the same result
@@ -111,7 +133,7 @@ def same_as_transformers(model: torch.nn.Module) -> bool:
     positions = torch.tensor([[3, 4, 4]], device=device)
     outputs = []
     with torch.inference_mode():
-        for run in (model, functools.partial(lean_llama_forward, model)):
+        for run in (model, functools.partial(lean_llama_forward, model, fuse_projections=False)):
             cache = new_cache(model)
             prefill = run(input_ids=ids[:, :3], cache=cache, use_cache=True, output_hidden_states=True)
             tree = run(
@@ -131,10 +153,13 @@ def lean_llama_forward(
     output_hidden_states: bool = False,
     logits_to_keep: int = 0,
     use_cache: bool = True,
+    fuse_projections: bool = True,
 ) -> LeanOutput:
     """`model(input_ids=..., cache=..., ...)` for a LlamaForCausalLM that `lean_forward_applies` to, written out
     as transformers 5's LlamaModel, decoder layer, attention and MLP compute it (the hidden states as
-    `output_hidden_states=True` returns them)."""
+    `output_hidden_states=True` returns them). With `fuse_projections`, on a model given specframe's CPU kernels,
+    each layer's q, k and v products run as one, and so do the MLP's gate and up (`fused_projections`): the
+    same weights, so the same result up to float rounding in those products."""
     from transformers.masking_utils import create_causal_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
@@ -152,14 +177,18 @@ def lean_llama_forward(
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
     states = [hidden] if output_hidden_states else None
     batch_shape = hidden.shape[:-1]
-    for layer in inner.layers[: config.num_hidden_layers]:
+    fused = fused_projections(model) if fuse_projections else None
+    for i, layer in enumerate(inner.layers[: config.num_hidden_layers]):
         attn, mlp = layer.self_attn, layer.mlp
+        both = fused[i] if fused is not None else None
         residual = hidden
         hidden = layer.input_layernorm.forward(hidden)
         heads_shape = (*batch_shape, -1, attn.head_dim)
-        query = attn.q_proj.forward(hidden).view(heads_shape).transpose(1, 2)
-        key = attn.k_proj.forward(hidden).view(heads_shape).transpose(1, 2)
-        value = attn.v_proj.forward(hidden).view(heads_shape).transpose(1, 2)
+        if both is None:
+            qkv = (attn.q_proj.forward(hidden), attn.k_proj.forward(hidden), attn.v_proj.forward(hidden))
+        else:
+            qkv = few_rows_linear(hidden, both.qkv_weight, both.qkv_bias).split(both.qkv_sizes, dim=-1)
+        query, key, value = (projected.view(heads_shape).transpose(1, 2) for projected in qkv)
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
         key, value = cache.update(key, value, attn.layer_idx)
         out, _ = attention(
@@ -168,7 +197,11 @@ def lean_llama_forward(
         hidden = residual + attn.o_proj.forward(out.reshape(*batch_shape, -1).contiguous())
         residual = hidden
         hidden = layer.post_attention_layernorm.forward(hidden)
-        hidden = mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(hidden)) * mlp.up_proj.forward(hidden))
+        if both is None:
+            gate, up = mlp.gate_proj.forward(hidden), mlp.up_proj.forward(hidden)
+        else:
+            gate, up = few_rows_linear(hidden, both.gate_up_weight, both.gate_up_bias).split(both.gate_size, dim=-1)
+        hidden = mlp.down_proj.forward(mlp.act_fn(gate) * up)
         hidden = residual + hidden
         if states is not None:
             states.append(hidden)
@@ -177,3 +210,67 @@ def lean_llama_forward(
         states[-1] = hidden  # (transformers returns the last layer's output after the final norm)
     kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
     return LeanOutput(model.lm_head.forward(kept), tuple(states) if states is not None else None)
+
+
+_FUSED = "_specframe_fused_projections"  # a model's attribute: its layers' FusedProjections (or None each)
+
+
+def fused_projections(model: torch.nn.Module) -> list[FusedProjections | None] | None:
+    """Each decoder layer's FusedProjections, for a model given specframe's CPU kernels (else None): made on first
+    use, and made again for a layer whose weights were replaced since (another tensor, dtype or device). A layer
+    fuses where its five weights are float32 CPU tensors with the same input size and q, k, v (and gate, up)
+    all have biases or none (else None: it runs the separate products). Fusing makes the layers' weights views of
+    the new buffers (`param.data`), so it costs no memory after the copy; on SmolLM2-135M one product instead of
+    three and of two was 7-13% faster on a few rows (AMD EPYC, 2026-12-04, docs/models.md)."""
+    if not fast_kernels_on(model):
+        return None
+    layers = model.model.layers[: model.config.num_hidden_layers]
+    fused = model.__dict__.get(_FUSED)
+    if fused is None or len(fused) != len(layers):
+        fused = model.__dict__[_FUSED] = [None] * len(layers)
+    for i, layer in enumerate(layers):
+        ptrs = _layer_ptrs(layer)
+        if fused[i] is None or fused[i].ptrs != ptrs:
+            fused[i] = _fuse_layer(layer)
+    return fused
+
+
+def _layer_ptrs(layer: torch.nn.Module) -> tuple[int, ...]:
+    """The addresses of a decoder layer's q, k, v, gate and up weights and biases (0 for none)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
+    return tuple(t.data_ptr() if t is not None else 0 for m in linears for t in (m.weight, m.bias))
+
+
+def _fuse_layer(layer: torch.nn.Module) -> FusedProjections | None:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = _fuse((attn.q_proj, attn.k_proj, attn.v_proj))
+    gate_up = _fuse((mlp.gate_proj, mlp.up_proj))
+    if qkv is None or gate_up is None:
+        return None
+    sizes = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
+    return FusedProjections(*qkv, sizes, *gate_up, mlp.gate_proj.out_features, _layer_ptrs(layer))
+
+
+def _fuse(linears: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One weight buffer (and bias buffer) for `linears`, their own weights (biases) made views of it; None where
+    they cannot share one."""
+    weights = [m.weight for m in linears]
+    biases = [m.bias for m in linears]
+    if not all(w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2 for w in weights):
+        return None
+    if len({w.shape[1] for w in weights}) != 1 or len({b is None for b in biases}) != 1:
+        return None
+    if biases[0] is not None and not all(b.dtype == torch.float32 and b.device.type == "cpu" for b in biases):
+        return None
+    with torch.inference_mode(False), torch.no_grad():  # (plain tensors: a model may be trained after)
+        weight = torch.cat([w.detach() for w in weights])
+        bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
+        sizes = [w.shape[0] for w in weights]
+        for m, w in zip(linears, weight.split(sizes), strict=True):
+            drop_packed_copies(m.weight)  # (made again for the view where used)
+            m.weight.data = w
+        if bias is not None:
+            for m, b in zip(linears, bias.split(sizes), strict=True):
+                m.bias.data = b
+    return weight, bias

@@ -210,3 +210,73 @@ def test_a_lean_forward_that_fails_on_a_model_leaves_it_to_transformers(monkeypa
     monkeypatch.setattr(lean_forward, "lean_llama_forward", broken)
     model = llama()
     assert engine_forward(model) is model
+
+
+def lean_outputs(model, **kw):
+    with torch.inference_mode():
+        outs, cache = forwards(model, lambda **call: lean_llama_forward(model, **call, **kw))
+    return [o.logits for o in outs] + [h for o in outs for h in o.hidden_states or ()], cache
+
+
+@pytest.mark.parametrize("layout", ["measure", "few-rows", "stock"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_projections_compute_the_separate_products(monkeypatch, layout, bias):
+    monkeypatch.setattr(cpu_kernels, "layout_choice", layout)
+    model = llama(attention_bias=bias, mlp_bias=bias)
+    use_fast_cpu_kernels(model)
+    separate, separate_cache = lean_outputs(model, fuse_projections=False)
+    fused, fused_cache = lean_outputs(model)
+    layers = lean_forward.fused_projections(model)
+    assert len(layers) == 3 and all(layer is not None for layer in layers)
+    for layer, both in zip(model.model.layers, layers, strict=True):  # (the layers' weights are views of them)
+        attn, mlp = layer.self_attn, layer.mlp
+        assert torch.equal(both.qkv_weight, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+        assert attn.k_proj.weight.data_ptr() == both.qkv_weight[32:].data_ptr()
+        assert mlp.up_proj.weight.data_ptr() == both.gate_up_weight[48:].data_ptr()
+        assert (both.qkv_bias is None) != bias and (both.gate_up_bias is None) != bias
+    for a, b in zip(separate, fused, strict=True):  # (one product or three: float rounding at most)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for a, b in zip(separate_cache.layers, fused_cache.layers, strict=True):
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():
+        assert_same(model)  # (transformers' forward reads the fused buffers through the views: the same weights)
+
+
+def test_fused_projections_follow_weights_changed_in_place_or_replaced():
+    model = llama()
+    use_fast_cpu_kernels(model)
+    lean_outputs(model)  # (fused)
+    attn = model.model.layers[1].self_attn
+    with torch.no_grad():
+        attn.k_proj.weight.mul_(2.0)  # (in place: the fused buffer is the same memory)
+        attn.q_proj.weight = torch.nn.Parameter(torch.randn(32, 32), requires_grad=False)  # (replaced: fused again)
+    with torch.inference_mode():
+        want = model(input_ids=torch.tensor([[1, 2, 3]]), cache=new_cache(model), use_cache=True).logits
+        have = lean_llama_forward(model, input_ids=torch.tensor([[1, 2, 3]]), cache=new_cache(model)).logits
+    torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+    both = lean_forward.fused_projections(model)[1]
+    assert (
+        torch.equal(both.qkv_weight[:32], attn.q_proj.weight)
+        and attn.q_proj.weight.data_ptr() == both.qkv_weight.data_ptr()
+    )
+
+
+def test_projections_are_fused_only_on_specframes_cpu_kernels_and_compatible_layers():
+    model = llama()
+    assert lean_forward.fused_projections(model) is None  # (stock kernels: transformers' products as they are)
+    use_fast_cpu_kernels(model)
+    model.model.layers[0].self_attn.k_proj.bias = None  # (q and v have biases, k none: not one product)
+    layers = lean_forward.fused_projections(model)
+    assert layers[0] is None and layers[1] is not None
+    with cpu_kernels.stock_kernels(model):
+        assert lean_forward.fused_projections(model) is None
+
+
+def test_a_model_with_fused_projections_saves_and_loads_its_weights(tmp_path):
+    model = llama()
+    use_fast_cpu_kernels(model)
+    lean_outputs(model)
+    model.save_pretrained(tmp_path)
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
