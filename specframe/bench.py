@@ -680,7 +680,8 @@ DEFINITIONS = {
     "kernels": "transformers' methods (hf, hf-assisted, hf-pld) run on PyTorch's and transformers' own kernels, as "
     "a transformers user gets them; specframe's methods on its CPU kernels when target.fast_cpu_kernels "
     "is on (specframe/cpu_kernels.py) and, for a Llama target, on its lean forward (specframe/lean_forward.py, "
-    "the same results, with the q/k/v and gate/up products fused on the CPU kernels), so speedup vs none is the gain of speculation alone and speedup vs hf also "
+    "the same results, with the q/k/v and gate/up products fused on the CPU kernels), so speedup vs none is "
+    "the gain of speculation alone and speedup vs hf also "
     "counts the faster kernels and forward",
     "acceptance_rate": "accepted draft tokens / proposed draft tokens (tree: / depth proposed), pooled",
     "acceptance_by_position": "[d] = verification steps that accepted a token at draft depth d+1 / steps that "

@@ -22,7 +22,7 @@ check compares transformers' forward with the lean one's separate products, whic
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -114,7 +114,10 @@ def engine_forward(model: torch.nn.Module) -> Callable[..., Any]:
             checked[where] = same_as_transformers(model)
         except Exception:  # (the lean forward failing where transformers' works: that one is used)
             checked[where] = False
-    return functools.partial(lean_llama_forward, model) if checked[where] else model
+    if not checked[where]:
+        return model
+    # (the fused products checked against the layers' weights here, once per call, not in every forward)
+    return functools.partial(lean_llama_forward, model, fused=fused_projections(model))
 
 
 _CHECKED = "_specframe_lean_forward_checked"  # a model's attribute: (device, dtype, attention) -> checked the same
@@ -154,12 +157,15 @@ def lean_llama_forward(
     logits_to_keep: int = 0,
     use_cache: bool = True,
     fuse_projections: bool = True,
+    fused: Sequence[FusedProjections | None] | None = None,
 ) -> LeanOutput:
     """`model(input_ids=..., cache=..., ...)` for a LlamaForCausalLM that `lean_forward_applies` to, written out
     as transformers 5's LlamaModel, decoder layer, attention and MLP compute it (the hidden states as
     `output_hidden_states=True` returns them). With `fuse_projections`, on a model given specframe's CPU kernels,
     each layer's q, k and v products run as one, and so do the MLP's gate and up (`fused_projections`): the
-    same weights, so the same result up to float rounding in those products."""
+    same weights, so the same result up to float rounding in those products. `fused`: what `fused_projections`
+    returned for the model, if no weight was replaced since (`engine_forward` passes it; checking every layer's
+    weights costs ~1 ms, so it is done once per generation, not per forward); None: checked here."""
     from transformers.masking_utils import create_causal_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
@@ -177,7 +183,10 @@ def lean_llama_forward(
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
     states = [hidden] if output_hidden_states else None
     batch_shape = hidden.shape[:-1]
-    fused = fused_projections(model) if fuse_projections else None
+    if not fuse_projections:
+        fused = None
+    elif fused is None:
+        fused = fused_projections(model)
     for i, layer in enumerate(inner.layers[: config.num_hidden_layers]):
         attn, mlp = layer.self_attn, layer.mlp
         both = fused[i] if fused is not None else None
