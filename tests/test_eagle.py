@@ -677,35 +677,45 @@ def test_random_drafters_are_shaped_like_targets_that_name_their_sizes_otherwise
         assert got == reference_greedy(target, prompt, 10)
 
 
-def test_a_drafter_may_have_its_cpu_chain_measured_on_the_machine(trained, tmp_path, monkeypatch):
-    # `"shape_choice": "measured"`: on a CPU, the chain depth (1-3) fastest with this machine's timings
+def test_a_drafter_may_have_its_cpu_shape_measured_on_the_machine(trained, tmp_path, monkeypatch):
+    # `"shape_choice": "measured"`: on a CPU, the shape of 1-3 draft nodes fastest with this machine's timings
     # (specframe/step_costs.py); the expected accepted lengths come from the drafter's held-out top-1 per level.
     import dataclasses
 
     from specframe.proposers import eagle
+    from specframe.proposers.eagle import EagleShape
     from specframe.step_costs import StepCosts
 
     target, cfg, _, _ = trained
     shutil.copytree(cfg.out, tmp_path / "tuned")
     meta = json.loads((tmp_path / "tuned" / "eagle_config.json").read_text())
-    chains = eagle.chain_candidates(meta, "here")
+    shapes = eagle.measured_candidates(meta, "here")
     held = meta["metrics"]["heldout"]
-    p1, p2 = held["top1"], held["top1"] * held["top1_step2"]
-    assert [c.accepted_length for c in chains] == pytest.approx([1 + p1, 1 + p1 + p2, chains[2].accepted_length])
-    assert [(c.shape, c.verify_tokens, c.drafter_forwards) for c in chains] == [(1, 2, 1), (2, 3, 2), (3, 4, 3)]
+    p1, p2, p3 = held["top1"], held["top1"] * held["top1_step2"], held["top1"] * held["top1_step2"] * held["top1_step3"]
+    assert [c.accepted_length for c in shapes] == pytest.approx([1 + p1, 1 + p1 + p2, 1 + p1 + p2 + p3])
+    three = EagleShape(depth=2, top_k=3, total_tokens=3)  # (3 nodes: the tree reranked over two levels)
+    assert [(c.shape, c.verify_tokens, c.drafter_forwards) for c in shapes] == [
+        ((1, 1, 1), 2, 1),
+        ((2, 1, 2), 3, 2),
+        (three, 4, 2),
+    ]
+    assert eagle.measured_candidates(meta, "here", tree=False)[2].shape == (3, 1, 3)  # (chain mode: chains only)
     write = lambda m: (tmp_path / "tuned" / "eagle_config.json").write_text(json.dumps(m))  # noqa: E731
     write({**meta, "shape_choice": "measured", "tree_shape": {"depth": 1, "top_k": 1, "total_tokens": 1}})
     info = target_info(target)
     config = EagleConfig(model=str(tmp_path / "tuned"))
-    for relative, depth in (((1.0, 1.0, 1.0, 1.0), 3), ((1.0, 1.0, 9.0, 9.0), 1), ((1.0, 1.0, 1.05, 9.0), 2)):
+    expected = {3: (three, "3-node tree over 2 levels"), 1: ((1, 1, 1), "chain of 1"), 2: ((2, 1, 2), "chain of 2")}
+    for relative, nodes in (((1.0, 1.0, 1.0, 1.0), 3), ((1.0, 1.0, 9.0, 9.0), 1), ((1.0, 1.0, 1.05, 9.0), 2)):
         monkeypatch.setattr(eagle, "measure_step_costs", lambda model, r=relative: StepCosts(0.01, r))
         monkeypatch.setattr(eagle, "relative_cost", lambda call, costs: call() or 0.0)  # (the step runs)
         p = EagleProposer.from_config(config, info)
-        assert (p.depth, p.top_k, p.total_tokens) == (depth, 1, depth) and p.shape_choice.startswith(
-            f"chain of {depth} (measured"
-        ), relative
+        shape, described = expected[nodes]
+        assert (p.depth, p.top_k, p.total_tokens) == shape and p.shape_choice.startswith(described), relative
+        assert "(measured: 3 shapes" in p.shape_choice
         dec = SpeculativeDecoder(target, p)  # it decodes, and exactly (as every shape)
-        assert dec.generate([1, 2, 3], max_new_tokens=10).token_ids == reference_greedy(target, [1, 2, 3], 10)
+        got = dec.generate([1, 2, 3], max_new_tokens=10)
+        assert got.token_ids == reference_greedy(target, [1, 2, 3], 10)
+        assert got.stats["proposed_nodes"] <= nodes * got.stats["target_forwards"]
 
     def refuse(model):
         raise AssertionError("timed")

@@ -24,7 +24,8 @@ Saved drafter (a folder, see docs/eagle.md):
     eagle_config.json   {"format": "specframe-eagle", "version": 1 or 2, "llama_config": {...}, "target": {...},
                          "fuse_layers": [...] (version 2 only), "metrics": {...}, "train_config": {...},
                          "tree_shape": {...} (optional), "shape_choice": "saved" or "measured" (optional:
-                         "measured" = on a CPU, the chain depth fastest on the machine, specframe/step_costs.py)}
+                         "measured" = on a CPU, the shape of 1-3 draft nodes fastest on the machine,
+                         `measured_candidates`, specframe/step_costs.py)}
     eagle_vocab.json    [token ids of the draft's output rows]
     model.safetensors   fc.weight, fc.bias, layer.*, norm.weight (float16); with fused layers (version 2,
                         "fuse_layers": [...] in eagle_config.json) also fuse.weight, fuse_norms.*
@@ -36,6 +37,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import save_file
@@ -97,7 +99,7 @@ class EagleConfig:
     model: str | None = None
     # Deepest draft level (tokens a step can gain beyond the target's own one). None (this and the next two):
     # the shape saved with the drafter (tuned on held-out training prompts), else 5 / 6 / 24; on a CPU, a drafter
-    # saved with `"shape_choice": "measured"` drafts the chain timed fastest at load (specframe/step_costs.py).
+    # saved with `"shape_choice": "measured"` drafts the shape timed fastest at load (`measured_candidates`).
     depth: int | None = None
     # Tree mode: children proposed per frontier node, and frontier nodes kept per level.
     top_k: int | None = None
@@ -237,11 +239,29 @@ class EagleDrafter(torch.nn.Module):
         return torch.nn.functional.linear(feats, self.head).float()
 
 
-def chain_candidates(meta: dict, where: str) -> list[ShapeCandidate]:
-    """Chains of 1-3 draft tokens with their expected accepted lengths from the drafter's held-out top-1 per
-    draft level (`metrics.heldout`: top1, top1_step2, top1_step3), each level's taken as the chance that it is
-    accepted when the levels before it were: 1 + p1 + p1 p2 + p1 p2 p3. (Errors go together, so a level is
-    accepted more often after accepted ones than its own top-1: the estimate is low for deeper chains.)"""
+class EagleShape(NamedTuple):
+    """A draft shape: levels drafted, children per frontier node (1: a chain) and nodes verified."""
+
+    depth: int
+    top_k: int
+    total_tokens: int
+
+    def describe(self) -> str:
+        if self.top_k == 1:
+            return f"chain of {self.depth}"
+        return f"{self.total_tokens}-node tree over {self.depth} levels (top {self.top_k}, reranked)"
+
+
+def measured_candidates(meta: dict, where: str, tree: bool = True) -> list[ShapeCandidate]:
+    """The CPU shapes a drafter saved with `"shape_choice": "measured"` chooses from: chains of 1 and 2 draft
+    tokens, and 3 draft nodes, as the EAGLE-2 tree reranked over two levels (top 3 per node; with `tree` false, a
+    chain of 3). Their expected accepted lengths come from the drafter's held-out top-1 per draft level
+    (`metrics.heldout`: top1, top1_step2, top1_step3), each level's taken as the chance that it is accepted when
+    the levels before it were: 1 + p1 + p1 p2 (+ p1 p2 p3 for 3 nodes). (Errors go together, so a level is
+    accepted more often after accepted ones than its own top-1: the estimate is low for deeper chains.) The
+    3-node tree is given the chain of 3's estimate: on 24 held-out training prompts (two sets of 12, 128 new
+    tokens, greedy, AMD EPYC, 2026-12-04) it accepted 2.06 and 1.87 where the chain of 3 accepted 2.07 and 1.79,
+    with one drafter forward less per step (1.58x and 1.48x plain decoding against the chain's 1.50x and 1.34x)."""
     held = (meta.get("metrics") or {}).get("heldout") or {}
     levels = [held.get(k) for k in LEVEL_KEYS]
     if not all(isinstance(p, (int, float)) and 0 <= p <= 1 for p in levels):
@@ -250,10 +270,13 @@ def chain_candidates(meta: dict, where: str) -> list[ShapeCandidate]:
             f"held-out top-1 per draft level, each in [0, 1]), got {levels}"
         )
     candidates, reach, accepted = [], 1.0, 1.0
-    for depth, p in enumerate(levels, 1):
+    for nodes, p in enumerate(levels, 1):
         reach *= p
         accepted += reach
-        candidates.append(ShapeCandidate(depth, accepted, verify_tokens=depth + 1, drafter_forwards=depth))
+        shape = EagleShape(nodes, 1, nodes)
+        if nodes == 3 and tree:
+            shape = EagleShape(2, 3, 3)
+        candidates.append(ShapeCandidate(shape, accepted, verify_tokens=nodes + 1, drafter_forwards=shape.depth))
     return candidates
 
 
@@ -407,7 +430,7 @@ class EagleProposer(Proposer):
         self.depth = config.depth if config.depth is not None else shape["depth"]
         self.top_k = config.top_k if config.top_k is not None else shape["top_k"]
         self.total_tokens = config.total_tokens if config.total_tokens is not None else shape["total_tokens"]
-        self.shape_choice: str | None = None  # how the shape was measured on this machine (use_fastest_chain)
+        self.shape_choice: str | None = None  # how the shape was measured on this machine (use_fastest_shape)
         threshold = resolve_confidence_threshold(
             config.confidence_threshold,
             shape.get("confidence_threshold"),
@@ -456,11 +479,11 @@ class EagleProposer(Proposer):
         if not saved_shape_applies(meta, target.device, f"{path}/eagle_config.json"):  # (the threshold still does)
             shape = {k: v for k, v in shape.items() if k not in ("depth", "top_k", "total_tokens")}
         measure = check_shape_choice(meta.get("shape_choice"), f"{path}/eagle_config.json") == "measured"
-        chains = chain_candidates(meta, where) if measure else []
+        candidates = measured_candidates(meta, where, config.tree) if measure else []
         proposer = cls(config, target, drafter, vocab_ids, shape)
         unset = all(getattr(config, k) is None for k in ("depth", "top_k", "total_tokens"))
         if measure and unset and target.device.type == "cpu" and target.model is not None:
-            proposer.use_fastest_chain(chains)
+            proposer.use_fastest_shape(candidates)
         return proposer
 
     @classmethod
@@ -481,9 +504,10 @@ class EagleProposer(Proposer):
         drafter = drafter.to(device=target.device, dtype=dtype).attach(target.model, vocab_ids)
         return cls(config, target, drafter, vocab_ids)
 
-    def use_fastest_chain(self, candidates: list[ShapeCandidate]) -> ShapeCandidate:
-        """Draft the chain depth of `candidates` that is fastest on this machine (specframe/step_costs.py): the
-        target's forwards and one drafter step (a one-pair forward and its logits) timed here."""
+    def use_fastest_shape(self, candidates: list[ShapeCandidate]) -> ShapeCandidate:
+        """Draft the shape (an EagleShape) of `candidates` that is fastest on this machine
+        (specframe/step_costs.py): the target's forwards and one drafter step (a one-pair forward and its logits)
+        timed here."""
         costs = measure_step_costs(self.target.model)
         h = self.drafter.fc.weight.shape[0]
         cache = DynamicCache(config=self.drafter.config)
@@ -500,9 +524,9 @@ class EagleProposer(Proposer):
 
             drafter_cost = relative_cost(step, costs)
         best = fastest_shape(candidates, costs, drafter_cost)
-        self.depth, self.top_k, self.total_tokens = best.shape, 1, best.shape
+        self.depth, self.top_k, self.total_tokens = best.shape
         self.shape_choice = (
-            f"chain of {best.shape} (measured: {len(candidates)} chains, {costs.describe()}, a drafter step "
+            f"{best.shape.describe()} (measured: {len(candidates)} shapes, {costs.describe()}, a drafter step "
             f"{drafter_cost:.2f})"
         )
         return best
