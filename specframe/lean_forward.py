@@ -40,7 +40,7 @@ class LeanOutput(NamedTuple):
 class FusedProjections(NamedTuple):
     """A decoder layer's products that read the same input, as one product each. The layer's own weights (and
     biases) are views of these buffers, so both read the same memory and an in-place change of a weight is seen
-    by both; `ptrs` are the addresses those views had when fused (a weight replaced since then is seen)."""
+    by both; `fused_projections` keeps the addresses the views had when fused, so a weight replaced is seen."""
 
     qkv_weight: torch.Tensor  # [q; k; v] projection weights, one contiguous buffer
     qkv_bias: torch.Tensor | None  # their biases likewise, or None where the layer has none
@@ -48,7 +48,6 @@ class FusedProjections(NamedTuple):
     gate_up_weight: torch.Tensor  # [gate; up] of the MLP
     gate_up_bias: torch.Tensor | None
     gate_size: int  # output features of gate (= of up)
-    ptrs: tuple[int, ...]  # `_layer_ptrs` of the layer when fused
 
 
 ATTENTIONS = ("eager", "sdpa", ATTENTION)  # attention implementations tested to give the same result
@@ -234,14 +233,14 @@ def fused_projections(model: torch.nn.Module) -> list[FusedProjections | None] |
     if not fast_kernels_on(model):
         return None
     layers = model.model.layers[: model.config.num_hidden_layers]
-    fused = model.__dict__.get(_FUSED)
-    if fused is None or len(fused) != len(layers):
-        fused = model.__dict__[_FUSED] = [None] * len(layers)
+    known = model.__dict__.get(_FUSED)
+    if known is None or len(known) != len(layers):
+        known = model.__dict__[_FUSED] = [((), None)] * len(layers)
     for i, layer in enumerate(layers):
-        ptrs = _layer_ptrs(layer)
-        if fused[i] is None or fused[i].ptrs != ptrs:
-            fused[i] = _fuse_layer(layer)
-    return fused
+        if known[i][0] != _layer_ptrs(layer):  # (a layer that cannot fuse is remembered too, by its weights)
+            both = _fuse_layer(layer)
+            known[i] = (_layer_ptrs(layer), both)
+    return [both for _, both in known]
 
 
 def _layer_ptrs(layer: torch.nn.Module) -> tuple[int, ...]:
@@ -253,25 +252,29 @@ def _layer_ptrs(layer: torch.nn.Module) -> tuple[int, ...]:
 
 def _fuse_layer(layer: torch.nn.Module) -> FusedProjections | None:
     attn, mlp = layer.self_attn, layer.mlp
-    qkv = _fuse((attn.q_proj, attn.k_proj, attn.v_proj))
-    gate_up = _fuse((mlp.gate_proj, mlp.up_proj))
-    if qkv is None or gate_up is None:
+    groups = ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj))
+    if not all(map(_fusable, groups)):  # (both or neither: a layer's weights are left as they are)
         return None
+    qkv, gate_up = (_fuse(group) for group in groups)
     sizes = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
-    return FusedProjections(*qkv, sizes, *gate_up, mlp.gate_proj.out_features, _layer_ptrs(layer))
+    return FusedProjections(*qkv, sizes, *gate_up, mlp.gate_proj.out_features)
 
 
-def _fuse(linears: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """One weight buffer (and bias buffer) for `linears`, their own weights (biases) made views of it; None where
-    they cannot share one."""
+def _fusable(linears: tuple[torch.nn.Linear, ...]) -> bool:
+    """Whether `linears` can share one product: float32 CPU weights of one input size, all with biases or none."""
     weights = [m.weight for m in linears]
     biases = [m.bias for m in linears]
     if not all(w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2 for w in weights):
-        return None
+        return False
     if len({w.shape[1] for w in weights}) != 1 or len({b is None for b in biases}) != 1:
-        return None
-    if biases[0] is not None and not all(b.dtype == torch.float32 and b.device.type == "cpu" for b in biases):
-        return None
+        return False
+    return biases[0] is None or all(b.dtype == torch.float32 and b.device.type == "cpu" for b in biases)
+
+
+def _fuse(linears: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight buffer (and bias buffer) for `linears` (`_fusable`), their own weights (biases) made views of it."""
+    weights = [m.weight for m in linears]
+    biases = [m.bias for m in linears]
     with torch.inference_mode(False), torch.no_grad():  # (plain tensors: a model may be trained after)
         weight = torch.cat([w.detach() for w in weights])
         bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None

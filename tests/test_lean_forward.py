@@ -261,13 +261,18 @@ def test_fused_projections_follow_weights_changed_in_place_or_replaced():
     )
 
 
-def test_projections_are_fused_only_on_specframes_cpu_kernels_and_compatible_layers():
+def test_projections_are_fused_only_on_specframes_cpu_kernels_and_compatible_layers(monkeypatch):
     model = llama()
     assert lean_forward.fused_projections(model) is None  # (stock kernels: transformers' products as they are)
     use_fast_cpu_kernels(model)
     model.model.layers[0].self_attn.k_proj.bias = None  # (q and v have biases, k none: not one product)
+    gate = model.model.layers[0].mlp.gate_proj.weight
     layers = lean_forward.fused_projections(model)
     assert layers[0] is None and layers[1] is not None
+    # (the layer that cannot fuse keeps all its weights as they were, and is not tried again while they stay)
+    assert gate.data_ptr() == model.model.layers[0].mlp.gate_proj.weight.data_ptr()
+    monkeypatch.setattr(lean_forward, "_fuse_layer", lambda layer: pytest.fail("fused again"))
+    assert lean_forward.fused_projections(model)[0] is None
     with cpu_kernels.stock_kernels(model):
         assert lean_forward.fused_projections(model) is None
 
