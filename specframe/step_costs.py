@@ -4,9 +4,9 @@ On a GPU, verifying dozens of tokens costs what one does; on a CPU every token i
 costs something, and how much depends on the CPU (specframe/cpu_kernels.py): on this project's AMD EPYC
 machines 2-4 tokens cost 1.06-1.12x (2026-12-03; 3 cost 1.29x before the few-row layout padded them to 4),
 on its Intel Xeon ones 2-3 tokens cost 1.0-1.2x and 4 cost 1.4-1.6x (three benchmark loads of 2026-12-03).
-So the shape that decodes fastest on one machine is not the fastest on another (EAGLE's shipped drafter: a chain
-of three draft tokens per step on the AMD machine, one or two on the Intel one, whose timings put those two
-close).
+So the shape that decodes fastest on one machine is not the fastest on another (EAGLE's shipped drafter: three
+draft nodes per step on the AMD machine, a chain until 2026-12-04 and a two-level tree since; a chain of one or
+two on the Intel one, whose timings put those two close).
 
 A trained artifact that says so (`"shape_choice": "measured"` in its config) has its CPU shape chosen at load
 from its candidate shapes: each one's speed relative to plain decoding is estimated as
