@@ -1,7 +1,8 @@
 """Median time of one target forward of 1-16 tokens (300 cached), on the stock kernels with transformers'
 `DynamicCache`, on specframe's CPU kernels with its own cache (`specframe.kv_cache.new_cache`), and on those
 through specframe's lean forward (`specframe.lean_forward`, where it applies to the target), with the
-q/k/v and gate/up products separate and fused.
+q/k/v and gate/up products separate and fused, and the same with the float32 weights only (not their GGUF blocks,
+`specframe.block_weights`).
 
     python scripts/kernel_timings.py [--target smollm2-135m-instruct] [--threads 2]
 
@@ -16,6 +17,7 @@ import time
 import torch
 from transformers import DynamicCache
 
+from specframe import block_weights
 from specframe.cpu_kernels import stock_kernels
 from specframe.kv_cache import new_cache
 from specframe.lean_forward import engine_forward, lean_llama_forward
@@ -32,8 +34,10 @@ def main() -> None:
     model = load_model(args.target, dtype="float32", device="cpu", quiet=True).model
     torch.manual_seed(0)
     caches = {"stock": DynamicCache(config=model.config), "fast": new_cache(model)}
-    caches.update({"lean, separate products": new_cache(model), "lean": new_cache(model)})
+    lean = ("lean, separate products", "lean, float32 weights", "lean")
+    caches.update({mode: new_cache(model) for mode in lean})
     runs = {"stock": model, "fast": model, "lean": engine_forward(model)}  # (fused products, lean_forward.py)
+    runs["lean, float32 weights"] = runs["lean"]
     runs["lean, separate products"] = functools.partial(lean_llama_forward, model, fuse_projections=False)
     rows = (1, 2, 3, 4, 5, 6, 8, 12, 16)
     context = int(__import__("os").environ.get("CONTEXT", "300"))
@@ -55,7 +59,8 @@ def main() -> None:
             with stock_kernels(model):
                 for r in rows:
                     times["stock"][r].append(forward(r, "stock"))
-            for mode in ("fast", "lean, separate products", "lean"):
+            for mode in ("fast", *lean):
+                block_weights.use_blocks = mode != "lean, float32 weights"
                 for r in rows:
                     times[mode][r].append(forward(r, mode))
     print(cache_update_times(model, context, args.repeats))

@@ -78,6 +78,9 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from specframe import block_weights as blocks_module
+from specframe.block_weights import DerivedCopies, block_products, blocks_available, tensor_version, weight_blocks
+
 MAX_ROWS = 64  # longer inputs (prefills) keep PyTorch's own path
 PAD_ROWS = {1: 2, 3: 4, 7: 8, **{n: 16 for n in range(10, 16)}}  # row counts computed as a larger, faster product
 ATTENTION = "specframe_sdpa"
@@ -117,11 +120,16 @@ PACKED_AVAILABLE = _mkl_packing()
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, for float32 CPU inputs of 1-64 rows through the layout that is fastest on
-    this machine at that row count for that weight shape (`layout_plan`)."""
+    """`F.linear(x, weight, bias)`, for float32 CPU inputs of 1-64 rows: through the weight's blocks where it is on
+    a GGUF block grid (`specframe.block_weights`: 1-16 rows), else through the layout that is fastest on this
+    machine at that row count for that weight shape (`layout_plan`)."""
     rows = x.numel() // weight.shape[1] if x.dim() else 0
     if not (1 <= rows <= MAX_ROWS and x.is_cpu and x.dtype == torch.float32) or layout_choice == STOCK:
         return _stock_linear(x, weight, bias)
+    if _blocks_here(x, weight, rows):
+        blocks = weight_blocks(weight)
+        if blocks is not None:
+            return block_products(x, blocks, bias)
     layout = layout_plan(weight)[rows] if layout_choice == "measure" else layout_choice
     if layout == PACKED:
         if _packs_here(x, weight, rows):
@@ -163,6 +171,16 @@ def _packs_here(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
     )
 
 
+def _blocks_here(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
+    """Whether a product may use the weight's blocks (`specframe.block_weights`) if it has any: the kernel
+    built, at most its MAX_ROWS rows, and no gradient wanted."""
+    return (
+        rows <= blocks_module.MAX_ROWS
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and blocks_available()
+    )
+
+
 def _measured_rows(rows: int) -> int:
     """The nearest of MEASURED_ROWS at or above `rows`: the count whose measured layout a product of `rows` rows
     follows, and the count the packed layout packs and computes it for."""
@@ -178,37 +196,24 @@ def _packed_layout(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return y[:rows].reshape(*x.shape[:-1], weight.shape[0])
 
 
-class _PackedCopies(dict):
-    """A weight's MKL-packed copies, row count -> (the weight's version when packed, the copy). Not pickled or
-    deep-copied (the copy of a weight packs again when used)."""
-
-    def __reduce__(self):
-        return (_PackedCopies, ())
-
-    def __deepcopy__(self, memo):
-        return _PackedCopies()
-
-
 def _packed_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
     """`weight` packed by MKL for products of `rows` rows: made on first use, made again when the weight has
     changed in place since (its version counter; an inference-mode tensor has none and is packed once)."""
     copies = weight.__dict__.get(_PACKS)
     if copies is None:
-        copies = _PackedCopies()
+        copies = DerivedCopies()
         setattr(weight, _PACKS, copies)
-    try:
-        version = weight._version
-    except RuntimeError:  # (an inference tensor: no version counter)
-        version = -1
+    version = tensor_version(weight)
     entry = copies.get(rows)
     if entry is None or entry[0] != version:
         entry = copies[rows] = (version, torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows))
     return entry[1]
 
 
-def drop_packed_copies(weight: torch.Tensor) -> None:
-    """Free `weight`'s MKL-packed copies (they are made again when next used)."""
+def drop_derived_copies(weight: torch.Tensor) -> None:
+    """Free `weight`'s MKL-packed copies and blocks (made again when next used)."""
     weight.__dict__.pop(_PACKS, None)
+    blocks_module.drop_blocks(weight)
 
 
 def layout_plan(weight: torch.Tensor) -> tuple[str, ...]:
@@ -262,7 +267,7 @@ def measure_layouts(weight: torch.Tensor, timer: Callable[[], float] = time.perf
             best = min((min(times[layout]), layout) for layout in layouts if layout != STOCK)
             chosen[rows] = best[1] if best[0] <= CLEAR_WIN * min(times[STOCK]) else STOCK
             for w in weights:  # (the copies made for the timing; `weight`'s own are made again when used)
-                drop_packed_copies(w)
+                drop_derived_copies(w)
     return (STOCK, *(chosen[_measured_rows(r)] for r in range(1, MAX_ROWS + 1)))
 
 
@@ -322,9 +327,10 @@ def fast_kernels_on(model: torch.nn.Module) -> bool:
 
 def use_fast_cpu_kernels(model: torch.nn.Module) -> int:
     """Give `model`'s float32 CPU `nn.Linear` layers the few-row layout where it is faster (`layout_plan`,
-    measured here for each weight shape; a layer whose shape keeps the stock product at every row count is left
-    as it is, so it costs nothing) and, where the model uses `sdpa` attention and its type is in
-    FAST_ATTENTION_MODEL_TYPES, `specframe_sdpa`; returns how many linear layers were rerouted."""
+    measured here for each weight shape) and their blocks where their weights are on a GGUF block grid
+    (`specframe.block_weights`, found here; a layer with neither is left as it is, so it costs nothing) and,
+    where the model uses `sdpa` attention and its type is in FAST_ATTENTION_MODEL_TYPES, `specframe_sdpa`;
+    returns how many linear layers were rerouted."""
     if layout_choice not in LAYOUT_CHOICES:
         raise ValueError(f"specframe.cpu_kernels.layout_choice must be one of {LAYOUT_CHOICES}, got {layout_choice!r}")
     n = eligible = 0
@@ -332,7 +338,8 @@ def use_fast_cpu_kernels(model: torch.nn.Module) -> int:
         if type(module) is torch.nn.Linear and module.weight.device.type == "cpu":
             if module.weight.dtype == torch.float32 and ("forward" not in module.__dict__ or is_rerouted(module)):
                 eligible += 1
-                if layout_choice == "measure" and set(layout_plan(module.weight)) == {STOCK}:  # (timed now, at load)
+                on_blocks = blocks_available() and weight_blocks(module.weight) is not None  # (found now, at load)
+                if layout_choice == "measure" and set(layout_plan(module.weight)) == {STOCK} and not on_blocks:
                     module.__dict__.pop("forward", None)  # (rerouted before, e.g. with another thread count)
                     continue
                 module.forward = functools.partial(_linear_few_rows, module)  # (picklable, unlike a bound method)

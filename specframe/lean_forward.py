@@ -27,7 +27,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from specframe.cpu_kernels import ATTENTION, drop_packed_copies, fast_kernels_on, few_rows_linear, is_rerouted
+from specframe.block_weights import blocks_available, joined_blocks, remember_blocks, weight_blocks
+from specframe.cpu_kernels import ATTENTION, drop_derived_copies, fast_kernels_on, few_rows_linear, is_rerouted
 
 
 class LeanOutput(NamedTuple):
@@ -275,13 +276,16 @@ def _fuse(linears: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.Ten
     """One weight buffer (and bias buffer) for `linears` (`_fusable`), their own weights (biases) made views of it."""
     weights = [m.weight for m in linears]
     biases = [m.bias for m in linears]
+    blocks = [weight_blocks(w) if blocks_available() else None for w in weights]
     with torch.inference_mode(False), torch.no_grad():  # (plain tensors: a model may be trained after)
         weight = torch.cat([w.detach() for w in weights])
         bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
         sizes = [w.shape[0] for w in weights]
-        for m, w in zip(linears, weight.split(sizes), strict=True):
-            drop_packed_copies(m.weight)  # (made again for the view where used)
+        for m, w, found in zip(linears, weight.split(sizes), blocks, strict=True):
+            drop_derived_copies(m.weight)  # (packed copies made again for the view where used)
             m.weight.data = w
+            remember_blocks(m.weight, found)  # (the same numbers: the same blocks)
+        remember_blocks(weight, joined_blocks(blocks))
         if bias is not None:
             for m, b in zip(linears, bias.split(sizes), strict=True):
                 m.bias.data = b

@@ -1,0 +1,223 @@
+"""Products with weights that are exactly a GGUF block grid, read in their 4- or 8-bit form (float32, CPU).
+
+The default target is SmolLM2-135M-Instruct from a Q4_1 GGUF (its embeddings, the tied LM head, in Q8_0),
+dequantised to float32 on load: a forward on a few tokens reads 537 MB of float32 weights, and on this project's
+2-core machines that reading was most of its time (~28 of ~45 ms, docs/models.md). Those float32 weights hold no
+more than the file did: every block of 32 along a row is `scale * q + min`, with a 16-bit float scale and min and
+a 4-bit q (Q4_1), or `scale * q` with an 8-bit q (Q8_0). `block_grid` finds that form again in a float32 weight,
+and accepts it only where it gives back every number of the weight exactly; `block_products` then multiplies by
+the blocks, a seventh (4-bit) or a quarter (8-bit) of the bytes, each block turned back into exactly the float32
+numbers of the weight (`scale * q` is exact in float32, and the min is added with one rounding, as the
+dequantisation did) and multiplied in float32. So the product is the float32 model's, summed in another order
+(as the few-row layout's is: `specframe.cpu_kernels`).
+
+The kernel (`block_weights.c`, AVX2 and FMA, threads from PyTorch's own OpenMP runtime) is compiled on first use
+with the machine's C compiler (`$CC`, else `cc`) into specframe's cache; where there is no compiler, the CPU lacks
+AVX2 or the build fails, `block_kernel()` is None, `block_kernel_problem()` says why, and products use the float32
+weights. The blocks of a weight are found once and kept beside it (about 0.16x its bytes, not pickled or copied),
+and found again after the weight changes in place (its version counter) or is replaced.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+BLOCK = 32  # weights per block along a row, in GGUF's Q4_1 and Q8_0
+MAX_ROWS = 16  # input rows multiplied by the blocks; more (a prefill) use the float32 weights
+FIRST_ROWS = 8  # weight rows checked before the whole weight (most weights are on no grid: found out early)
+SOURCE = Path(__file__).with_name("block_weights.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+use_blocks = True  # False: products always use the float32 weights (tests compare the two with it)
+
+
+class BlockWeights(NamedTuple):
+    """A [out, in] weight as blocks of BLOCK along each row: w[n, k] = scales[n, k // 32] * q[n, k] (+ mins[...])."""
+
+    bits: int  # 4 (Q4_1: q in 0..15, with mins) or 8 (Q8_0: q in -128..127, no mins)
+    quants: torch.Tensor  # 4: uint8 [out, in // 32, 16], byte j = q[j] | q[j + 16] << 4; 8: int8 [out, in // 32, 32]
+    scales: torch.Tensor  # float32 [out, in // 32]
+    mins: torch.Tensor | None  # float32 [out, in // 32] for bits 4, else None
+
+
+def block_grid(weight: torch.Tensor) -> BlockWeights | None:
+    """`weight` (float32 CPU [out, in], `in` a multiple of 32) as Q4_1 or Q8_0 blocks that give back each of its
+    numbers exactly, or None where it is on neither grid. The Q4_1 min is a block's least number (q = 0) and its
+    scale the range over 15 rounded to a 16-bit float (as llama.cpp quantises); Q8_0's scale is the largest
+    magnitude over 127. What decides is the check that the blocks give back the weight, bit for bit."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or not weight.is_cpu or weight.shape[1] % BLOCK:
+        return None
+    with torch.no_grad():
+        w = weight.detach()
+        head = w[:FIRST_ROWS]
+        for grid in (_q4_1, _q8_0):
+            if grid(head) is not None:  # (the whole weight only where its first rows are on the grid)
+                return grid(w)
+    return None
+
+
+def _q4_1(w: torch.Tensor) -> BlockWeights | None:
+    blocks = w.reshape(w.shape[0], -1, BLOCK)
+    mins = blocks.amin(-1)
+    scales = ((blocks.amax(-1) - mins) / 15).half().float()
+    q = torch.round((blocks - mins[..., None]) / torch.where(scales == 0, 1.0, scales)[..., None]).clamp_(0, 15)
+    if not torch.equal(scales[..., None] * q + mins[..., None], blocks):
+        return None
+    q = q.to(torch.uint8)
+    return BlockWeights(4, (q[..., :16] | (q[..., 16:] << 4)).contiguous(), scales, mins)
+
+
+def _q8_0(w: torch.Tensor) -> BlockWeights | None:
+    blocks = w.reshape(w.shape[0], -1, BLOCK)
+    scales = blocks.abs().amax(-1) / 127
+    q = torch.round(blocks / torch.where(scales == 0, 1.0, scales)[..., None]).clamp_(-128, 127)
+    if not torch.equal(scales[..., None] * q, blocks):
+        return None
+    return BlockWeights(8, q.to(torch.int8).contiguous(), scales, None)
+
+
+def block_products(x: torch.Tensor, blocks: BlockWeights, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, w, bias)` for the weight `w` that `blocks` holds (x float32 on the CPU, at most MAX_ROWS rows
+    once flattened), through `block_kernel()` (which must be there)."""
+    kernel = block_kernel()
+    if kernel is None:
+        raise RuntimeError(f"the block kernel is not available: {block_kernel_problem()}")
+    out_features, in_features = blocks.scales.shape[0], blocks.scales.shape[1] * BLOCK
+    flat = x.reshape(-1, in_features).contiguous()
+    y = torch.empty(flat.shape[0], out_features)
+    mins = blocks.mins.data_ptr() if blocks.mins is not None else None
+    failed = kernel(
+        flat.data_ptr(), flat.shape[0], in_features, blocks.quants.data_ptr(), blocks.bits, blocks.scales.data_ptr(),
+        mins, out_features, y.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("block_products: a thread's buffer for the dequantised weight rows could not be allocated")
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+_problem: list[str] = []
+
+
+def blocks_available() -> bool:
+    """Whether products may use weights' blocks: `use_blocks` and the kernel built (`block_kernel`)."""
+    return use_blocks and block_kernel() is not None
+
+
+def block_kernel_problem() -> str | None:
+    """Why `block_kernel()` is None (no compiler, no AVX2, the build failed), else None."""
+    block_kernel()
+    return _problem[0] if _problem else None
+
+
+@functools.cache
+def block_kernel() -> ctypes._CFuncPtr | None:
+    """The compiled `block_products` of block_weights.c (built once per source, compiler and flags, in
+    `<specframe cache>/kernels/`), or None where it cannot be had here (`block_kernel_problem`)."""
+    _problem.clear()
+    try:
+        path = _built_library()
+    except _NoKernel as why:
+        _problem.append(str(why))
+        return None
+    function = ctypes.CDLL(str(path)).block_products
+    function.restype = ctypes.c_int
+    pointer, count = ctypes.c_void_p, ctypes.c_long
+    function.argtypes = [pointer, count, count, pointer, ctypes.c_int, pointer, pointer, count, pointer, ctypes.c_int]
+    return function
+
+
+class _NoKernel(Exception):
+    pass
+
+
+def _built_library() -> Path:
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        raise _NoKernel(f"the CPU lacks AVX2 (PyTorch reports {torch.backends.cpu.get_cpu_capability()})")
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise _NoKernel(f"no C compiler ({compiler!r} not found; set $CC)")
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise _NoKernel(f"the C compiler {compiler!r} did not run: {e}") from e
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, *FLAGS]).encode()).hexdigest()[:16]
+    from specframe.models import cache_dir
+
+    path = cache_dir() / "kernels" / f"block_weights-{key}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as work:  # (built aside, then renamed: processes may race)
+        built = Path(work) / path.name
+        try:
+            run = subprocess.run(
+                [compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=300
+            )
+        except (OSError, subprocess.SubprocessError) as e:
+            raise _NoKernel(f"compiling {SOURCE.name} failed: {e}") from e
+        if run.returncode != 0:
+            raise _NoKernel(f"compiling {SOURCE.name} failed: {run.stderr.strip()[-500:]}")
+        os.replace(built, path)
+    return path
+
+
+class DerivedCopies(dict):
+    """What is derived from a weight and kept beside it (its blocks, its MKL-packed copies): not pickled or
+    deep-copied with it (a copy of the weight derives its own when used)."""
+
+    def __reduce__(self):
+        return (type(self), ())
+
+    def __deepcopy__(self, memo):
+        return type(self)()
+
+
+_BLOCKS = "_specframe_blocks"  # a weight's attribute: DerivedCopies {"key": (address, version), "blocks": ...}
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """`t._version`, or -1 for an inference-mode tensor (which has no version counter)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
+def weight_blocks(weight: torch.Tensor) -> BlockWeights | None:
+    """`block_grid(weight)`, kept beside the weight and found again once its address or version changed."""
+    memo = weight.__dict__.get(_BLOCKS)
+    key = (weight.data_ptr(), tensor_version(weight))
+    if memo is None or memo.get("key") != key:
+        remember_blocks(weight, block_grid(weight))
+        memo = weight.__dict__[_BLOCKS]
+    return memo["blocks"]
+
+
+def remember_blocks(weight: torch.Tensor, blocks: BlockWeights | None) -> None:
+    """Keep `blocks` as `weight`'s (they must hold its numbers: e.g. a weight's own, once it became a view of a
+    buffer with the same numbers, or its parts' blocks joined by `joined_blocks` for a stacked buffer)."""
+    setattr(weight, _BLOCKS, DerivedCopies(key=(weight.data_ptr(), tensor_version(weight)), blocks=blocks))
+
+
+def joined_blocks(parts: list[BlockWeights | None]) -> BlockWeights | None:
+    """The blocks of the weights `parts` hold, stacked along their output rows (None unless all have blocks of
+    one kind)."""
+    if any(p is None for p in parts) or len({p.bits for p in parts}) != 1:
+        return None
+    mins = torch.cat([p.mins for p in parts]) if parts[0].mins is not None else None
+    return BlockWeights(parts[0].bits, torch.cat([p.quants for p in parts]), torch.cat([p.scales for p in parts]), mins)
+
+
+def drop_blocks(weight: torch.Tensor) -> None:
+    weight.__dict__.pop(_BLOCKS, None)

@@ -1,0 +1,176 @@
+"""Weights on a GGUF block grid, multiplied by their blocks: found only where exact, the float32 products."""
+
+import copy
+import pickle
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, quants
+
+from specframe import block_weights, cpu_kernels
+from specframe.block_weights import block_grid, block_kernel, block_kernel_problem, block_products, weight_blocks
+from specframe.cpu_kernels import few_rows_linear, use_fast_cpu_kernels
+from specframe.kv_cache import new_cache
+from specframe.lean_forward import engine_forward, fused_projections
+from specframe.proposer import seeded
+from specframe.testing.tiny import tiny_llama
+
+GRIDS = {4: GGMLQuantizationType.Q4_1, 8: GGMLQuantizationType.Q8_0}
+
+pytestmark = pytest.mark.skipif(block_kernel() is None, reason=f"no block kernel here: {block_kernel_problem()}")
+
+
+def on_grid(shape, bits, seed=0, scale=1.0):
+    """A float32 weight as transformers loads a GGUF one: quantised and dequantised by the `gguf` package."""
+    x = (scale * np.random.default_rng(seed).standard_normal(shape)).astype(np.float32)
+    kind = GRIDS[bits]
+    return torch.from_numpy(quants.dequantize(quants.quantize(x, kind), kind).copy())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_dequantised_gguf_weight_is_found_on_its_grid_exactly(bits):
+    w = on_grid((24, 96), bits)
+    blocks = block_grid(w)
+    assert blocks is not None and blocks.bits == bits
+    x = torch.eye(96)  # (each row picks one input: the product gives back the weight's numbers)
+    back = torch.cat([block_products(x[i : i + 16], blocks) for i in range(0, 96, 16)]).t()
+    assert torch.equal(back, w)
+
+
+def test_weights_off_a_grid_have_no_blocks():
+    w = on_grid((8, 64), 4)
+    assert block_grid(torch.randn(8, 64)) is None
+    off = w.clone()
+    off[5, 40] = torch.nextafter(off[5, 40], torch.tensor(9.0))  # one number off by one unit in the last place
+    assert block_grid(off) is None
+    assert block_grid(on_grid((8, 64), 4)[:, :40]) is None  # (40 inputs: not whole blocks)
+    assert block_grid(w.double()) is None and block_grid(w[0]) is None
+    late = w.clone()
+    late[-1, 0] += 1e-3  # (past the first rows checked: the whole weight is checked too)
+    assert block_grid(late) is None
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("out_features", [13, 64])
+def test_block_products_are_the_float32_products(bits, out_features):
+    w = on_grid((out_features, 160), bits, seed=out_features)
+    bias = torch.randn(out_features)
+    blocks = block_grid(w)
+    for rows in range(1, block_weights.MAX_ROWS + 1):
+        x = torch.randn(1, rows, 160)
+        exact = (x.double() @ w.double().t() + bias.double()).float()
+        got = block_products(x, blocks, bias)
+        assert got.shape == (1, rows, out_features)
+        torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_the_few_row_products_use_the_blocks_and_follow_the_weight(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "layout_choice", cpu_kernels.FEW_ROWS)
+    w = torch.nn.Parameter(on_grid((32, 64), 4), requires_grad=False)
+    x = torch.randn(3, 64)
+    used = []
+    monkeypatch.setattr(cpu_kernels, "block_products", lambda *a: used.append(1) or block_products(*a))
+    torch.testing.assert_close(few_rows_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert used and weight_blocks(w) is not None
+    with torch.no_grad():
+        w.mul_(1.001)  # changed in place: off the grid now, so the float32 weights again
+    assert weight_blocks(w) is None
+    torch.testing.assert_close(few_rows_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    w.data = on_grid((32, 64), 8)  # replaced: its own blocks
+    assert weight_blocks(w).bits == 8
+    torch.testing.assert_close(few_rows_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    used.clear()
+    few_rows_linear(torch.randn(17, 64), w)  # (more rows than the kernel takes: the float32 layouts)
+    w.requires_grad_(True)
+    few_rows_linear(x, w)  # (a gradient wanted: the float32 weights, whose product has one)
+    monkeypatch.setattr(block_weights, "use_blocks", False)
+    few_rows_linear(x, w.detach())
+    assert not used
+
+
+def tiny_on_grid(bits=4):
+    """A tiny Llama (widths multiples of 32) whose linear layers are quantised and dequantised as a GGUF's."""
+    model = tiny_llama(vocab_size=64, seed=0, hidden_size=64)
+    with torch.no_grad():
+        for i, module in enumerate(m for m in model.modules() if isinstance(m, torch.nn.Linear)):
+            module.weight.copy_(on_grid(tuple(module.weight.shape), bits, seed=i, scale=0.3))
+    return model
+
+
+def test_a_model_on_a_grid_runs_its_blocks_and_gives_the_float32_logits(monkeypatch):
+    model = tiny_on_grid()
+    reference = copy.deepcopy(model)
+    assert use_fast_cpu_kernels(model) > 0
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(weight_blocks(m.weight) is not None for m in linears)
+    forward = engine_forward(model)
+    assert forward is not model  # (the lean forward, with fused projections on blocks joined from the layers')
+    for both in fused_projections(model):
+        assert torch.equal(block_products(torch.eye(64), weight_blocks(both.qkv_weight)).t(), both.qkv_weight)
+        assert torch.equal(block_products(torch.eye(64), weight_blocks(both.gate_up_weight)).t(), both.gate_up_weight)
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        cache, stock_cache = new_cache(model), new_cache(reference)
+        for step in (ids[:, :8], ids[:, 8:11], ids[:, 11:]):  # (a prefill, a three-token step, one token)
+            got = forward(input_ids=step, cache=cache, use_cache=True).logits
+            want = reference(input_ids=step, cache=stock_cache, use_cache=True).logits
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_blocks_are_not_pickled_or_copied_with_a_weight():
+    model = tiny_on_grid(bits=8)
+    use_fast_cpu_kernels(model)
+    weight = model.lm_head.weight
+    assert weight_blocks(weight) is not None
+    for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert not other.lm_head.weight.__dict__.get(block_weights._BLOCKS)
+        assert weight_blocks(other.lm_head.weight).bits == 8  # (found again for the copy)
+
+
+def test_without_a_compiler_products_use_the_float32_weights(monkeypatch, tmp_path):
+    used = []
+    monkeypatch.setattr(cpu_kernels, "block_products", lambda *a: used.append(1) or block_products(*a))
+    monkeypatch.setattr(block_weights, "_problem", [])
+    block_kernel.cache_clear()
+    try:
+        with monkeypatch.context() as no_compiler:
+            no_compiler.setenv("CC", str(tmp_path / "no-such-compiler"))
+            no_compiler.setenv("SPECFRAME_HOME", str(tmp_path))
+            assert block_kernel() is None and "no C compiler" in block_kernel_problem()
+            w = on_grid((32, 64), 4)
+            x = torch.randn(2, 64)
+            torch.testing.assert_close(few_rows_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+            assert not used
+            with pytest.raises(RuntimeError, match="block kernel is not available: no C compiler"):
+                block_products(x, block_grid(w))
+    finally:
+        block_kernel.cache_clear()
+    assert block_kernel() is not None
+
+
+def test_the_kernel_is_built_once_per_source_and_compiler(monkeypatch, tmp_path):
+    block_kernel.cache_clear()
+    try:
+        with monkeypatch.context() as elsewhere:
+            elsewhere.setenv("SPECFRAME_HOME", str(tmp_path))
+            assert block_kernel() is not None
+            built = list((tmp_path / "kernels").glob("block_weights-*.so"))
+            assert len(built) == 1 and not [p for p in (tmp_path / "kernels").iterdir() if p not in built]
+            block_kernel.cache_clear()
+            stamp = built[0].stat().st_mtime_ns
+            assert block_kernel() is not None and built[0].stat().st_mtime_ns == stamp  # (not built again)
+    finally:
+        block_kernel.cache_clear()
+
+
+def test_a_weight_off_the_grid_is_found_out_by_its_first_rows(monkeypatch):
+    checked = []
+    for name in ("_q4_1", "_q8_0"):
+        grid = getattr(block_weights, name)
+        monkeypatch.setattr(block_weights, name, lambda w, grid=grid: checked.append(w.shape[0]) or grid(w))
+    with seeded(0):
+        assert block_grid(torch.randn(4096, 1024)) is None
+    assert checked == [block_weights.FIRST_ROWS] * 2  # (the whole weight is not checked)
