@@ -6,15 +6,15 @@ dequantised to float32 on load: a forward on a few tokens reads 537 MB of float3
 more than the file did: every block of 32 along a row is `scale * q + min`, with a 16-bit float scale and min and
 a 4-bit q (Q4_1), or `scale * q` with an 8-bit q (Q8_0). `block_grid` finds that form again in a float32 weight,
 and accepts it only where it gives back every number of the weight exactly; `block_products` then multiplies by
-the blocks, a seventh (4-bit) or a quarter (8-bit) of the bytes, each block turned back into exactly the float32
-numbers of the weight (`scale * q` is exact in float32, and the min is added with one rounding, as the
-dequantisation did) and multiplied in float32. So the product is the float32 model's, summed in another order
-(as the few-row layout's is: `specframe.cpu_kernels`).
+the blocks, 0.19x (4-bit, with float32 scales and mins) or 0.28x (8-bit) of the bytes, each block turned back into
+exactly the float32 numbers of the weight (`scale * q` is exact in float32, and the min is added with one
+rounding, as the dequantisation did) and multiplied in float32. So the product is the float32 model's, summed in
+another order (as the few-row layout's is: `specframe.cpu_kernels`).
 
 The kernel (`block_weights.c`, AVX2 and FMA, threads from PyTorch's own OpenMP runtime) is compiled on first use
 with the machine's C compiler (`$CC`, else `cc`) into specframe's cache; where there is no compiler, the CPU lacks
 AVX2 or the build fails, `block_kernel()` is None, `block_kernel_problem()` says why, and products use the float32
-weights. The blocks of a weight are found once and kept beside it (about 0.16x its bytes, not pickled or copied),
+weights. The blocks of a weight are found once and kept beside it (0.19x or 0.28x its bytes, not pickled or copied),
 and found again after the weight changes in place (its version counter) or is replaced.
 """
 
@@ -210,13 +210,16 @@ def remember_blocks(weight: torch.Tensor, blocks: BlockWeights | None) -> None:
     setattr(weight, _BLOCKS, DerivedCopies(key=(weight.data_ptr(), tensor_version(weight)), blocks=blocks))
 
 
-def joined_blocks(parts: list[BlockWeights | None]) -> BlockWeights | None:
-    """The blocks of the weights `parts` hold, stacked along their output rows (None unless all have blocks of
-    one kind)."""
+def joined_blocks(parts: list[BlockWeights | None]) -> tuple[BlockWeights | None, list[BlockWeights | None]]:
+    """The blocks of the weights `parts` hold, stacked along their output rows, and each part's as a view of
+    those (so that they are kept once); (None, `parts`) unless all have blocks of one kind."""
     if any(p is None for p in parts) or len({p.bits for p in parts}) != 1:
-        return None
-    mins = torch.cat([p.mins for p in parts]) if parts[0].mins is not None else None
-    return BlockWeights(parts[0].bits, torch.cat([p.quants for p in parts]), torch.cat([p.scales for p in parts]), mins)
+        return None, parts
+    tensors = [[p.quants for p in parts], [p.scales for p in parts], [p.mins for p in parts]]
+    stacked = [torch.cat(ts) if ts[0] is not None else None for ts in tensors]
+    sizes = [p.scales.shape[0] for p in parts]
+    views = zip(*(t.split(sizes) if t is not None else [None] * len(parts) for t in stacked), strict=True)
+    return BlockWeights(parts[0].bits, *stacked), [BlockWeights(parts[0].bits, *fields) for fields in views]
 
 
 def drop_blocks(weight: torch.Tensor) -> None:

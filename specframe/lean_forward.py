@@ -281,11 +281,12 @@ def _fuse(linears: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.Ten
         weight = torch.cat([w.detach() for w in weights])
         bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
         sizes = [w.shape[0] for w in weights]
+        joined, blocks = joined_blocks(blocks)
         for m, w, found in zip(linears, weight.split(sizes), blocks, strict=True):
             drop_derived_copies(m.weight)  # (packed copies made again for the view where used)
             m.weight.data = w
-            remember_blocks(m.weight, found)  # (the same numbers: the same blocks)
-        remember_blocks(weight, joined_blocks(blocks))
+            remember_blocks(m.weight, found)  # (the same numbers: the same blocks, now views of the joined ones)
+        remember_blocks(weight, joined)
         if bias is not None:
             for m, b in zip(linears, bias.split(sizes), strict=True):
                 m.bias.data = b

@@ -108,7 +108,9 @@ def test_a_model_on_a_grid_runs_its_blocks_and_gives_the_float32_logits(monkeypa
     assert all(weight_blocks(m.weight) is not None for m in linears)
     forward = engine_forward(model)
     assert forward is not model  # (the lean forward, with fused projections on blocks joined from the layers')
-    for both in fused_projections(model):
+    for layer, both in zip(model.model.layers, fused_projections(model), strict=True):
+        own = weight_blocks(layer.self_attn.k_proj.weight)  # (a view of the joined blocks: kept once)
+        assert own.quants.data_ptr() == weight_blocks(both.qkv_weight).quants[64:].data_ptr()
         assert torch.equal(block_products(torch.eye(64), weight_blocks(both.qkv_weight)).t(), both.qkv_weight)
         assert torch.equal(block_products(torch.eye(64), weight_blocks(both.gate_up_weight)).t(), both.gate_up_weight)
     ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
