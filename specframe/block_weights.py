@@ -106,30 +106,31 @@ def block_products(x: torch.Tensor, blocks: BlockWeights, bias: torch.Tensor | N
     return y.reshape(*x.shape[:-1], out_features)
 
 
-_problem: list[str] = []
-
-
 def blocks_available() -> bool:
     """Whether products may use weights' blocks: `use_blocks` and the kernel built (`block_kernel`)."""
     return use_blocks and block_kernel() is not None
 
 
-def block_kernel_problem() -> str | None:
-    """Why `block_kernel()` is None (no compiler, no AVX2, the build failed), else None."""
-    block_kernel()
-    return _problem[0] if _problem else None
-
-
-@functools.cache
 def block_kernel() -> ctypes._CFuncPtr | None:
     """The compiled `block_products` of block_weights.c (built once per source, compiler and flags, in
     `<specframe cache>/kernels/`), or None where it cannot be had here (`block_kernel_problem`)."""
-    _problem.clear()
+    kernel = _kernel_or_problem()
+    return None if isinstance(kernel, str) else kernel
+
+
+def block_kernel_problem() -> str | None:
+    """Why `block_kernel()` is None (no compiler, no AVX2, the build failed), else None."""
+    kernel = _kernel_or_problem()
+    return kernel if isinstance(kernel, str) else None
+
+
+@functools.cache
+def _kernel_or_problem() -> ctypes._CFuncPtr | str:
+    """The kernel, or why there is none: found once per process (`cache_clear()` to look again)."""
     try:
         path = _built_library()
     except _NoKernel as why:
-        _problem.append(str(why))
-        return None
+        return str(why)
     function = ctypes.CDLL(str(path)).block_products
     function.restype = ctypes.c_int
     pointer, count = ctypes.c_void_p, ctypes.c_long

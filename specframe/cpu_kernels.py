@@ -167,18 +167,19 @@ def _packs_here(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
         and rows <= PACKED_MAX_ROWS
         and weight.is_cpu
         and weight.dtype == torch.float32
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and not _gradient_wanted(x, weight)
     )
+
+
+def _gradient_wanted(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether autograd would record a product of `x` and `weight` (the packed and block kernels have no backward)."""
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
 
 
 def _blocks_here(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
     """Whether a product may use the weight's blocks (`specframe.block_weights`) if it has any: the kernel
     built, at most its MAX_ROWS rows, and no gradient wanted."""
-    return (
-        rows <= blocks_module.MAX_ROWS
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        and blocks_available()
-    )
+    return rows <= blocks_module.MAX_ROWS and not _gradient_wanted(x, weight) and blocks_available()
 
 
 def _measured_rows(rows: int) -> int:

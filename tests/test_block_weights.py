@@ -135,8 +135,7 @@ def test_blocks_are_not_pickled_or_copied_with_a_weight():
 def test_without_a_compiler_products_use_the_float32_weights(monkeypatch, tmp_path):
     used = []
     monkeypatch.setattr(cpu_kernels, "block_products", lambda *a: used.append(1) or block_products(*a))
-    monkeypatch.setattr(block_weights, "_problem", [])
-    block_kernel.cache_clear()
+    block_weights._kernel_or_problem.cache_clear()
     try:
         with monkeypatch.context() as no_compiler:
             no_compiler.setenv("CC", str(tmp_path / "no-such-compiler"))
@@ -149,23 +148,23 @@ def test_without_a_compiler_products_use_the_float32_weights(monkeypatch, tmp_pa
             with pytest.raises(RuntimeError, match="block kernel is not available: no C compiler"):
                 block_products(x, block_grid(w))
     finally:
-        block_kernel.cache_clear()
+        block_weights._kernel_or_problem.cache_clear()
     assert block_kernel() is not None
 
 
 def test_the_kernel_is_built_once_per_source_and_compiler(monkeypatch, tmp_path):
-    block_kernel.cache_clear()
+    block_weights._kernel_or_problem.cache_clear()
     try:
         with monkeypatch.context() as elsewhere:
             elsewhere.setenv("SPECFRAME_HOME", str(tmp_path))
             assert block_kernel() is not None
             built = list((tmp_path / "kernels").glob("block_weights-*.so"))
             assert len(built) == 1 and not [p for p in (tmp_path / "kernels").iterdir() if p not in built]
-            block_kernel.cache_clear()
+            block_weights._kernel_or_problem.cache_clear()
             stamp = built[0].stat().st_mtime_ns
             assert block_kernel() is not None and built[0].stat().st_mtime_ns == stamp  # (not built again)
     finally:
-        block_kernel.cache_clear()
+        block_weights._kernel_or_problem.cache_clear()
 
 
 def test_a_weight_off_the_grid_is_found_out_by_its_first_rows(monkeypatch):
