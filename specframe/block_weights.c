@@ -47,8 +47,8 @@ static float sum8(__m256 v) {
 static void tile_products(const float *x, long rows, long in, const float *w, int count, float *y, long out,
                           long first) {
     long r = 0;
-    if (count == TILE) { /* two input rows by four weight rows: eight independent sums */
-        for (; r + 2 <= rows; r += 2) {
+    if (count == TILE) { /* two input rows by four weight rows: eight independent sums (an odd count ends with three) */
+        for (; r + 2 <= rows && r + 3 != rows; r += 2) {
             const float *x0 = x + r * in, *x1 = x0 + in;
             __m256 s00 = _mm256_setzero_ps(), s01 = s00, s02 = s00, s03 = s00;
             __m256 s10 = s00, s11 = s00, s12 = s00, s13 = s00;
@@ -66,7 +66,29 @@ static void tile_products(const float *x, long rows, long in, const float *w, in
             y1[0] = sum8(s10), y1[1] = sum8(s11), y1[2] = sum8(s12), y1[3] = sum8(s13);
         }
     }
-    if (count == TILE && r < rows) { /* the last, odd row by four weight rows */
+    if (count == TILE && r + 3 == rows) { /* the last three input rows by four weight rows: twelve sums */
+        const float *x0 = x + r * in, *x1 = x0 + in, *x2 = x1 + in;
+        __m256 s00 = _mm256_setzero_ps(), s01 = s00, s02 = s00, s03 = s00;
+        __m256 s10 = s00, s11 = s00, s12 = s00, s13 = s00;
+        __m256 s20 = s00, s21 = s00, s22 = s00, s23 = s00;
+        for (long k = 0; k < in; k += 8) {
+            __m256 a = _mm256_loadu_ps(x0 + k), b = _mm256_loadu_ps(x1 + k), c = _mm256_loadu_ps(x2 + k);
+            __m256 wj = _mm256_loadu_ps(w + k);
+            s00 = _mm256_fmadd_ps(a, wj, s00), s10 = _mm256_fmadd_ps(b, wj, s10), s20 = _mm256_fmadd_ps(c, wj, s20);
+            wj = _mm256_loadu_ps(w + in + k);
+            s01 = _mm256_fmadd_ps(a, wj, s01), s11 = _mm256_fmadd_ps(b, wj, s11), s21 = _mm256_fmadd_ps(c, wj, s21);
+            wj = _mm256_loadu_ps(w + 2 * in + k);
+            s02 = _mm256_fmadd_ps(a, wj, s02), s12 = _mm256_fmadd_ps(b, wj, s12), s22 = _mm256_fmadd_ps(c, wj, s22);
+            wj = _mm256_loadu_ps(w + 3 * in + k);
+            s03 = _mm256_fmadd_ps(a, wj, s03), s13 = _mm256_fmadd_ps(b, wj, s13), s23 = _mm256_fmadd_ps(c, wj, s23);
+        }
+        float *y0 = y + r * out + first, *y1 = y0 + out, *y2 = y1 + out;
+        y0[0] = sum8(s00), y0[1] = sum8(s01), y0[2] = sum8(s02), y0[3] = sum8(s03);
+        y1[0] = sum8(s10), y1[1] = sum8(s11), y1[2] = sum8(s12), y1[3] = sum8(s13);
+        y2[0] = sum8(s20), y2[1] = sum8(s21), y2[2] = sum8(s22), y2[3] = sum8(s23);
+        r += 3;
+    }
+    if (count == TILE && r < rows) { /* a single input row by four weight rows */
         const float *xr = x + r * in;
         __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
         for (long k = 0; k < in; k += 8) {

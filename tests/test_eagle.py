@@ -257,6 +257,32 @@ def test_saved_drafter_round_trips_and_decodes_exactly(trained):
     assert all(0 <= t < 16 for t in res.token_ids)
 
 
+def test_quantize_rounds_the_drafters_own_weights_to_8_bit_blocks_and_stays_exact(trained, monkeypatch):
+    """`proposer.quantize`: auto rounds fc and the drafter's layer (not the target's head rows) where the target
+    runs specframe's CPU kernels; none keeps them as saved; the output is the target's either way."""
+    from specframe.block_weights import block_grid
+    from specframe.cpu_kernels import use_fast_cpu_kernels
+
+    monkeypatch.setattr("specframe.block_weights.blocks_available", lambda: True)  # (the option, not the kernel)
+    target, cfg, _, _ = trained
+    fast_target = copy.deepcopy(target)
+    use_fast_cpu_kernels(fast_target)
+    info = target_info(fast_target)
+    shape = dict(depth=3, top_k=2, total_tokens=4, dtype="float32")
+    saved = EagleProposer.from_config(EagleConfig(model=cfg.out, quantize="none", **shape), info).drafter
+    proposer = EagleProposer.from_config(EagleConfig(model=cfg.out, **shape), info)
+    rounded = proposer.drafter
+    assert block_grid(saved.fc.weight.detach()) is None and block_grid(rounded.fc.weight.detach()).bits == 8
+    assert block_grid(rounded.layer.mlp.gate_proj.weight.detach()).bits == 8
+    assert torch.allclose(saved.fc.weight, rounded.fc.weight, atol=saved.fc.weight.abs().max() / 127)
+    assert torch.equal(saved.head, rounded.head)
+    dec = SpeculativeDecoder(fast_target, proposer)
+    for prompt in ([1, 2, 3], [4, 5, 9, 11]):
+        assert dec.generate(prompt, max_new_tokens=16).token_ids == reference_greedy(target, prompt, 16)
+    with pytest.raises(ConfigError, match="proposer.quantize must be one of"):
+        EagleConfig(quantize="yes")
+
+
 def test_tree_shape_saved_with_the_drafter_is_the_default(trained, tmp_path):
 
     target, cfg, _, _ = trained

@@ -285,3 +285,25 @@ def test_a_model_with_fused_projections_saves_and_loads_its_weights(tmp_path):
     loaded = LlamaForCausalLM.from_pretrained(tmp_path)
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 17])
+def test_its_rotary_embedding_and_norms_are_transformers_bit_for_bit(tokens):
+    """The fused path rotates q and k as one tensor, and float32 norms run as one `rms_norm` call: both give
+    exactly what transformers' `apply_rotary_pos_emb` and `LlamaRMSNorm.forward` give, on the strided views that
+    a fused q/k/v product hands them."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    with seeded(tokens):
+        qkv = torch.randn(2, tokens, (6 + 2 + 2) * 8) * 3  # 6 query heads, 2 key/value heads, head_dim 8
+        cos, sin = torch.randn(2, tokens, 8), torch.randn(2, tokens, 8)
+        norm = LlamaRMSNorm(80, eps=1e-5)
+        norm.weight.data.normal_()
+    heads = (2, tokens, -1, 8)
+    query, key = (qkv[..., a:b].view(heads).transpose(1, 2) for a, b in ((0, 48), (48, 64)))
+    expected = apply_rotary_pos_emb(query, key, cos, sin)
+    both = lean_forward._rotated(qkv[..., :64].view(heads).transpose(1, 2), cos, sin).split((6, 2), dim=1)
+    assert all(torch.equal(a, b) for a, b in zip(expected, both, strict=True))
+    assert torch.equal(lean_forward._rms_norm(norm, qkv[..., :80]), norm.forward(qkv[..., :80]))
+    half = norm.to(torch.bfloat16)  # (another dtype: the module's own forward)
+    assert torch.equal(lean_forward._rms_norm(half, qkv.bfloat16()[..., :80]), half.forward(qkv.bfloat16()[..., :80]))

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
+from specframe.cpu_kernels import use_fast_cpu_kernels
 from specframe.errors import BadInputError, ConfigError, check_field_types, is_count
 from specframe.kv_cache import new_cache
 from specframe.lean_forward import engine_forward
-from specframe.models import check_proposer_dtype, proposer_dtype
+from specframe.models import check_proposer_dtype, check_proposer_quantize, proposer_dtype, quantize_proposer
 from specframe.proposer import (
     Acceptance,
     DecodeState,
@@ -53,6 +54,11 @@ class DraftConfig:
     # Draft weights' dtype: auto (the target's, but bfloat16 for a float32 target on a CPU with native bf16
     # matmuls; see specframe.models.proposer_dtype), float32, bfloat16 or float16.
     dtype: str = "auto"
+    # The draft's own linear weights rounded at load to 8-bit blocks (GGUF Q8_0: each 32 weights of a row share
+    # one 16-bit scale), which specframe's CPU block kernel multiplies reading a quarter of the bytes: auto (where
+    # the target runs specframe's CPU kernels and the weights are float32), none (as saved) or q8_0. It changes
+    # which tokens are drafted slightly, never the output; see specframe.models.quantize_proposer.
+    quantize: str = "auto"
 
     def __post_init__(self) -> None:
         check_field_types(self, "proposer.")
@@ -61,6 +67,7 @@ class DraftConfig:
             raise ConfigError(f"proposer.num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         check_confidence_threshold(self.confidence_threshold)
         check_proposer_dtype(self.dtype)
+        check_proposer_quantize(self.quantize)
 
 
 class DraftProposer(Proposer):
@@ -118,6 +125,9 @@ class DraftProposer(Proposer):
             )
         if is_shared_draft(path):
             model, vocab_ids, meta = load_shared_draft(path, target.model, dtype)
+            quantize_proposer(model, config.quantize, target.fast_cpu_kernels)
+            if target.fast_cpu_kernels:  # (as the target, and as a draft loaded by `load_model` below)
+                use_fast_cpu_kernels(model)
             threshold = saved_threshold(meta)
             check_confidence_threshold(threshold, f"confidence_threshold in {path}/draft_config.json")
             applies = saved_shape_applies(meta, target.device, f"{path}/draft_config.json")
@@ -126,6 +136,8 @@ class DraftProposer(Proposer):
         loaded = load_model(
             path, dtype=dtype, device=str(target.device), quiet=True, fast_cpu_kernels=target.fast_cpu_kernels
         )
+        if quantize_proposer(loaded.model, config.quantize, target.fast_cpu_kernels) and target.fast_cpu_kernels:
+            use_fast_cpu_kernels(loaded.model)  # (again: the rounded layers are now on a block grid)
         return cls(config, target, loaded.model, loaded.tokenizer)
 
     @classmethod

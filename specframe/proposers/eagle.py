@@ -46,7 +46,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from specframe.cpu_kernels import fast_kernels_on, few_rows_linear, use_fast_cpu_kernels
 from specframe.errors import ConfigError, ModelLoadError, brief, check_field_types, is_count
-from specframe.models import check_proposer_dtype, proposer_dtype
+from specframe.models import check_proposer_dtype, check_proposer_quantize, proposer_dtype, quantize_proposer
 from specframe.proposer import (
     Acceptance,
     DecodeState,
@@ -116,6 +116,12 @@ class EagleConfig:
     # matmuls: 2-3x faster drafting, exactness untouched; see specframe.models.proposer_dtype), float32,
     # bfloat16 or float16.
     dtype: str = "auto"
+    # The drafter's own linear weights (fc, its layer, fuse) rounded at load to 8-bit blocks (GGUF Q8_0: each 32
+    # weights of a row share one 16-bit scale), which specframe's CPU block kernel multiplies reading a quarter of
+    # the bytes: auto (where the target runs specframe's CPU kernels and the weights are float32), none (as
+    # saved) or q8_0. It changes which tokens are drafted slightly, never the output; see
+    # specframe.models.quantize_proposer.
+    quantize: str = "auto"
 
     def __post_init__(self) -> None:
         check_field_types(self, "proposer.")
@@ -133,6 +139,7 @@ class EagleConfig:
             )
         check_confidence_threshold(self.confidence_threshold)
         check_proposer_dtype(self.dtype)
+        check_proposer_quantize(self.quantize)
 
 
 # ---------------------------------------------------------------------------------------------- the drafter
@@ -467,6 +474,7 @@ class EagleProposer(Proposer):
         drafter, vocab_ids, meta = load_drafter(
             path, target.model, proposer_dtype(config.dtype, target.dtype, target.device)
         )
+        quantize_proposer(drafter, config.quantize, target.fast_cpu_kernels)  # (before its kernels are chosen)
         shape = meta.get("tree_shape") or {}
         where = f"in {path}/eagle_config.json"
         if not isinstance(shape, dict):
