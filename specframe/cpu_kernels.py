@@ -25,6 +25,10 @@ those shapes depends on the CPU, so what is used is measured on the machine:
    does grouped-query attention itself (`enable_gqa`) with a mask on CPU (on the Intel machine, SDPA alone at
    300-1200 cached: 2-4x faster). `specframe_sdpa` does that on CPU and is transformers' own `sdpa` otherwise
    (for the model types in FAST_ATTENTION_MODEL_TYPES only).
+3. A weight that is exactly a GGUF Q4_1 or Q8_0 block grid (the default target's, dequantised from its GGUF; a
+   proposer's own, rounded at load by `proposer.quantize`) is multiplied on 1-16 rows by its blocks instead of by
+   any of the layouts above (`specframe.block_weights`: the same float32 numbers, a fifth to a quarter of the
+   bytes read).
 
 SmolLM2-135M, median ms per forward, stock and these kernels interleaved in one run per context length
 (`scripts/kernel_timings.py`, `CONTEXT=1200` for the second of each machine). AMD EPYC, 2026-11 (before the
@@ -339,7 +343,7 @@ def use_fast_cpu_kernels(model: torch.nn.Module) -> int:
         if type(module) is torch.nn.Linear and module.weight.device.type == "cpu":
             if module.weight.dtype == torch.float32 and ("forward" not in module.__dict__ or is_rerouted(module)):
                 eligible += 1
-                on_blocks = blocks_available() and weight_blocks(module.weight) is not None  # (found now, at load)
+                on_blocks = layout_choice != STOCK and blocks_available() and weight_blocks(module.weight) is not None
                 if layout_choice == "measure" and set(layout_plan(module.weight)) == {STOCK} and not on_blocks:
                     module.__dict__.pop("forward", None)  # (rerouted before, e.g. with another thread count)
                     continue

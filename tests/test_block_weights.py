@@ -100,6 +100,15 @@ def tiny_on_grid(bits=4):
     return model
 
 
+def test_blocks_are_not_looked_for_where_the_stock_layout_is_chosen(monkeypatch):
+    """`layout_choice` "stock" never multiplies by blocks, so loading does not spend time and memory finding them."""
+    monkeypatch.setattr(cpu_kernels, "layout_choice", cpu_kernels.STOCK)
+    model = tiny_on_grid()
+    use_fast_cpu_kernels(model)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert not any(block_weights._BLOCKS in m.weight.__dict__ for m in linears)
+
+
 def test_a_model_on_a_grid_runs_its_blocks_and_gives_the_float32_logits(monkeypatch):
     model = tiny_on_grid()
     reference = copy.deepcopy(model)
