@@ -86,15 +86,19 @@ def _q8_0(w: torch.Tensor) -> BlockWeights | None:
 
 
 def q8_0_rounded(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` ([out, in], `in` a multiple of 32) rounded to GGUF's Q8_0 grid, as float32: each block of 32 along
-    a row becomes `scale * q` with `scale` its largest magnitude over 127 rounded to a 16-bit float (as llama.cpp
-    quantises) and q = round(w / scale) in -127..127. The products are exact in float32, so `block_grid` finds
-    these blocks again; each number moves by at most half a scale."""
+    """`weight` ([out, in], finite, `in` a multiple of 32) rounded to GGUF's Q8_0 grid, as float32: each block of
+    32 along a row becomes `scale * q`, with `scale` its largest magnitude over 127 kept to 11 significant bits
+    (the precision of GGUF's 16-bit scales; the same numbers as a 16-bit float in its normal range, without its
+    range limits) and q = round(w / scale) in -127..127 (the largest magnitude at +-127). The products are exact in
+    float32, so `block_grid` finds these blocks again; each number moves by at most half a scale."""
     if weight.dim() != 2 or weight.shape[1] % BLOCK:
         raise ValueError(f"Q8_0 rounds [out, in] weights with `in` a multiple of {BLOCK}, not {list(weight.shape)}")
     with torch.no_grad():
         blocks = weight.detach().float().reshape(weight.shape[0], -1, BLOCK)
-        scales = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+        if not torch.isfinite(blocks).all():
+            raise ValueError("Q8_0 rounds finite weights; this one holds inf or NaN")
+        mantissas, exponents = torch.frexp(blocks.abs().amax(-1, keepdim=True) / 127)  # (mantissas in [0.5, 1))
+        scales = torch.ldexp(torch.round(mantissas * 2048) / 2048, exponents)  # 11 significant bits, to nearest
         q = torch.round(blocks / torch.where(scales == 0, 1.0, scales)).clamp_(-127, 127)
         return (scales * q).reshape(weight.shape)
 
@@ -102,14 +106,14 @@ def q8_0_rounded(weight: torch.Tensor) -> torch.Tensor:
 def round_linears_to_q8_0(module: torch.nn.Module) -> int:
     """Round, in place, the float32 weight of each `nn.Linear` in `module` whose input size is a multiple of 32
     to the Q8_0 grid (`q8_0_rounded`), except weights already on a block grid (e.g. rows of a GGUF model's head,
-    which may be on the finer Q4_1 one); returns how many were rounded. A weight tied to another module (an
-    embedding) is rounded for both."""
+    which may be on the finer Q4_1 one) and weights holding inf or NaN; returns how many were rounded. A weight
+    tied to another module (an embedding) is rounded for both."""
     rounded = 0
     for linear in {id(m): m for m in module.modules() if type(m) is torch.nn.Linear}.values():
         weight = linear.weight
         if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
             continue
-        if block_grid(weight.detach().cpu()) is not None:
+        if not torch.isfinite(weight).all() or block_grid(weight.detach().cpu()) is not None:
             continue
         with torch.no_grad():
             weight.copy_(q8_0_rounded(weight))

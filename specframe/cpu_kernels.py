@@ -28,7 +28,7 @@ those shapes depends on the CPU, so what is used is measured on the machine:
 3. A weight that is exactly a GGUF Q4_1 or Q8_0 block grid (the default target's, dequantised from its GGUF; a
    proposer's own, rounded at load by `proposer.quantize`) is multiplied on 1-16 rows by its blocks instead of by
    any of the layouts above (`specframe.block_weights`: the same float32 numbers, a fifth to a quarter of the
-   bytes read).
+   bytes read), unless `layout_choice` is "stock".
 
 SmolLM2-135M, median ms per forward, stock and these kernels interleaved in one run per context length
 (`scripts/kernel_timings.py`, `CONTEXT=1200` for the second of each machine). AMD EPYC, 2026-11 (before the

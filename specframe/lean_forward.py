@@ -9,7 +9,8 @@ docs/models.md). The engine's forwards, from the prefill to each verification, a
 `same_as_transformers` on first use): the same operations on the same tensors in the same order, through
 transformers' own mask builder, rotary embedding, attention function and activation, and through each linear
 layer's own `forward` (specframe's CPU kernels included); float32 RMS norms run as PyTorch's one `rms_norm` call,
-the same operations in C++ (~10 us less each). What it leaves out is the module-call
+the same operations in C++ (~10 us less each), and q and k are rotated by the rotary embedding as written here,
+transformers' `apply_rotary_pos_emb` in fewer calls. What it leaves out is the module-call
 machinery: so a model with hooks, a replaced `forward`, a written-out module of another class, or in training
 mode keeps transformers' forward, as does every other model type.
 
@@ -171,7 +172,7 @@ def lean_llama_forward(
     weights costs ~1 ms, so it is done once per generation, not per forward); None: checked here."""
     from transformers.masking_utils import create_causal_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
+    from transformers.models.llama.modeling_llama import eager_attention_forward
 
     if not use_cache or cache is None:
         raise ValueError("lean_llama_forward runs with a cache (use_cache=True and a cache)")
@@ -199,7 +200,7 @@ def lean_llama_forward(
         if both is None:
             qkv = (attn.q_proj.forward(hidden), attn.k_proj.forward(hidden), attn.v_proj.forward(hidden))
             query, key, value = (projected.view(heads_shape).transpose(1, 2) for projected in qkv)
-            query, key = apply_rotary_pos_emb(query, key, cos, sin)
+            query, key = _rotated(query, cos, sin), _rotated(key, cos, sin)
         else:
             qkv = few_rows_linear(hidden, both.qkv_weight, both.qkv_bias)
             q_size, k_size, _ = both.qkv_sizes
@@ -242,7 +243,8 @@ def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 def _rotated(heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding of `heads` ([batch, heads, tokens, head_dim]) as transformers' Llama
-    `apply_rotary_pos_emb` computes it for q and for k: `x * cos + rotate_half(x) * sin`."""
+    `apply_rotary_pos_emb` computes it for q and for k: `x * cos + rotate_half(x) * sin` (the separate products'
+    path uses it too, so `same_as_transformers` checks it against the installed transformers)."""
     half = heads.shape[-1] // 2
     rotated_half = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)
     return heads * cos.unsqueeze(1) + rotated_half * sin.unsqueeze(1)

@@ -286,24 +286,26 @@ def quantize_proposer(module: torch.nn.Module, setting: str, fast_cpu_kernels: b
     its kernels are chosen; returns how many weights were rounded.
 
     `auto` rounds where the target runs specframe's CPU kernels (`fast_cpu_kernels`), the block kernel is there
-    (specframe.block_weights) and the weights are float32: their few-row products then read a quarter of the bytes.
-    Measured on 16 held-out training prompts (AMD EPYC, 2 cores, 2026-12-04, greedy, 128 new tokens): the shipped
-    draft 1.107x -> 1.142x plain decoding, the EAGLE drafter 1.263x -> 1.315x, accepted lengths equal to 0.001.
+    (specframe.block_weights) and the weights are float32 on the CPU: their few-row products then read a quarter
+    of the bytes. Measured on 16 held-out training prompts (AMD EPYC, 2 cores, 2026-12-04, greedy, 128 new
+    tokens): the shipped draft 1.107x -> 1.142x plain decoding, the EAGLE drafter 1.263x -> 1.315x, accepted
+    lengths equal to 0.001.
     Exactness never depends on it (the target verifies every draft). `q8_0` rounds float32 weights anywhere;
     `none` keeps the weights as saved."""
     from specframe.block_weights import blocks_available, round_linears_to_q8_0
 
     if setting == "none":
         return 0
-    float32 = all(p.dtype == torch.float32 for p in module.parameters() if p.dim() == 2)
+    matrices = [p for p in module.parameters() if p.dim() == 2]
+    other = next((p.dtype for p in matrices if p.dtype != torch.float32), None)
     if setting == "q8_0":
-        if not float32:
+        if other is not None:
             raise ConfigError(
-                "proposer.quantize=q8_0 rounds float32 weights; set proposer.dtype=float32 (the proposer's weights "
-                f"are {next(p.dtype for p in module.parameters() if p.dtype != torch.float32)})"
+                f"proposer.quantize=q8_0 rounds float32 weights; the proposer's are {other}: set proposer.dtype=float32"
             )
         return round_linears_to_q8_0(module)
-    if fast_cpu_kernels and float32 and blocks_available():
+    on_cpu = all(p.device.type == "cpu" for p in matrices)  # (a CUDA target can run specframe's kernels' mark too)
+    if fast_cpu_kernels and other is None and on_cpu and blocks_available():
         return round_linears_to_q8_0(module)
     return 0
 

@@ -67,6 +67,18 @@ def test_block_products_are_the_float32_products(bits, out_features):
         torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("out_features", [13, 64])
+def test_a_rows_product_is_the_same_alone_or_with_other_rows(bits, out_features):
+    """Every output is summed in the same order whichever pass of the kernel computes it (pairs of rows, a last
+    three, a single row, a short tile), so a token's products do not depend on what is verified beside it."""
+    blocks = block_grid(on_grid((out_features, 96), bits, seed=out_features))
+    for rows in range(1, block_weights.MAX_ROWS + 1):
+        x = torch.randn(rows, 96)
+        together = block_products(x, blocks)
+        assert all(torch.equal(together[i], block_products(x[i : i + 1], blocks)[0]) for i in range(rows)), rows
+
+
 def test_the_few_row_products_use_the_blocks_and_follow_the_weight(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "layout_choice", cpu_kernels.FEW_ROWS)
     w = torch.nn.Parameter(on_grid((32, 64), 4), requires_grad=False)

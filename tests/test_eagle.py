@@ -268,6 +268,7 @@ def test_quantize_rounds_the_drafters_own_weights_to_8_bit_blocks_and_stays_exac
     fast_target = copy.deepcopy(target)
     use_fast_cpu_kernels(fast_target)
     info = target_info(fast_target)
+    target_weights = {k: v.clone() for k, v in fast_target.state_dict().items()}
     shape = dict(depth=3, top_k=2, total_tokens=4, dtype="float32")
     saved = EagleProposer.from_config(EagleConfig(model=cfg.out, quantize="none", **shape), info).drafter
     proposer = EagleProposer.from_config(EagleConfig(model=cfg.out, **shape), info)
@@ -279,6 +280,7 @@ def test_quantize_rounds_the_drafters_own_weights_to_8_bit_blocks_and_stays_exac
     dec = SpeculativeDecoder(fast_target, proposer)
     for prompt in ([1, 2, 3], [4, 5, 9, 11]):
         assert dec.generate(prompt, max_new_tokens=16).token_ids == reference_greedy(target, prompt, 16)
+    assert all(torch.equal(v, target_weights[k]) for k, v in fast_target.state_dict().items())  # (the target's own)
     with pytest.raises(ConfigError, match="proposer.quantize must be one of"):
         EagleConfig(quantize="yes")
 

@@ -25,6 +25,27 @@ def test_rounded_weights_are_on_the_q8_0_grid_and_within_half_a_scale():
         q8_0_rounded(torch.randn(4, 40))
 
 
+def test_scales_keep_eleven_bits_at_any_magnitude():
+    """The scales are 16-bit floats' numbers where those reach (so the weights land where GGUF's would), and keep
+    the same 11 bits beyond their range: blocks of tiny or huge numbers are still on the grid, never zero or NaN."""
+    with seeded(2):
+        w = torch.randn(4, 128)
+    assert torch.equal(block_grid(q8_0_rounded(w)).scales, (w.reshape(4, 4, 32).abs().amax(-1) / 127).half().float())
+    for magnitude in (1e-30, 1e-6, 3e-3, 1e6, 1e30):  # (16-bit floats: subnormal below ~7.8e-3 / 127, inf past 65504)
+        rounded = q8_0_rounded(w * magnitude)
+        blocks = block_grid(rounded)
+        assert blocks is not None and blocks.bits == 8, magnitude
+        assert torch.isfinite(rounded).all() and torch.all(rounded.abs().reshape(4, 4, 32).amax(-1) > 0)
+        assert torch.all((rounded - w * magnitude).abs() <= blocks.scales.repeat_interleave(32, 1) / 2 * (1 + 1e-6))
+    bad = w.clone()
+    bad[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="inf or NaN"):
+        q8_0_rounded(bad)
+    layer = torch.nn.Linear(128, 4, bias=False)
+    layer.weight.data = bad
+    assert round_linears_to_q8_0(layer) == 0 and torch.equal(layer.weight, bad)  # (left as it is)
+
+
 def test_linear_layers_are_rounded_in_place_except_those_that_cannot_or_need_not_be():
     with seeded(0):
         model = torch.nn.Sequential(
@@ -68,7 +89,8 @@ def test_the_quantize_option(monkeypatch):
     assert quantize_proposer(fresh(), "auto", fast_cpu_kernels=True) == 1
     assert quantize_proposer(fresh().to(torch.bfloat16), "auto", fast_cpu_kernels=True) == 0
     assert quantize_proposer(fresh(), "q8_0", fast_cpu_kernels=False) == 1  # (asked for: rounded anywhere)
-    with pytest.raises(ConfigError, match="quantize=q8_0 rounds float32 weights.*torch.bfloat16"):
+    with pytest.raises(ConfigError, match="quantize=q8_0 rounds float32 weights; the proposer's are torch.bfloat16"):
         quantize_proposer(fresh().to(torch.bfloat16), "q8_0", fast_cpu_kernels=True)
+    assert quantize_proposer(fresh().to("meta"), "auto", fast_cpu_kernels=True) == 0  # (not on the CPU: kept)
     monkeypatch.setattr("specframe.block_weights.blocks_available", lambda: False)
     assert quantize_proposer(fresh(), "auto", fast_cpu_kernels=True) == 0  # (no block kernel: nothing gained)

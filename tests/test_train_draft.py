@@ -151,6 +151,7 @@ def test_quantize_rounds_the_drafts_own_layers_to_8_bit_blocks_and_stays_exact(t
     target, cfg, _ = trained
     fast_target = copy.deepcopy(target)
     use_fast_cpu_kernels(fast_target)
+    target_weights = {k: v.clone() for k, v in fast_target.state_dict().items()}
     saved = DraftProposer.from_config(DraftConfig(model=cfg.out, quantize="none"), target_info(fast_target)).model
     rounded = DraftProposer.from_config(DraftConfig(model=cfg.out), target_info(fast_target)).model
     q_saved, q_rounded = (m.model.layers[0].self_attn.q_proj.weight.detach() for m in (saved, rounded))
@@ -164,6 +165,7 @@ def test_quantize_rounds_the_drafts_own_layers_to_8_bit_blocks_and_stays_exact(t
     )
     for prompt in ([1, 2, 3], [4, 5]):
         assert dec.generate(prompt, max_new_tokens=12).token_ids == reference_greedy(target, prompt, 12)
+    assert all(torch.equal(v, target_weights[k]) for k, v in fast_target.state_dict().items())  # (the target's own)
     with pytest.raises(ConfigError, match="proposer.quantize must be one of auto, none, q8_0; got 'int4'"):
         DraftConfig(quantize="int4")
 

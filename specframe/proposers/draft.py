@@ -158,6 +158,7 @@ class DraftProposer(Proposer):
             model = LlamaForCausalLM(cfg)
         config = config or DraftConfig()
         model = model.to(device=target.device, dtype=proposer_dtype(config.dtype, target.dtype, target.device))
+        quantize_proposer(model, config.quantize, target.fast_cpu_kernels)
         return cls(config, target, model.eval(), None)
 
     def begin(self, prompt: torch.Tensor, hidden_states: dict[int, torch.Tensor]) -> None:

@@ -510,6 +510,7 @@ class EagleProposer(Proposer):
                     torch.nn.init.normal_(p, std=0.5)
         dtype = proposer_dtype(config.dtype, target.dtype, target.device)
         drafter = drafter.to(device=target.device, dtype=dtype).attach(target.model, vocab_ids)
+        quantize_proposer(drafter, config.quantize, target.fast_cpu_kernels)
         return cls(config, target, drafter, vocab_ids)
 
     def use_fastest_shape(self, candidates: list[ShapeCandidate]) -> ShapeCandidate:
