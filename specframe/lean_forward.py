@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from specframe.block_weights import blocks_available, joined_blocks, remember_blocks, weight_blocks
 from specframe.cpu_kernels import ATTENTION, drop_derived_copies, fast_kernels_on, few_rows_linear, is_rerouted
@@ -234,8 +235,6 @@ def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """`norm.forward(hidden)` for a LlamaRMSNorm: on float32 as PyTorch's one `rms_norm` call, which computes the
     same operations in the same order (mean of squares, plus eps, reciprocal square root, times the input, times
     the weight; `same_as_transformers` checks it) without a Python-level call for each (~10 us less a norm)."""
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
     if type(norm) is LlamaRMSNorm and hidden.dtype == torch.float32 and norm.weight.dtype == torch.float32:
         return torch.rms_norm(hidden, norm.weight.shape, norm.weight, norm.variance_epsilon)
     return norm.forward(hidden)

@@ -125,20 +125,14 @@ class DraftProposer(Proposer):
             )
         if is_shared_draft(path):
             model, vocab_ids, meta = load_shared_draft(path, target.model, dtype)
-            quantize_proposer(model, config.quantize, target.fast_cpu_kernels)
-            if target.fast_cpu_kernels:  # (as the target, and as a draft loaded by `load_model` below)
-                use_fast_cpu_kernels(model)
+            on_target_kernels(model, config, target)
             threshold = saved_threshold(meta)
             check_confidence_threshold(threshold, f"confidence_threshold in {path}/draft_config.json")
             applies = saved_shape_applies(meta, target.device, f"{path}/draft_config.json")
             gamma = saved_gamma(meta, path) if applies else None
             return cls(config, target, model, vocab_ids=vocab_ids, saved_gamma=gamma, saved_threshold=threshold)
-        loaded = load_model(
-            path, dtype=dtype, device=str(target.device), quiet=True, fast_cpu_kernels=target.fast_cpu_kernels
-        )
-        if quantize_proposer(loaded.model, config.quantize, target.fast_cpu_kernels) and target.fast_cpu_kernels:
-            use_fast_cpu_kernels(loaded.model)  # (again: the rounded layers are now on a block grid)
-        return cls(config, target, loaded.model, loaded.tokenizer)
+        loaded = load_model(path, dtype=dtype, device=str(target.device), quiet=True, fast_cpu_kernels=False)
+        return cls(config, target, on_target_kernels(loaded.model, config, target), loaded.tokenizer)
 
     @classmethod
     def random(cls, target: TargetInfo, config: DraftConfig | None = None, seed: int = 0) -> DraftProposer:
@@ -229,6 +223,15 @@ class DraftProposer(Proposer):
         if self.fed_drafts > keep:
             self.cache.crop(-(self.fed_drafts - keep))
             self.cached -= self.fed_drafts - keep
+
+
+def on_target_kernels(model: torch.nn.Module, config: DraftConfig, target: TargetInfo) -> torch.nn.Module:
+    """A loaded draft with its weights rounded as `config.quantize` says, then on specframe's CPU kernels where the
+    target runs them (in that order: the kernels look for the rounded weights' blocks); returns it."""
+    quantize_proposer(model, config.quantize, target.fast_cpu_kernels)
+    if target.fast_cpu_kernels:
+        use_fast_cpu_kernels(model)
+    return model
 
 
 def check_same_vocabulary(model: torch.nn.Module, tokenizer, target: TargetInfo) -> None:
