@@ -1000,17 +1000,11 @@ def summarize(records: list[dict[str, Any]], methods: list[str], subtasks: list[
 def machine_info(device: str) -> dict[str, Any]:
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from specframe.cpu_kernels import cpu_name
+
     info = {
         "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "cpu": cpu,
+        "cpu": cpu_name(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

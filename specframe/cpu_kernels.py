@@ -16,8 +16,9 @@ those shapes depends on the CPU, so what is used is measured on the machine:
    CPU `nn.Linear` of a model given these kernels, and each few-row product of a proposer (`few_rows_linear`),
    uses at each row count the layout that is clearly fastest on this machine: the three are timed once per weight
    shape and thread count (`measure_layouts`, at load for a model's layers; on copies of the weight taken in turn,
-   so that it comes from memory as in a forward: up to ~1 s a shape, 3-6 s for SmolLM2-135M) and the stock product
-   is kept where they are close. The packed layout keeps one copy of the weight per row count it is used at (1-16
+   so that it comes from memory as in a forward: ~1 s a shape, ~9 s for SmolLM2-135M and the EAGLE drafter) once
+   per machine, the choices kept on disk for later processes (`stored_layouts_file`), and the stock product is
+   kept where they are close. The packed layout keeps one copy of the weight per row count it is used at (1-16
    rows; counts between the measured ones are padded up to the next), so memory grows by a copy of those weights
    for each such count.
 2. transformers' `sdpa` attention copies the key/value heads of grouped-query attention (`repeat_kv`, a copy
@@ -76,8 +77,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import json
+import os
+import platform
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -109,6 +117,8 @@ COLD_BYTES, MAX_COPIES = 96 * 2**20, 127  # weights timed in turn: more than the
 layout_choice = "measure"
 LAYOUT_CHOICES = ("measure", FEW_ROWS, PACKED, STOCK)
 _plans: dict[tuple[int, int, int], tuple[str, ...]] = {}  # (out, in, threads) -> layout, by rows 0..MAX_ROWS
+# Whether measured plans are kept on disk for later processes (`stored_layouts_file`); tests turn it off.
+keep_measured_layouts = True
 _stock_linear = F.linear  # (by this name, so that a test can time a stand-in)
 _PACKS = "_specframe_packed"  # a weight's attribute: its packed copies, by row count
 
@@ -223,12 +233,103 @@ def drop_derived_copies(weight: torch.Tensor) -> None:
 
 def layout_plan(weight: torch.Tensor) -> tuple[str, ...]:
     """The layout used for `weight`'s shape at each row count 0..MAX_ROWS (one of LAYOUTS), with PyTorch's
-    current thread count: measured once per process (on `weight` itself) by `measure_layouts`."""
+    current thread count: measured (on `weight` itself) by `measure_layouts` once on this machine, the plan then
+    kept in `stored_layouts_file()` for later processes."""
     key = (weight.shape[0], weight.shape[1], torch.get_num_threads())
     plan = _plans.get(key)
     if plan is None:
-        plan = _plans[key] = measure_layouts(weight)
+        plans = _stored_plans()
+        plan = plans.get(_plan_name(key))
+        if plan is None:
+            if keep_measured_layouts and not _announced:
+                _announce_measuring()
+            plan = measure_layouts(weight)
+            _store_plan(_plan_name(key), plan)
+        _plans[key] = plan
     return plan
+
+
+def plan_layouts_now(weight: torch.Tensor) -> None:
+    """Measure (or read) the layout plan of a weight made after load (the lean forward's stacked products) now,
+    where `few_rows_linear` would otherwise measure it inside its first product."""
+    if layout_choice == "measure" and weight.is_cpu and weight.dtype == torch.float32:
+        layout_plan(weight)
+
+
+_announced = False  # (whether this process said that it measures layouts)
+
+
+def _announce_measuring() -> None:
+    global _announced
+    _announced = True
+    print(
+        "specframe: timing this CPU's matrix products for the model's weight shapes (about 1 s each, once per "
+        f"machine; kept in {stored_layouts_file().parent})",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what `platform` knows of it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def stored_layouts_file() -> Path:
+    """Where measured layout plans are kept: one file per machine and software (the CPU's name, its logical CPU
+    count, PyTorch's version and MKL, this module's source), under specframe's cache root. Delete it to measure
+    again (e.g. after measuring on a busy machine: a plan changes speed only, never more than rounding)."""
+    from specframe.models import cache_dir
+
+    machine = "\0".join([cpu_name(), str(os.cpu_count()), torch.__version__, str(PACKED_AVAILABLE)])
+    key = hashlib.sha256((machine + "\0").encode() + Path(__file__).read_bytes()).hexdigest()[:16]
+    return cache_dir() / "layouts" / f"{key}.json"
+
+
+def _plan_name(key: tuple[int, int, int]) -> str:
+    out_features, in_features, threads = key
+    return f"{out_features}x{in_features} threads={threads}"
+
+
+def _stored_plans() -> dict[str, tuple[str, ...]]:
+    """The valid plans in `stored_layouts_file()` ({} when none is kept, or the file is unreadable)."""
+    if not keep_measured_layouts:
+        return {}
+    try:
+        stored = json.loads(stored_layouts_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    plans = stored.get("plans") if isinstance(stored, dict) else None
+    by_rows = {str(rows) for rows in MEASURED_ROWS}
+    return {
+        name: (STOCK, *(chosen[str(_measured_rows(r))] for r in range(1, MAX_ROWS + 1)))
+        for name, chosen in (plans.items() if isinstance(plans, dict) else ())
+        if isinstance(chosen, dict) and set(chosen) == by_rows and all(c in LAYOUTS for c in chosen.values())
+    }
+
+
+def _store_plan(name: str, plan: tuple[str, ...]) -> None:
+    """Add a measured plan to `stored_layouts_file()` as the layout at each of MEASURED_ROWS (written aside, then
+    renamed; not at all where the cache cannot be written: the plan then lasts as long as the process)."""
+    if not keep_measured_layouts:
+        return
+    path = stored_layouts_file()
+    plans = {n: {str(rows): p[rows] for rows in MEASURED_ROWS} for n, p in {**_stored_plans(), name: plan}.items()}
+    stored = {"cpu": cpu_name(), "logical_cpus": os.cpu_count(), "torch": torch.__version__, "plans": plans}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as work:  # (processes may race: the last one wins)
+            aside = Path(work) / path.name
+            aside.write_text(json.dumps(stored, indent=1))
+            os.replace(aside, path)
+    except OSError:
+        pass
 
 
 def measure_layouts(weight: torch.Tensor, timer: Callable[[], float] = time.perf_counter) -> tuple[str, ...]:

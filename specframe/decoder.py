@@ -88,6 +88,7 @@ class SpeculativeDecoder:
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.context_window = getattr(model.config, "max_position_embeddings", None) or 10**9
         new_cache(model)  # refuses, before any generation, a target whose cache cannot be rolled back
+        engine_forward(model)  # (its first-use check and stacked products made here, not in the first call's time)
         self.cache = None  # the target's KV cache, during a generate call
         self._one_call = threading.Lock()  # held by the running generate call
         self._caller: int | None = None  # that call's thread

@@ -33,7 +33,14 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from specframe.block_weights import blocks_available, joined_blocks, remember_blocks, weight_blocks
-from specframe.cpu_kernels import ATTENTION, drop_derived_copies, fast_kernels_on, few_rows_linear, is_rerouted
+from specframe.cpu_kernels import (
+    ATTENTION,
+    drop_derived_copies,
+    fast_kernels_on,
+    few_rows_linear,
+    is_rerouted,
+    plan_layouts_now,
+)
 
 
 class LeanOutput(NamedTuple):
@@ -318,4 +325,5 @@ def _fuse(linears: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.Ten
         if bias is not None:
             for m, b in zip(linears, bias.split(sizes), strict=True):
                 m.bias.data = b
+    plan_layouts_now(weight)  # (as a layer's own are planned at load, not inside the first forwards' time)
     return weight, bias

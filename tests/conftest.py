@@ -10,6 +10,15 @@ def single_threaded():
         yield
 
 
+@pytest.fixture(autouse=True)
+def layouts_measured_per_process(monkeypatch):
+    """Tests neither read nor write the user's stored layout plans (tests of that store turn it on in a
+    temporary folder)."""
+    from specframe import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "keep_measured_layouts", False)
+
+
 @pytest.fixture
 def target():
     return tiny_llama(vocab_size=8, seed=0)

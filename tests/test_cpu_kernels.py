@@ -121,6 +121,88 @@ def test_the_layout_is_measured_once_per_shape_and_thread_count(monkeypatch):
     assert measured[1:] == [((40, 24), threads + 1)]
 
 
+@pytest.fixture
+def stored_layouts(monkeypatch, tmp_path):
+    """Layout plans kept on disk under a temporary cache root; a fresh process's memory; `measured` records
+    each measurement (a stand-in that alternates two plans, so a measurement repeated shows)."""
+    monkeypatch.setenv("SPECFRAME_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "keep_measured_layouts", True)
+    monkeypatch.setattr(cpu_kernels, "_announced", True)
+    monkeypatch.setattr(cpu_kernels, "_plans", {})
+    monkeypatch.setattr(cpu_kernels, "layout_choice", "measure")
+    measured = []
+
+    def measure(weight):
+        measured.append(tuple(weight.shape))
+        chosen = {rows: (FEW_ROWS, PACKED)[(len(measured) + i) % 2] for i, rows in enumerate(MEASURED_ROWS)}
+        return (STOCK, *(chosen[next(m for m in MEASURED_ROWS if m >= r)] for r in range(1, MAX_ROWS + 1)))
+
+    monkeypatch.setattr(cpu_kernels, "measure_layouts", measure)
+    return measured
+
+
+def test_measured_layouts_are_kept_for_later_processes(stored_layouts, monkeypatch):
+    weight = torch.randn(40, 24)
+    plan = layout_plan(weight)
+    assert stored_layouts == [(40, 24)] and cpu_kernels.stored_layouts_file().is_file()
+    monkeypatch.setattr(cpu_kernels, "_plans", {})  # (a later process)
+    assert layout_plan(weight) == plan and layout_plan(torch.randn(40, 24)) == plan
+    assert stored_layouts == [(40, 24)]
+    other = layout_plan(torch.randn(24, 40))  # another shape: measured, and kept beside the first
+    monkeypatch.setattr(cpu_kernels, "_plans", {})
+    assert layout_plan(torch.randn(24, 40)) == other and layout_plan(weight) == plan
+    assert stored_layouts == [(40, 24), (24, 40)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        layout_plan(weight)  # another thread count: measured again
+    finally:
+        torch.set_num_threads(threads)
+    assert stored_layouts == [(40, 24), (24, 40), (40, 24)]
+
+
+def test_stored_layouts_belong_to_one_machine(stored_layouts, monkeypatch):
+    layout_plan(torch.randn(40, 24))
+    first, this_cpu = cpu_kernels.stored_layouts_file(), cpu_kernels.cpu_name
+    monkeypatch.setattr(cpu_kernels, "cpu_name", lambda: "another CPU")
+    monkeypatch.setattr(cpu_kernels, "_plans", {})
+    assert cpu_kernels.stored_layouts_file() != first
+    layout_plan(torch.randn(40, 24))
+    assert stored_layouts == [(40, 24), (40, 24)]
+    monkeypatch.setattr(cpu_kernels, "cpu_name", this_cpu)  # (back on the first machine, in a later process)
+    monkeypatch.setattr(cpu_kernels, "_plans", {})
+    monkeypatch.setattr(cpu_kernels, "measure_layouts", lambda w: pytest.fail("measured again"))
+    assert first.is_file() and len(layout_plan(torch.randn(40, 24))) == MAX_ROWS + 1
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "not json {",
+        '["a list"]',
+        '{"plans": {"40x24 threads=%d": {"1": "stock"}}}',  # rows missing
+        '{"plans": {"40x24 threads=%d": {"1": "fast", "2": "stock", "3": "stock", "4": "stock", "8": "stock",'
+        ' "16": "stock", "32": "stock", "64": "stock"}}}',  # not a layout
+    ],
+)
+def test_a_damaged_layout_store_is_measured_again_and_mended(stored_layouts, text):
+    path = cpu_kernels.stored_layouts_file()
+    path.parent.mkdir(parents=True)
+    path.write_text(text.replace("%d", str(torch.get_num_threads())))
+    plan = layout_plan(torch.randn(40, 24))
+    assert stored_layouts == [(40, 24)]
+    assert cpu_kernels._stored_plans() == {f"40x24 threads={torch.get_num_threads()}": plan}
+
+
+def test_layouts_are_measured_where_the_cache_cannot_be_written(stored_layouts, monkeypatch, tmp_path):
+    (tmp_path / "a file").write_text("")
+    monkeypatch.setenv("SPECFRAME_HOME", str(tmp_path / "a file"))  # (no folder can be made under a file)
+    plan = layout_plan(torch.randn(40, 24))
+    assert len(plan) == MAX_ROWS + 1 and stored_layouts == [(40, 24)]
+    layout_plan(torch.randn(40, 24))  # (kept for the process)
+    assert stored_layouts == [(40, 24)]
+
+
 def test_a_layer_whose_shape_never_gains_keeps_its_own_forward(monkeypatch):
     """Measured: only layers whose shape has a row count where the few-row layout wins are rerouted (here the LM
     head, 24 x 32); the others keep nn.Linear's forward and its cost. The attention is renamed all the same."""

@@ -8,6 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specframe import cpu_kernels, lean_forward
 from specframe.cpu_kernels import use_fast_cpu_kernels
+from specframe.decoder import target_info
 from specframe.kv_cache import keep_positions, new_cache, tree_attention_mask
 from specframe.lean_forward import engine_forward, lean_forward_applies, lean_llama_forward
 from specframe.proposer import seeded
@@ -176,6 +177,33 @@ def test_the_decoder_runs_it_and_decodes_the_same_tokens(monkeypatch):
         assert (len(calls) - before == result.stats["target_forwards"]) != hooked
         outs.append(result.token_ids)
     assert outs[0] == outs[1]
+
+
+def test_the_decoder_checks_it_and_plans_the_stacked_products_when_built(monkeypatch):
+    """The first-use check and the layout plans of the stacked q/k/v and gate/up products happen when the
+    decoder is built, not inside the first generate call (whose tokens/s they would lower)."""
+    from specframe import SpeculativeDecoder
+    from specframe.proposers.none import NoneProposer
+
+    monkeypatch.setattr(cpu_kernels, "layout_choice", "measure")
+    monkeypatch.setattr(cpu_kernels, "_plans", {})
+    measured = []
+
+    def measure(weight):
+        measured.append(tuple(weight.shape))
+        return (cpu_kernels.STOCK,) + (cpu_kernels.FEW_ROWS,) * cpu_kernels.MAX_ROWS
+
+    monkeypatch.setattr(cpu_kernels, "measure_layouts", measure)
+    model = llama()
+    use_fast_cpu_kernels(model)
+    checks = []
+    same = lean_forward.same_as_transformers
+    monkeypatch.setattr(lean_forward, "same_as_transformers", lambda m: checks.append(1) or same(m))
+    dec = SpeculativeDecoder(model, NoneProposer.random(target_info(model)), max_new_tokens=4)
+    assert checks == [1] and {(32 + 2 * 16, 32), (2 * 48, 32)} <= set(measured)  # (q+k+v and gate+up rows)
+    before = list(measured)
+    dec.generate([1, 2, 3])
+    assert checks == [1] and measured == before
 
 
 def test_it_is_checked_against_transformers_once_on_first_use(monkeypatch):
