@@ -1000,7 +1000,7 @@ def summarize(records: list[dict[str, Any]], methods: list[str], subtasks: list[
 def machine_info(device: str) -> dict[str, Any]:
     import transformers
 
-    from specframe.cpu_kernels import cpu_name
+    from specframe.measurements import cpu_name
 
     info = {
         "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),

@@ -17,8 +17,8 @@ those shapes depends on the CPU, so what is used is measured on the machine:
    uses at each row count the layout that is clearly fastest on this machine: the three are timed once per weight
    shape and thread count (`measure_layouts`, at load for a model's layers; on copies of the weight taken in turn,
    so that it comes from memory as in a forward: ~1 s a shape, ~9 s for SmolLM2-135M and the EAGLE drafter) once
-   per machine, the choices kept on disk for later processes (`stored_layouts_file`), and the stock product is
-   kept where they are close. The packed layout keeps one copy of the weight per row count it is used at (1-16
+   per machine, the choices kept on disk for later processes (`specframe.measurements`), and the stock product
+   is kept where they are close. The packed layout keeps one copy of the weight per row count it is used at (1-16
    rows; counts between the measured ones are padded up to the next), so memory grows by a copy of those weights
    for each such count.
 2. transformers' `sdpa` attention copies the key/value heads of grouped-query attention (`repeat_kv`, a copy
@@ -77,20 +77,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import json
-import os
-import platform
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from specframe import block_weights as blocks_module
+from specframe import measurements
 from specframe.block_weights import DerivedCopies, block_products, blocks_available, tensor_version, weight_blocks
 
 MAX_ROWS = 64  # longer inputs (prefills) keep PyTorch's own path
@@ -117,8 +114,6 @@ COLD_BYTES, MAX_COPIES = 96 * 2**20, 127  # weights timed in turn: more than the
 layout_choice = "measure"
 LAYOUT_CHOICES = ("measure", FEW_ROWS, PACKED, STOCK)
 _plans: dict[tuple[int, int, int], tuple[str, ...]] = {}  # (out, in, threads) -> layout, by rows 0..MAX_ROWS
-# Whether measured plans are kept on disk for later processes (`stored_layouts_file`); tests turn it off.
-keep_measured_layouts = True
 _stock_linear = F.linear  # (by this name, so that a test can time a stand-in)
 _PACKS = "_specframe_packed"  # a weight's attribute: its packed copies, by row count
 
@@ -233,18 +228,18 @@ def drop_derived_copies(weight: torch.Tensor) -> None:
 
 def layout_plan(weight: torch.Tensor) -> tuple[str, ...]:
     """The layout used for `weight`'s shape at each row count 0..MAX_ROWS (one of LAYOUTS), with PyTorch's
-    current thread count: measured (on `weight` itself) by `measure_layouts` once on this machine, the plan then
-    kept in `stored_layouts_file()` for later processes."""
+    current thread count: measured (on `weight` itself) by `measure_layouts` once on this machine, and kept
+    (`specframe.measurements`, as the layout at each of MEASURED_ROWS) for later processes."""
     key = (weight.shape[0], weight.shape[1], torch.get_num_threads())
     plan = _plans.get(key)
     if plan is None:
-        plans = _stored_plans()
-        plan = plans.get(_plan_name(key))
+        name = f"{key[0]}x{key[1]} threads={key[2]}"
+        plan = _plan_from(measurements.stored(LAYOUTS_KEPT, _LAYOUT_SOURCES).get(name))
         if plan is None:
-            if keep_measured_layouts and not _announced:
+            if measurements.keep and not _announced:
                 _announce_measuring()
             plan = measure_layouts(weight)
-            _store_plan(_plan_name(key), plan)
+            measurements.store(LAYOUTS_KEPT, _LAYOUT_SOURCES, name, {str(r): plan[r] for r in MEASURED_ROWS})
         _plans[key] = plan
     return plan
 
@@ -256,80 +251,29 @@ def plan_layouts_now(weight: torch.Tensor) -> None:
         layout_plan(weight)
 
 
+LAYOUTS_KEPT = "layouts"  # the kind of measurement kept (`specframe.measurements`)
+_LAYOUT_SOURCES = (Path(__file__),)  # the code whose layouts are timed
 _announced = False  # (whether this process said that it measures layouts)
 
 
 def _announce_measuring() -> None:
     global _announced
     _announced = True
+    folder = measurements.stored_file(LAYOUTS_KEPT, _LAYOUT_SOURCES).parent
     print(
         "specframe: timing this CPU's matrix products for the model's weight shapes (about 1 s each, once per "
-        f"machine; kept in {stored_layouts_file().parent})",
+        f"machine; kept in {folder})",
         file=sys.stderr,
         flush=True,
     )
 
 
-def cpu_name() -> str:
-    """The CPU's model name (Linux: /proc/cpuinfo), else what `platform` knows of it."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def stored_layouts_file() -> Path:
-    """Where measured layout plans are kept: one file per machine and software (the CPU's name, its logical CPU
-    count, PyTorch's version and MKL, this module's source), under specframe's cache root. Delete it to measure
-    again (e.g. after measuring on a busy machine: a plan changes speed only, never more than rounding)."""
-    from specframe.models import cache_dir
-
-    machine = "\0".join([cpu_name(), str(os.cpu_count()), torch.__version__, str(PACKED_AVAILABLE)])
-    key = hashlib.sha256((machine + "\0").encode() + Path(__file__).read_bytes()).hexdigest()[:16]
-    return cache_dir() / "layouts" / f"{key}.json"
-
-
-def _plan_name(key: tuple[int, int, int]) -> str:
-    out_features, in_features, threads = key
-    return f"{out_features}x{in_features} threads={threads}"
-
-
-def _stored_plans() -> dict[str, tuple[str, ...]]:
-    """The valid plans in `stored_layouts_file()` ({} when none is kept, or the file is unreadable)."""
-    if not keep_measured_layouts:
-        return {}
-    try:
-        stored = json.loads(stored_layouts_file().read_text())
-    except (OSError, ValueError):
-        return {}
-    plans = stored.get("plans") if isinstance(stored, dict) else None
+def _plan_from(kept: Any) -> tuple[str, ...] | None:
+    """A plan from its kept form, the layout at each of MEASURED_ROWS; None unless it is exactly that."""
     by_rows = {str(rows) for rows in MEASURED_ROWS}
-    return {
-        name: (STOCK, *(chosen[str(_measured_rows(r))] for r in range(1, MAX_ROWS + 1)))
-        for name, chosen in (plans.items() if isinstance(plans, dict) else ())
-        if isinstance(chosen, dict) and set(chosen) == by_rows and all(c in LAYOUTS for c in chosen.values())
-    }
-
-
-def _store_plan(name: str, plan: tuple[str, ...]) -> None:
-    """Add a measured plan to `stored_layouts_file()` as the layout at each of MEASURED_ROWS (written aside, then
-    renamed; not at all where the cache cannot be written: the plan then lasts as long as the process)."""
-    if not keep_measured_layouts:
-        return
-    path = stored_layouts_file()
-    plans = {n: {str(rows): p[rows] for rows in MEASURED_ROWS} for n, p in {**_stored_plans(), name: plan}.items()}
-    stored = {"cpu": cpu_name(), "logical_cpus": os.cpu_count(), "torch": torch.__version__, "plans": plans}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as work:  # (processes may race: the last one wins)
-            aside = Path(work) / path.name
-            aside.write_text(json.dumps(stored, indent=1))
-            os.replace(aside, path)
-    except OSError:
-        pass
+    if not isinstance(kept, dict) or set(kept) != by_rows or not all(c in LAYOUTS for c in kept.values()):
+        return None
+    return (STOCK, *(kept[str(_measured_rows(r))] for r in range(1, MAX_ROWS + 1)))
 
 
 def measure_layouts(weight: torch.Tensor, timer: Callable[[], float] = time.perf_counter) -> tuple[str, ...]:

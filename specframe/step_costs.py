@@ -14,8 +14,10 @@ from its candidate shapes: each one's speed relative to plain decoding is estima
     expected accepted length / (target forward over its verified tokens + its drafter forwards per step)
 
 with the accepted length from the artifact's held-out statistics and both costs in units of a one-token target
-forward, timed here (`measure_step_costs`, ~1.8 s for SmolLM2-135M, once per target and thread count;
-`relative_cost` for a drafter's forward).
+forward, timed here (`measure_step_costs`, ~1.8 s for SmolLM2-135M, once per target, thread count and
+machine: a CPU target's timings are kept on disk for later processes, `specframe.measurements`, so that the
+shape chosen stays the same from one process to the next; `relative_cost` for a drafter's forward, ~0.1 s, in
+each process).
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from specframe import measurements
 from specframe.errors import ModelLoadError
 
 CONTEXT = 128  # cached tokens before the timed forwards (a short prompt)
@@ -89,6 +93,11 @@ def measure_step_costs(model: torch.nn.Module, timer: Callable[[], float] = time
     if threads in memo:
         return memo[threads]
     device = next(model.parameters()).device
+    name = _kept_name(model, threads) if device.type == "cpu" else None
+    kept = _costs_from(measurements.stored(STEP_COSTS_KEPT, _SOURCES).get(name)) if name else None
+    if kept is not None:
+        memo[threads] = kept
+        return kept
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(vocab, (1, CONTEXT + MAX_VERIFY_TOKENS), generator=gen).to(device)
@@ -109,7 +118,45 @@ def measure_step_costs(model: torch.nn.Module, timer: Callable[[], float] = time
         times = _time_min({n: forward(n) for n in range(1, MAX_VERIFY_TOKENS + 1)}, timer)
     one = max(times[1], 1e-9)
     memo[threads] = costs = StepCosts(one, tuple(times[n] / one for n in range(1, MAX_VERIFY_TOKENS + 1)))
+    if name:
+        measurements.store(STEP_COSTS_KEPT, _SOURCES, name, {"one_token_s": one, "relative": list(costs.relative)})
     return costs
+
+
+STEP_COSTS_KEPT = "step_costs"  # the kind of measurement kept on disk for later processes (CPU targets only)
+_CODE = ("step_costs.py", "cpu_kernels.py", "block_weights.py", "block_weights.c", "lean_forward.py", "kv_cache.py")
+_SOURCES = tuple(Path(__file__).with_name(name) for name in _CODE)  # the code a target's forwards run through
+
+
+def _kept_name(model: torch.nn.Module, threads: int) -> str:
+    """What a target's kept step costs are found by: its weights (fingerprint), dtype, thread count, attention
+    and kernels."""
+    from specframe.block_weights import blocks_available
+    from specframe.cpu_kernels import fast_kernels_on, layout_choice
+    from specframe.fingerprint import target_fingerprint
+
+    weights = target_fingerprint(model)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    kernels = f"{layout_choice} blocks={blocks_available()}" if fast_kernels_on(model) else "stock"
+    adapter = weights.get("adapter_sha256", "")[:16]
+    return (
+        f"{weights['weights_sha256']['float32'][:16]}{'+' + adapter if adapter else ''} {dtype} threads={threads} "
+        f"{getattr(model.config, '_attn_implementation', None)} {kernels}"
+    )
+
+
+def _costs_from(kept: Any) -> StepCosts | None:
+    """StepCosts from their kept form; None unless it is a valid one."""
+    if not isinstance(kept, dict):
+        return None
+    one, relative = kept.get("one_token_s"), kept.get("relative")
+    if not (isinstance(one, (int, float)) and one > 0 and isinstance(relative, list)):
+        return None
+    if len(relative) != MAX_VERIFY_TOKENS or relative[0] != 1.0:
+        return None
+    if not all(isinstance(c, (int, float)) and 0 < c < 1e6 for c in relative):
+        return None
+    return StepCosts(float(one), tuple(float(c) for c in relative))
 
 
 def relative_cost(call: Callable[[], Any], costs: StepCosts, timer: Callable[[], float] = time.perf_counter) -> float:

@@ -11,12 +11,22 @@ def single_threaded():
 
 
 @pytest.fixture(autouse=True)
-def layouts_measured_per_process(monkeypatch):
-    """Tests neither read nor write the user's stored layout plans (tests of that store turn it on in a
-    temporary folder)."""
-    from specframe import cpu_kernels
+def timings_per_process(monkeypatch):
+    """Tests neither read nor write the timings kept on disk (`specframe.measurements`; its tests turn it on
+    in a temporary folder)."""
+    from specframe import measurements
 
-    monkeypatch.setattr(cpu_kernels, "keep_measured_layouts", False)
+    monkeypatch.setattr(measurements, "keep", False)
+
+
+@pytest.fixture
+def kept_timings(monkeypatch, tmp_path):
+    """Timings kept on disk, under a temporary cache root."""
+    from specframe import measurements
+
+    monkeypatch.setenv("SPECFRAME_HOME", str(tmp_path))
+    monkeypatch.setattr(measurements, "keep", True)
+    return tmp_path
 
 
 @pytest.fixture

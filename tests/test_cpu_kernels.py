@@ -122,11 +122,9 @@ def test_the_layout_is_measured_once_per_shape_and_thread_count(monkeypatch):
 
 
 @pytest.fixture
-def stored_layouts(monkeypatch, tmp_path):
-    """Layout plans kept on disk under a temporary cache root; a fresh process's memory; `measured` records
+def stored_layouts(monkeypatch, kept_timings):
+    """Layout plans kept on disk (under a temporary cache root); a fresh process's memory; `measured` records
     each measurement (a stand-in that alternates two plans, so a measurement repeated shows)."""
-    monkeypatch.setenv("SPECFRAME_HOME", str(tmp_path))
-    monkeypatch.setattr(cpu_kernels, "keep_measured_layouts", True)
     monkeypatch.setattr(cpu_kernels, "_announced", True)
     monkeypatch.setattr(cpu_kernels, "_plans", {})
     monkeypatch.setattr(cpu_kernels, "layout_choice", "measure")
@@ -144,7 +142,7 @@ def stored_layouts(monkeypatch, tmp_path):
 def test_measured_layouts_are_kept_for_later_processes(stored_layouts, monkeypatch):
     weight = torch.randn(40, 24)
     plan = layout_plan(weight)
-    assert stored_layouts == [(40, 24)] and cpu_kernels.stored_layouts_file().is_file()
+    assert stored_layouts == [(40, 24)]
     monkeypatch.setattr(cpu_kernels, "_plans", {})  # (a later process)
     assert layout_plan(weight) == plan and layout_plan(torch.randn(40, 24)) == plan
     assert stored_layouts == [(40, 24)]
@@ -161,46 +159,24 @@ def test_measured_layouts_are_kept_for_later_processes(stored_layouts, monkeypat
     assert stored_layouts == [(40, 24), (24, 40), (40, 24)]
 
 
-def test_stored_layouts_belong_to_one_machine(stored_layouts, monkeypatch):
-    layout_plan(torch.randn(40, 24))
-    first, this_cpu = cpu_kernels.stored_layouts_file(), cpu_kernels.cpu_name
-    monkeypatch.setattr(cpu_kernels, "cpu_name", lambda: "another CPU")
-    monkeypatch.setattr(cpu_kernels, "_plans", {})
-    assert cpu_kernels.stored_layouts_file() != first
-    layout_plan(torch.randn(40, 24))
-    assert stored_layouts == [(40, 24), (40, 24)]
-    monkeypatch.setattr(cpu_kernels, "cpu_name", this_cpu)  # (back on the first machine, in a later process)
-    monkeypatch.setattr(cpu_kernels, "_plans", {})
-    monkeypatch.setattr(cpu_kernels, "measure_layouts", lambda w: pytest.fail("measured again"))
-    assert first.is_file() and len(layout_plan(torch.randn(40, 24))) == MAX_ROWS + 1
-
-
 @pytest.mark.parametrize(
-    "text",
+    "kept",
     [
-        "not json {",
-        '["a list"]',
-        '{"plans": {"40x24 threads=%d": {"1": "stock"}}}',  # rows missing
-        '{"plans": {"40x24 threads=%d": {"1": "fast", "2": "stock", "3": "stock", "4": "stock", "8": "stock",'
-        ' "16": "stock", "32": "stock", "64": "stock"}}}',  # not a layout
+        {"1": "stock"},  # rows missing
+        {str(rows): "fast" if rows == 1 else "stock" for rows in MEASURED_ROWS},  # not a layout
+        ["stock"] * (MAX_ROWS + 1),
     ],
 )
-def test_a_damaged_layout_store_is_measured_again_and_mended(stored_layouts, text):
-    path = cpu_kernels.stored_layouts_file()
-    path.parent.mkdir(parents=True)
-    path.write_text(text.replace("%d", str(torch.get_num_threads())))
+def test_a_kept_plan_that_is_not_one_is_measured_again(stored_layouts, kept):
+    from specframe import measurements
+
+    name = f"40x24 threads={torch.get_num_threads()}"
+    measurements.store(cpu_kernels.LAYOUTS_KEPT, cpu_kernels._LAYOUT_SOURCES, name, kept)
     plan = layout_plan(torch.randn(40, 24))
     assert stored_layouts == [(40, 24)]
-    assert cpu_kernels._stored_plans() == {f"40x24 threads={torch.get_num_threads()}": plan}
-
-
-def test_layouts_are_measured_where_the_cache_cannot_be_written(stored_layouts, monkeypatch, tmp_path):
-    (tmp_path / "a file").write_text("")
-    monkeypatch.setenv("SPECFRAME_HOME", str(tmp_path / "a file"))  # (no folder can be made under a file)
-    plan = layout_plan(torch.randn(40, 24))
-    assert len(plan) == MAX_ROWS + 1 and stored_layouts == [(40, 24)]
-    layout_plan(torch.randn(40, 24))  # (kept for the process)
-    assert stored_layouts == [(40, 24)]
+    assert measurements.stored(cpu_kernels.LAYOUTS_KEPT, cpu_kernels._LAYOUT_SOURCES)[name] == {
+        str(rows): plan[rows] for rows in MEASURED_ROWS
+    }
 
 
 def test_a_layer_whose_shape_never_gains_keeps_its_own_forward(monkeypatch):

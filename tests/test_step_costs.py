@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specframe import step_costs
+from specframe import measurements, step_costs
 from specframe.bench import shape_choices
 from specframe.errors import ModelLoadError
 from specframe.step_costs import (
@@ -78,6 +78,27 @@ def test_forward_costs_are_timed_once_per_model_and_thread_count():
     # Real timing of a real (tiny) forward: positive, one-token forwards as the unit.
     real = measure_step_costs(tiny_llama(vocab_size=32, seed=1))
     assert real.one_token_s > 0 and real.relative[0] == 1.0 and len(real.relative) == MAX_VERIFY_TOKENS
+
+
+def test_a_cpu_targets_costs_are_kept_for_later_processes(kept_timings):
+    model = tiny_llama(vocab_size=32, seed=0)
+    clock = FakeClock(model, {1: 0.02, 2: 0.021, 3: 0.03, 4: 0.05})
+    costs = measure_step_costs(model, timer=clock)
+    timed = len(clock.forwards)
+    later = tiny_llama(vocab_size=32, seed=0)  # the same weights, in a later process
+    assert measure_step_costs(later, timer=FakeClock(later, {})) == costs
+    assert len(clock.forwards) == timed
+    other = tiny_llama(vocab_size=32, seed=1)  # other weights: timed
+    other_clock = FakeClock(other, {})
+    assert measure_step_costs(other, timer=other_clock).relative == (1.0,) * MAX_VERIFY_TOKENS
+    assert other_clock.forwards
+    # A kept entry that is not valid step costs is timed again.
+    name = step_costs._kept_name(later, torch.get_num_threads())
+    for bad in ({"one_token_s": 0.02, "relative": [2.0, 1.0, 1.0, 1.0]}, {"one_token_s": -1}, [1.0]):
+        measurements.store(step_costs.STEP_COSTS_KEPT, step_costs._SOURCES, name, bad)
+        again = tiny_llama(vocab_size=32, seed=0)
+        again_clock = FakeClock(again, {1: 0.02, 2: 0.021, 3: 0.03, 4: 0.05})
+        assert measure_step_costs(again, timer=again_clock) == costs and again_clock.forwards
 
 
 def test_a_busy_moment_does_not_decide_and_a_drafter_is_timed_in_target_forwards():
