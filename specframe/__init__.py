@@ -1,8 +1,8 @@
 """specframe: exact speculative decoding for Hugging Face causal LMs, with pluggable proposers.
 
-The names below are imported when first used, so that `import specframe` (the CLI's `--help`, `plugins` and
-`models list`, a plugin's `from specframe import hookimpl`) does not import PyTorch and transformers (~5 s on a
-2-core machine) before anything needs them.
+The names below (and the submodules, as `specframe.errors`) are imported when first used, so that `import
+specframe` (the CLI's `--help` and `models list`, a plugin's `from specframe import hookimpl`) does not import
+PyTorch and transformers (~5 s on a 2-core machine) before anything needs them.
 """
 
 from __future__ import annotations
@@ -40,13 +40,20 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'specframe' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # (the next lookup is a plain attribute)
-    return value
+if not TYPE_CHECKING:  # (type checkers see the imports below instead, and flag a name that is not there)
+
+    def __getattr__(name: str) -> Any:
+        module = _EXPORTS.get(name)
+        if module is None:  # a submodule not imported yet (e.g. `specframe.errors` after `import specframe`)
+            try:
+                return importlib.import_module(f"{__name__}.{name}")
+            except ModuleNotFoundError as e:
+                if e.name != f"{__name__}.{name}":
+                    raise
+                raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # (the next lookup is a plain attribute)
+        return value
 
 
 def __dir__() -> list[str]:
@@ -54,8 +61,15 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from specframe.config import SpecframeConfig, load_config
-    from specframe.decoder import GenerationResult, SpeculativeDecoder
-    from specframe.hookspecs import hookimpl
-    from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo
-    from specframe.sampling import SamplingParams, sampling_probs
+    from specframe.config import SpecframeConfig as SpecframeConfig
+    from specframe.config import load_config as load_config
+    from specframe.decoder import GenerationResult as GenerationResult
+    from specframe.decoder import SpeculativeDecoder as SpeculativeDecoder
+    from specframe.hookspecs import hookimpl as hookimpl
+    from specframe.proposer import Acceptance as Acceptance
+    from specframe.proposer import DecodeState as DecodeState
+    from specframe.proposer import Proposal as Proposal
+    from specframe.proposer import Proposer as Proposer
+    from specframe.proposer import TargetInfo as TargetInfo
+    from specframe.sampling import SamplingParams as SamplingParams
+    from specframe.sampling import sampling_probs as sampling_probs

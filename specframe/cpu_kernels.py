@@ -67,10 +67,11 @@ path (measured on the AMD machine: 2 tokens at 1200 cached took 49 ms without th
 
 The results differ from the stock kernels only by float rounding (summation order), and so do a token's
 logits computed in a chunk rather than alone (as with the stock float32 kernels), so chunked verification
-reproduces one-token decoding except at exact near-ties. As the layout is measured per process, two runs may
-round differently where the two layouts' times are close. Models loaded by `specframe.models.load_model` get
-these kernels unless `target.fast_cpu_kernels` is false; the benchmark runs transformers' baselines on the stock
-kernels (`stock_kernels`), as a transformers user gets them.
+reproduces one-token decoding except at exact near-ties. As the layout is measured once per machine (and
+again when its timings are deleted, or not kept: `specframe.measurements`), runs on two machines, or before and
+after a new measurement, may round differently where the two layouts' times are close. Models loaded by
+`specframe.models.load_model` get these kernels unless `target.fast_cpu_kernels` is false; the benchmark runs
+transformers' baselines on the stock kernels (`stock_kernels`), as a transformers user gets them.
 """
 
 from __future__ import annotations
@@ -236,7 +237,7 @@ def layout_plan(weight: torch.Tensor) -> tuple[str, ...]:
         name = f"{key[0]}x{key[1]} threads={key[2]}"
         plan = _plan_from(measurements.stored(LAYOUTS_KEPT, _LAYOUT_SOURCES).get(name))
         if plan is None:
-            if measurements.keep and not _announced:
+            if not _announced:
                 _announce_measuring()
             plan = measure_layouts(weight)
             measurements.store(LAYOUTS_KEPT, _LAYOUT_SOURCES, name, {str(r): plan[r] for r in MEASURED_ROWS})
@@ -257,15 +258,18 @@ _announced = False  # (whether this process said that it measures layouts)
 
 
 def _announce_measuring() -> None:
+    """Say once per process, where timings are kept, that they are taken (where they are not, every process
+    takes them, as tests do: nothing said)."""
     global _announced
     _announced = True
-    folder = measurements.stored_file(LAYOUTS_KEPT, _LAYOUT_SOURCES).parent
-    print(
-        "specframe: timing this CPU's matrix products for the model's weight shapes (about 1 s each, once per "
-        f"machine; kept in {folder})",
-        file=sys.stderr,
-        flush=True,
-    )
+    folder = measurements.kept_folder(LAYOUTS_KEPT, _LAYOUT_SOURCES)
+    if folder is not None:
+        print(
+            "specframe: timing this CPU's matrix products for the model's weight shapes (about 1 s each, once per "
+            f"machine; kept in {folder})",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _plan_from(kept: Any) -> tuple[str, ...] | None:

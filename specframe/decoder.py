@@ -45,7 +45,9 @@ def target_info(model: torch.nn.Module, tokenizer: Any = None, name: str = "") -
 
 
 class SpeculativeDecoder:
-    """Speculative decoding of one target model with one proposer (batch 1)."""
+    """Speculative decoding of one target model with one proposer (batch 1). Building one also prepares the
+    target's forward (`specframe.lean_forward.engine_forward`: its first-use check, on a few tokens, and on
+    specframe's CPU kernels its stacked products and their layouts), so that the first call's time is decoding."""
 
     def __init__(
         self,

@@ -22,6 +22,7 @@ each process).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -129,34 +130,47 @@ _SOURCES = tuple(Path(__file__).with_name(name) for name in _CODE)  # the code a
 
 
 def _kept_name(model: torch.nn.Module, threads: int) -> str:
-    """What a target's kept step costs are found by: its weights (fingerprint), dtype, thread count, attention
-    and kernels."""
+    """What a target's kept step costs are found by: its weights (fingerprint, an adapter merged included),
+    dtype, thread count, attention, kernels, and the transformers version and whether the lean forward runs
+    (which decides how much of a forward is module machinery)."""
+    import transformers
+
     from specframe.block_weights import blocks_available
     from specframe.cpu_kernels import fast_kernels_on, layout_choice
     from specframe.fingerprint import target_fingerprint
+    from specframe.lean_forward import engine_forward
 
     weights = target_fingerprint(model)
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    kernels = f"{layout_choice} blocks={blocks_available()}" if fast_kernels_on(model) else "stock"
     adapter = weights.get("adapter_sha256", "")[:16]
-    return (
-        f"{weights['weights_sha256']['float32'][:16]}{'+' + adapter if adapter else ''} {dtype} threads={threads} "
-        f"{getattr(model.config, '_attn_implementation', None)} {kernels}"
-    )
+    parts = [
+        weights["weights_sha256"]["float32"][:16] + ("+" + adapter if adapter else ""),
+        str(next(model.parameters()).dtype).removeprefix("torch."),
+        f"threads={threads}",
+        str(getattr(model.config, "_attn_implementation", None)),
+        f"{layout_choice} blocks={blocks_available()}" if fast_kernels_on(model) else "stock",
+        f"transformers={transformers.__version__}",
+        f"lean={engine_forward(model) is not model}",
+    ]
+    return " ".join(parts)
 
 
 def _costs_from(kept: Any) -> StepCosts | None:
-    """StepCosts from their kept form; None unless it is a valid one."""
+    """StepCosts from their kept form; None unless it is a plausible one (a one-token forward of 1 us to 60 s;
+    each count's cost finite and 0.05-100 one-token forwards, 1 for one token)."""
     if not isinstance(kept, dict):
         return None
     one, relative = kept.get("one_token_s"), kept.get("relative")
-    if not (isinstance(one, (int, float)) and one > 0 and isinstance(relative, list)):
+    if not (_number(one) and 1e-6 <= one <= 60 and isinstance(relative, list)):
         return None
     if len(relative) != MAX_VERIFY_TOKENS or relative[0] != 1.0:
         return None
-    if not all(isinstance(c, (int, float)) and 0 < c < 1e6 for c in relative):
+    if not all(_number(c) and 0.05 <= c <= 100 for c in relative):
         return None
     return StepCosts(float(one), tuple(float(c) for c in relative))
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def relative_cost(call: Callable[[], Any], costs: StepCosts, timer: Callable[[], float] = time.perf_counter) -> float:

@@ -10,21 +10,13 @@ def single_threaded():
         yield
 
 
-@pytest.fixture(autouse=True)
-def timings_per_process(monkeypatch):
-    """Tests neither read nor write the timings kept on disk (`specframe.measurements`; its tests turn it on
-    in a temporary folder)."""
-    from specframe import measurements
-
-    monkeypatch.setattr(measurements, "keep", False)
-
-
 @pytest.fixture
 def kept_timings(monkeypatch, tmp_path):
-    """Timings kept on disk, under a temporary cache root."""
+    """Timings kept on disk (off elsewhere in the tests: ../conftest.py), under a temporary cache root."""
     from specframe import measurements
 
     monkeypatch.setenv("SPECFRAME_HOME", str(tmp_path))
+    monkeypatch.setenv(measurements.KEEP_ENV, "1")
     monkeypatch.setattr(measurements, "keep", True)
     return tmp_path
 

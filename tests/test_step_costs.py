@@ -2,8 +2,9 @@
 
 import pytest
 import torch
+import transformers
 
-from specframe import measurements, step_costs
+from specframe import cpu_kernels, measurements, step_costs
 from specframe.bench import shape_choices
 from specframe.errors import ModelLoadError
 from specframe.step_costs import (
@@ -84,21 +85,47 @@ def test_a_cpu_targets_costs_are_kept_for_later_processes(kept_timings):
     model = tiny_llama(vocab_size=32, seed=0)
     clock = FakeClock(model, {1: 0.02, 2: 0.021, 3: 0.03, 4: 0.05})
     costs = measure_step_costs(model, timer=clock)
-    timed = len(clock.forwards)
     later = tiny_llama(vocab_size=32, seed=0)  # the same weights, in a later process
-    assert measure_step_costs(later, timer=FakeClock(later, {})) == costs
-    assert len(clock.forwards) == timed
+    later_clock = FakeClock(later, {})
+    assert measure_step_costs(later, timer=later_clock) == costs and later_clock.forwards == []
     other = tiny_llama(vocab_size=32, seed=1)  # other weights: timed
     other_clock = FakeClock(other, {})
     assert measure_step_costs(other, timer=other_clock).relative == (1.0,) * MAX_VERIFY_TOKENS
     assert other_clock.forwards
     # A kept entry that is not valid step costs is timed again.
     name = step_costs._kept_name(later, torch.get_num_threads())
-    for bad in ({"one_token_s": 0.02, "relative": [2.0, 1.0, 1.0, 1.0]}, {"one_token_s": -1}, [1.0]):
+    bad_costs = (
+        {"one_token_s": 0.02, "relative": [2.0, 1.0, 1.0, 1.0]},
+        {"one_token_s": -1},
+        {"one_token_s": 0.02, "relative": [True, True, True, True]},
+        {"one_token_s": 1e300, "relative": [1.0, 1.1, 1.2, 1.3]},
+        {"one_token_s": 0.02, "relative": [1.0, 1e-9, 1.2, 1.3]},
+        [1.0],
+    )
+    for bad in bad_costs:
         measurements.store(step_costs.STEP_COSTS_KEPT, step_costs._SOURCES, name, bad)
         again = tiny_llama(vocab_size=32, seed=0)
         again_clock = FakeClock(again, {1: 0.02, 2: 0.021, 3: 0.03, 4: 0.05})
         assert measure_step_costs(again, timer=again_clock) == costs and again_clock.forwards
+
+
+def test_kept_costs_belong_to_one_dtype_thread_count_attention_and_kernel_setting(monkeypatch):
+    model = tiny_llama(vocab_size=32, seed=0)
+    threads = torch.get_num_threads()
+    names = {step_costs._kept_name(model, threads), step_costs._kept_name(model, threads + 1)}
+    with monkeypatch.context() as m:
+        m.setattr(model.config, "_attn_implementation", "eager")
+        names.add(step_costs._kept_name(model, threads))
+    with monkeypatch.context() as m:
+        m.setattr(model, cpu_kernels._MARK, True, raising=False)  # (given specframe's CPU kernels)
+        names.add(step_costs._kept_name(model, threads))
+        m.setattr(cpu_kernels, "layout_choice", "stock")
+        names.add(step_costs._kept_name(model, threads))
+    with monkeypatch.context() as m:
+        m.setattr(transformers, "__version__", "99.0")
+        names.add(step_costs._kept_name(model, threads))
+    names.add(step_costs._kept_name(model.to(torch.bfloat16), threads))
+    assert len(names) == 7
 
 
 def test_a_busy_moment_does_not_decide_and_a_drafter_is_timed_in_target_forwards():
