@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from specframe import measurements
-from specframe.errors import ModelLoadError
+from specframe.errors import ModelLoadError, is_number
 
 CONTEXT = 128  # cached tokens before the timed forwards (a short prompt)
 MAX_VERIFY_TOKENS = 4  # timed forwards cover 1..this many tokens (on a CPU, more never paid on either machine)
@@ -170,7 +170,8 @@ def _costs_from(kept: Any) -> StepCosts | None:
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite real number (JSON's numbers; not a bool)."""
+    return is_number(value) and math.isfinite(value)
 
 
 def relative_cost(call: Callable[[], Any], costs: StepCosts, timer: Callable[[], float] = time.perf_counter) -> float:
