@@ -22,6 +22,7 @@ each process).
 
 from __future__ import annotations
 
+import datetime
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -47,11 +48,13 @@ class StepCosts:
 
     one_token_s: float  # seconds of a one-token forward (a plain decoding step)
     relative: tuple[float, ...]  # relative[n - 1]: a forward over n tokens, in one-token forwards (relative[0] = 1)
+    timed_on: str = ""  # where read from disk (`specframe.measurements`): the date (UTC) they were timed
 
     def describe(self) -> str:
         """The timings as a proposer reports them (the benchmark's method descriptions)."""
         costs = ", ".join(f"{c:.2f}" for c in self.relative)
-        return f"verifying 1-{len(self.relative)} tokens = {costs} one-token forwards"
+        kept = f", kept from {self.timed_on}" if self.timed_on else ""
+        return f"verifying 1-{len(self.relative)} tokens = {costs} one-token forwards{kept}"
 
     def verify(self, tokens: int) -> float:
         """A forward over `tokens` tokens, in one-token forwards."""
@@ -120,7 +123,9 @@ def measure_step_costs(model: torch.nn.Module, timer: Callable[[], float] = time
     one = max(times[1], 1e-9)
     memo[threads] = costs = StepCosts(one, tuple(times[n] / one for n in range(1, MAX_VERIFY_TOKENS + 1)))
     if name:
-        measurements.store(STEP_COSTS_KEPT, _SOURCES, name, {"one_token_s": one, "relative": list(costs.relative)})
+        today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+        kept = {"one_token_s": one, "relative": list(costs.relative), "timed_on": today}
+        measurements.store(STEP_COSTS_KEPT, _SOURCES, name, kept)
     return costs
 
 
@@ -166,7 +171,9 @@ def _costs_from(kept: Any) -> StepCosts | None:
         return None
     if not all(_number(c) and 0.05 <= c <= 100 for c in relative):
         return None
-    return StepCosts(float(one), tuple(float(c) for c in relative))
+    timed_on = kept.get("timed_on")
+    when = timed_on if isinstance(timed_on, str) and timed_on else "an earlier process"
+    return StepCosts(float(one), tuple(float(c) for c in relative), when)
 
 
 def _number(value: Any) -> bool:

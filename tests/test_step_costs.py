@@ -1,5 +1,7 @@
 """The proposal shape chosen by timing the target on the machine (specframe/step_costs.py)."""
 
+import datetime
+
 import pytest
 import torch
 import transformers
@@ -87,7 +89,10 @@ def test_a_cpu_targets_costs_are_kept_for_later_processes(kept_timings):
     costs = measure_step_costs(model, timer=clock)
     later = tiny_llama(vocab_size=32, seed=0)  # the same weights, in a later process
     later_clock = FakeClock(later, {})
-    assert measure_step_costs(later, timer=later_clock) == costs and later_clock.forwards == []
+    kept = measure_step_costs(later, timer=later_clock)
+    assert later_clock.forwards == [] and (kept.one_token_s, kept.relative) == (costs.one_token_s, costs.relative)
+    assert kept.timed_on == datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    assert costs.describe() + f", kept from {kept.timed_on}" == kept.describe()  # (said where they are reported)
     other = tiny_llama(vocab_size=32, seed=1)  # other weights: timed
     other_clock = FakeClock(other, {})
     assert measure_step_costs(other, timer=other_clock).relative == (1.0,) * MAX_VERIFY_TOKENS
@@ -106,7 +111,7 @@ def test_a_cpu_targets_costs_are_kept_for_later_processes(kept_timings):
         measurements.store(step_costs.STEP_COSTS_KEPT, step_costs._SOURCES, name, bad)
         again = tiny_llama(vocab_size=32, seed=0)
         again_clock = FakeClock(again, {1: 0.02, 2: 0.021, 3: 0.03, 4: 0.05})
-        assert measure_step_costs(again, timer=again_clock) == costs and again_clock.forwards
+        assert measure_step_costs(again, timer=again_clock) == costs and again_clock.forwards  # (timed now)
 
 
 def test_kept_costs_belong_to_one_dtype_thread_count_attention_and_kernel_setting(monkeypatch):
