@@ -1,4 +1,5 @@
-"""Settings for every test folder of the repository (tests/ and plugins/*/tests/)."""
+"""Settings for the test runs from the repository's root (tests/ and plugins/*/tests/, as the README and CI run
+them; `pytest plugins/<plugin>` on its own reads that plugin's pyproject.toml and not this file)."""
 
 import os
 

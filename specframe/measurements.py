@@ -55,9 +55,13 @@ def cpu_name() -> str:
 @functools.cache
 def machine_key() -> str:
     """What identifies this machine and its PyTorch for timings: the CPU's name, the cpuinfo lines that tell
-    one CPU from another (family, model, stepping, flags; ARM's implementer and part), the logical CPU count,
+    one CPU from another (family, model, stepping, flags; ARM's implementer, part, variant and revision;
+    POWER's cpu and revision), the logical CPU count,
     the architecture, PyTorch's version, its CPU capability and whether it has MKL."""
-    telling = ("cpu family", "model\t", "model :", "stepping", "flags", "features", "cpu implementer", "cpu part")
+    telling = (  # x86, ARM (implementer, part, variant, revision), POWER (cpu, revision)
+        "cpu family", "model\t", "model :", "stepping", "flags", "features", "cpu implementer", "cpu part",
+        "cpu variant", "cpu revision", "cpu\t", "revision",
+    )  # fmt: skip
     first_cpu: list[str] = []
     for line in _cpuinfo_lines():
         if not line.strip():

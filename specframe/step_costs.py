@@ -15,15 +15,15 @@ from its candidate shapes: each one's speed relative to plain decoding is estima
 
 with the accepted length from the artifact's held-out statistics and both costs in units of a one-token target
 forward, timed here (`measure_step_costs`, ~1.8 s for SmolLM2-135M, once per target, thread count and
-machine: a CPU target's timings are kept on disk for later processes, `specframe.measurements`, so that the
-shape chosen stays the same from one process to the next; `relative_cost` for a drafter's forward, ~0.1 s, in
-each process).
+machine: a CPU target's timings are kept on disk for later processes, `specframe.measurements`, so that a
+shape chosen from them alone (Medusa's) stays the same from one process to the next; `relative_cost` for a
+drafter's forward, ~0.1 s, in each process, against the kept one-token time, so EAGLE's choice can still move
+where two shapes are close).
 """
 
 from __future__ import annotations
 
 import datetime
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -165,20 +165,24 @@ def _costs_from(kept: Any) -> StepCosts | None:
     if not isinstance(kept, dict):
         return None
     one, relative = kept.get("one_token_s"), kept.get("relative")
-    if not (_number(one) and 1e-6 <= one <= 60 and isinstance(relative, list)):
+    if not (_number(one, 1e-6, 60) and isinstance(relative, list)):
         return None
     if len(relative) != MAX_VERIFY_TOKENS or relative[0] != 1.0:
         return None
-    if not all(_number(c) and 0.05 <= c <= 100 for c in relative):
+    if not all(_number(c, 0.05, 100) for c in relative):
         return None
-    timed_on = kept.get("timed_on")
-    when = timed_on if isinstance(timed_on, str) and timed_on else "an earlier process"
+    when = kept.get("timed_on")
+    try:
+        when = datetime.date.fromisoformat(when).isoformat()
+    except (TypeError, ValueError):
+        when = "an earlier process"
     return StepCosts(float(one), tuple(float(c) for c in relative), when)
 
 
-def _number(value: Any) -> bool:
-    """A finite real number (JSON's numbers; not a bool)."""
-    return is_number(value) and math.isfinite(value)
+def _number(value: Any, low: float, high: float) -> bool:
+    """A real number (JSON's numbers; not a bool) in [low, high] (NaN is in no range; a JSON integer too large for
+    a float compares without overflowing)."""
+    return is_number(value) and low <= value <= high
 
 
 def relative_cost(call: Callable[[], Any], costs: StepCosts, timer: Callable[[], float] = time.perf_counter) -> float:

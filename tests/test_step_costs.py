@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from specframe import cpu_kernels, measurements, step_costs
+from specframe import cpu_kernels, lean_forward, measurements, step_costs
 from specframe.bench import shape_choices
 from specframe.errors import ModelLoadError
 from specframe.step_costs import (
@@ -83,6 +83,10 @@ def test_forward_costs_are_timed_once_per_model_and_thread_count():
     assert real.one_token_s > 0 and real.relative[0] == 1.0 and len(real.relative) == MAX_VERIFY_TOKENS
 
 
+def kept_entry(name):
+    return measurements.stored(step_costs.STEP_COSTS_KEPT, step_costs._SOURCES)[name]
+
+
 def test_a_cpu_targets_costs_are_kept_for_later_processes(kept_timings):
     model = tiny_llama(vocab_size=32, seed=0)
     clock = FakeClock(model, {1: 0.02, 2: 0.021, 3: 0.03, 4: 0.05})
@@ -91,20 +95,26 @@ def test_a_cpu_targets_costs_are_kept_for_later_processes(kept_timings):
     later_clock = FakeClock(later, {})
     kept = measure_step_costs(later, timer=later_clock)
     assert later_clock.forwards == [] and (kept.one_token_s, kept.relative) == (costs.one_token_s, costs.relative)
-    assert kept.timed_on == datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    name = step_costs._kept_name(later, torch.get_num_threads())
+    assert kept.timed_on == kept_entry(name)["timed_on"]
+    datetime.date.fromisoformat(kept.timed_on)
     assert costs.describe() + f", kept from {kept.timed_on}" == kept.describe()  # (said where they are reported)
     other = tiny_llama(vocab_size=32, seed=1)  # other weights: timed
     other_clock = FakeClock(other, {})
     assert measure_step_costs(other, timer=other_clock).relative == (1.0,) * MAX_VERIFY_TOKENS
     assert other_clock.forwards
+    # A kept date that is not one is not reported as one.
+    measurements.store(step_costs.STEP_COSTS_KEPT, step_costs._SOURCES, name, {**kept_entry(name), "timed_on": "x"})
+    fresh = tiny_llama(vocab_size=32, seed=0)
+    assert measure_step_costs(fresh, timer=FakeClock(fresh, {})).timed_on == "an earlier process"
     # A kept entry that is not valid step costs is timed again.
-    name = step_costs._kept_name(later, torch.get_num_threads())
     bad_costs = (
         {"one_token_s": 0.02, "relative": [2.0, 1.0, 1.0, 1.0]},
         {"one_token_s": -1},
         {"one_token_s": 0.02, "relative": [True, True, True, True]},
         {"one_token_s": 1e300, "relative": [1.0, 1.1, 1.2, 1.3]},
         {"one_token_s": 0.02, "relative": [1.0, 1e-9, 1.2, 1.3]},
+        {"one_token_s": 10**400, "relative": [1.0, 1.1, 1.2, 1.3]},  # (too large for a float)
         [1.0],
     )
     for bad in bad_costs:
@@ -129,8 +139,11 @@ def test_kept_costs_belong_to_one_dtype_thread_count_attention_and_kernel_settin
     with monkeypatch.context() as m:
         m.setattr(transformers, "__version__", "99.0")
         names.add(step_costs._kept_name(model, threads))
+    with monkeypatch.context() as m:
+        m.setattr(lean_forward, "engine_forward", lambda model: model)  # (transformers' forward, not the lean one)
+        names.add(step_costs._kept_name(model, threads))
     names.add(step_costs._kept_name(model.to(torch.bfloat16), threads))
-    assert len(names) == 7
+    assert len(names) == 8
 
 
 def test_a_busy_moment_does_not_decide_and_a_drafter_is_timed_in_target_forwards():
