@@ -24,20 +24,7 @@ _EXPORTS = {
     "load_config": "specframe.config",
     "sampling_probs": "specframe.sampling",
 }
-__all__ = [
-    "Acceptance",
-    "DecodeState",
-    "GenerationResult",
-    "Proposal",
-    "Proposer",
-    "SamplingParams",
-    "SpecframeConfig",
-    "SpeculativeDecoder",
-    "TargetInfo",
-    "hookimpl",
-    "load_config",
-    "sampling_probs",
-]
+__all__ = list(_EXPORTS)
 
 
 if not TYPE_CHECKING:  # (type checkers see the imports below instead, and flag a name that is not there)

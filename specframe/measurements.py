@@ -29,8 +29,7 @@ from typing import Any
 
 import torch
 
-keep = True  # whether timings are read from and written to disk (also off where SPECFRAME_KEEP_TIMINGS is 0)
-KEEP_ENV = "SPECFRAME_KEEP_TIMINGS"
+KEEP_ENV = "SPECFRAME_KEEP_TIMINGS"  # 0 (false, no, off): timings are neither read from nor written to disk
 _OFF = ("0", "false", "no", "off")
 # Failures of the cache that leave a process to time for itself (RuntimeError: no home directory to expand;
 # RecursionError: a damaged file of deeply nested brackets).
@@ -38,9 +37,9 @@ _CACHE_ERRORS = (OSError, ValueError, RuntimeError, RecursionError)
 
 
 def keeping() -> bool:
-    """Whether timings are read from and written to disk: `keep`, unless `$SPECFRAME_KEEP_TIMINGS` is 0 (or
-    false, no, off)."""
-    return keep and os.environ.get(KEEP_ENV, "1").strip().lower() not in _OFF
+    """Whether timings are read from and written to disk: unless `$SPECFRAME_KEEP_TIMINGS` is 0 (or false, no,
+    off)."""
+    return os.environ.get(KEEP_ENV, "1").strip().lower() not in _OFF
 
 
 @functools.cache

@@ -17,7 +17,6 @@ def kept_timings(monkeypatch, tmp_path):
 
     monkeypatch.setenv("SPECFRAME_HOME", str(tmp_path))
     monkeypatch.setenv(measurements.KEEP_ENV, "1")
-    monkeypatch.setattr(measurements, "keep", True)
     return tmp_path
 
 
