@@ -140,7 +140,34 @@ class FixedLogits(torch.nn.Module):
         self.row, self.dtype, self.device = torch.tensor(row, dtype=dtype), dtype, torch.device("cpu")
 
     def forward(self, input_ids):
-        return types.SimpleNamespace(logits=self.row.expand(1, input_ids.shape[1], -1))
+        return types.SimpleNamespace(logits=self.row.expand(*input_ids.shape, -1))
+
+    def get_output_embeddings(self):
+        return types.SimpleNamespace(weight=torch.zeros(self.row.numel(), 1))
+
+
+def test_a_top_p_cut_that_rounding_can_move_is_moved_in_16_bit_dtypes_only():
+    import math
+
+    from specframe.sampling import SamplingParams
+
+    # the top token holds 0.9 of the mass: at top_p=0.9 whether the second is kept depends on the last bit
+    row = [math.log(0.9), math.log(0.06), math.log(0.04)]
+    case = conformance.SamplingCase(SamplingParams(1.0, 0, 0.9), prompt=(0,), lead=1)
+    probs, unsettled = conformance.enumerate_continuations(FixedLogits(row, torch.bfloat16), [0], 4, case.params)
+    assert unsettled == pytest.approx(4.0)  # every prefix of the 4 tokens: 1 per continuation per token
+    assert torch.equal(probs, conformance.exact_distribution(FixedLogits(row, torch.bfloat16), [0], 4, case.params))
+    moved, at, nominal = conformance.settled_case(case, FixedLogits(row, torch.bfloat16))
+    assert nominal == pytest.approx(4.0) and at <= conformance.UNSETTLED_MASS
+    assert moved.params.top_p != 0.9 and moved.params.temperature == 1.0 and moved.prompt == case.prompt
+    # float32 (rounding is then the decoder's exactness, not a tolerance) and a cut rounding cannot move: kept
+    assert conformance.settled_case(case, FixedLogits(row, torch.float32)) == (case, 0.0, 0.0)
+    far = conformance.SamplingCase(SamplingParams(1.0, 0, 0.5), prompt=(0,), lead=1)
+    assert conformance.settled_case(far, FixedLogits(row, torch.bfloat16)) == (far, 0.0, 0.0)
+    # top-k: a 2nd and 3rd token within rounding of each other
+    tie = conformance.SamplingCase(SamplingParams(1.0, 2, 1.0), prompt=(0,), lead=1)
+    moved, at, nominal = conformance.settled_case(tie, FixedLogits([2.0, 1.0, 0.99, -3.0], torch.bfloat16))
+    assert nominal > conformance.UNSETTLED_MASS >= at and moved.params.top_k != 2
 
 
 @pytest.mark.parametrize(

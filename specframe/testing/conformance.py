@@ -14,9 +14,11 @@ Checks, on tiny random-weight Llama models (no downloads), per device and dtype:
 - sampling: chi-square goodness of fit of sampled 3-token continuations against the target distribution
   enumerated exactly on an 8-token vocabulary, for several sampling settings, one of them after a 12-token
   prompt with budget left for deep drafts (the counted tokens can then be drafts at depths 2-4 of one step);
-  a setting whose p-value falls below ALPHA is sampled again on fresh seeds and fails only if that confirms
-  it (an exact proposer then fails one setting in 10^6, not one in 1,000: with dozens of settings, the
-  seeded draws of some machine's rounding would otherwise fail an exact proposer now and then);
+  in 16-bit dtypes a top-p/top-k cut that rounding can move is moved to the nearest settled one
+  (`settled_case`); a setting whose p-value falls below ALPHA is sampled again on fresh seeds and fails
+  only if that confirms it (an exact proposer then fails one setting in 10^6, not one in 1,000: with
+  dozens of settings, the seeded draws of some machine's rounding would otherwise fail an exact proposer
+  now and then);
 - power (suite-level): deliberately broken rules (testing/broken.py) must each be rejected by that test.
 
 What the statistics cannot see: a q that differs a little from the one the proposer samples from. With 4,000
@@ -33,7 +35,7 @@ import copy
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -198,15 +200,69 @@ def reference_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[
 @torch.inference_mode()
 def exact_distribution(model: torch.nn.Module, prompt: list[int], length: int, params: SamplingParams) -> torch.Tensor:
     """P(x_1..x_length | prompt) under T(target logits) for every continuation, flattened base-V (float64)."""
+    return enumerate_continuations(model, prompt, length, params)[0]
+
+
+@torch.inference_mode()
+def enumerate_continuations(
+    model: torch.nn.Module, prompt: list[int], length: int, params: SamplingParams
+) -> tuple[torch.Tensor, float]:
+    """`exact_distribution`, and how many prefixes a sampled continuation passes, on average, whose kept tokens
+    (after top-k and top-p) are not settled in the model's dtype: ones that a change of its logits within
+    `rounding_tolerance` alters (16-bit dtypes only; 0.0 in float32 or without top-k/top-p). There a forward
+    that rounds differently, as a cached verification does, keeps or drops a token's whole mass, so the
+    "exact" distribution is not defined."""
     vocab = model.get_output_embeddings().weight.shape[0]
+    truncates = params.top_k > 0 or params.top_p < 1.0
+    check = truncates and not params.greedy and model.dtype not in (torch.float32, torch.float64)
     probs = torch.ones(1, dtype=torch.float64)
+    unsettled = 0.0
     seqs = [list(prompt)]
     for _ in range(length):
         batch = torch.tensor(seqs, device=model.device)
-        rows = sampling_probs(model(input_ids=batch).logits[:, -1].double(), params).cpu()  # [len(seqs), V]
+        logits = model(input_ids=batch).logits[:, -1].double().cpu()
+        rows = sampling_probs(logits, params)  # [len(seqs), V]
+        if check:
+            kept = rows > 0
+            step = torch.tensor([rounding_tolerance(model.dtype, r) for r in logits], dtype=torch.float64)[:, None]
+            sign = torch.where(kept, 1.0, -1.0)  # the kept tokens up and the rest down, and the reverse
+            moved = [(sampling_probs(logits + d * step * sign, params) > 0) != kept for d in (1.0, -1.0)]
+            unsettled += float(probs[(moved[0] | moved[1]).any(-1)].sum())
         probs = (probs[:, None] * rows).reshape(-1)
         seqs = [s + [x] for s in seqs for x in range(vocab)]
-    return probs
+    return probs, unsettled
+
+
+# In 16-bit dtypes a truncating setting is moved (top_p by 0.01 steps, top_k by 1) when a sampled continuation
+# passes more unsettled prefixes than this, on average, at the nominal value (see `enumerate_continuations`).
+UNSETTLED_MASS = 0.03
+
+
+def settled_case(case: SamplingCase, model: torch.nn.Module) -> tuple[SamplingCase, float, float]:
+    """The sampling case itself, or, in a 16-bit dtype where its top-p/top-k cut is not settled by the model's
+    rounding, the nearest cut that is (else the least unsettled within 0.05 of top_p or 2 of top_k). Returns
+    the case used and the unsettled prefixes a continuation passes at its cut and at the nominal one."""
+    length = case.lead + CONTINUATION
+    nominal = enumerate_continuations(model, list(case.prompt), length, case.params)[1]
+    if nominal <= UNSETTLED_MASS:
+        return case, nominal, nominal
+    p = case.params
+    if p.top_p < 1.0:
+        moves = [
+            replace(p, top_p=round(p.top_p + d, 2))
+            for d in (0.01, -0.01, 0.02, -0.02, 0.03, -0.03, 0.04, -0.04, 0.05, -0.05)
+        ]
+        moves = [m for m in moves if 0.0 < m.top_p < 1.0]
+    else:
+        moves = [replace(p, top_k=p.top_k + d) for d in (1, -1, 2, -2) if p.top_k + d >= 1]
+    best = (nominal, case)
+    for params in moves:
+        mass = enumerate_continuations(model, list(case.prompt), length, params)[1]
+        if mass < best[0]:
+            best = (mass, replace(case, params=params))
+        if mass <= UNSETTLED_MASS:
+            break
+    return best[1], best[0], nominal
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> tuple[float, int, float]:
@@ -480,18 +536,27 @@ def check_sampling(
 ) -> CheckResult:
     """Chi-square of sampled continuations against the exact distribution, both from the tiny target in `dtype`
     (in 16-bit dtypes the decoder's own forwards round slightly differently from the enumerating one: far
-    below what 4,000 samples can detect). With `confirm`, a p-value below ALPHA is checked again on fresh seeds
-    and the check fails only if that one is below ALPHA too."""
+    below what 4,000 samples can detect, except at a top-p/top-k cut that it moves, which `settled_case`
+    avoids). With `confirm`, a p-value below ALPHA is checked again on fresh seeds and the check fails only
+    if that one is below ALPHA too."""
     t0 = time.perf_counter()
     case = SETTINGS[setting]
     samples = case.samples if samples is None else samples
     decoder = make_decoder(proposer_cls, device, SAMPLING_VOCAB, config=config, acceptance=acceptance, dtype=dtype)
     vocab = decoder.info.vocab_size
     reference = reference_target(SAMPLING_VOCAB, device, dtype)
+    nominal = case.params
+    case, unsettled, unsettled_nominal = settled_case(case, reference)
     probs = exact_distribution(reference, list(case.prompt), case.lead + CONTINUATION, case.params)
     probs = probs.reshape(vocab**case.lead, vocab**CONTINUATION).sum(0)  # the lead tokens summed out
     stat, df, p = chi_square(sample_counts(decoder, case, samples), probs)
     detail = f"{setting}: chi2={stat:.1f} df={df}, {samples} samples"
+    if case.params != nominal:  # (said, never silent: which cut ran, and why)
+        moved = f"top_p={case.params.top_p:g}" if nominal.top_p < 1.0 else f"top_k={case.params.top_k}"
+        detail += (
+            f" at {moved} (in {dtype} a continuation passes {unsettled_nominal:.2f} prefixes, on average, whose "
+            f"kept tokens change within rounding at the nominal cut; {unsettled:.3f} at this one)"
+        )
     if p < ALPHA and confirm:  # on fresh seeds (seeds 0..samples-1 were used): p is then the larger of the two
         stat2, _, p2 = chi_square(sample_counts(decoder, case, samples, seed=samples), probs)
         detail += f" (p={p:.2g}); again on {samples} fresh seeds: chi2={stat2:.1f} (p={p2:.2g})"
