@@ -123,27 +123,35 @@ def test_trained_draft_is_exact_under_greedy_and_reduced_vocabulary(trained):
 
 def test_a_shared_draft_follows_the_targets_cpu_kernels_and_stays_exact(trained, monkeypatch):
     """A draft built on a target that runs specframe's CPU kernels gets them too (its linear layers rerouted, as
-    `load_model` does for a draft given as a model), one on the stock kernels does not, and both are exact."""
+    `load_model` does for a draft given as a model), one on the stock kernels does not, and both are exact. (A
+    float32 draft: `dtype: auto` makes it bfloat16 on a CPU with native bfloat16 products, where these kernels,
+    float32 only, do not apply; and the reference is the target the decoder runs: specframe's kernels match
+    PyTorch's products bit for bit on some CPUs, to float rounding on others.)"""
     from specframe.cpu_kernels import fast_kernels_on, is_rerouted, use_fast_cpu_kernels
 
     monkeypatch.setattr("specframe.cpu_kernels.layout_choice", "few-rows")  # (every layer rerouted, not measured)
     target, cfg, _ = trained
-    plain = DraftProposer.from_config(DraftConfig(model=cfg.out, num_speculative_tokens=3), target_info(target))
+    plain = DraftProposer.from_config(
+        DraftConfig(model=cfg.out, num_speculative_tokens=3, dtype="float32"), target_info(target)
+    )
     assert not fast_kernels_on(plain.model) and not any(map(is_rerouted, plain.model.modules()))
     fast_target = copy.deepcopy(target)
     use_fast_cpu_kernels(fast_target)
-    fast = DraftProposer.from_config(DraftConfig(model=cfg.out, num_speculative_tokens=3), target_info(fast_target))
+    fast = DraftProposer.from_config(
+        DraftConfig(model=cfg.out, num_speculative_tokens=3, dtype="float32"), target_info(fast_target)
+    )
     assert fast_kernels_on(fast.model) and is_rerouted(fast.model.lm_head)
     assert not fast_kernels_on(target)  # (the target the first draft was built on is untouched)
     dec = SpeculativeDecoder(fast_target, fast)
     for prompt in ([1, 2, 3], [4, 5]):
-        assert dec.generate(prompt, max_new_tokens=12).token_ids == reference_greedy(target, prompt, 12)
+        assert dec.generate(prompt, max_new_tokens=12).token_ids == reference_greedy(fast_target, prompt, 12)
 
 
 def test_quantize_rounds_the_drafts_own_layers_to_8_bit_blocks_and_stays_exact(trained, monkeypatch):
     """`proposer.quantize`: auto rounds the draft's own layers and head (a copy of target rows; kept where those are
     on a block grid already) where the target runs specframe's CPU kernels and the block kernel is there; none
-    keeps the saved weights; the output is the target's either way."""
+    keeps the saved weights; the output is the target's either way. (A float32 draft: `dtype: auto` makes it
+    bfloat16 on a CPU with native bfloat16 products, where rounding to blocks for these kernels does not apply.)"""
     from specframe.block_weights import block_grid
     from specframe.cpu_kernels import use_fast_cpu_kernels
 
@@ -152,19 +160,23 @@ def test_quantize_rounds_the_drafts_own_layers_to_8_bit_blocks_and_stays_exact(t
     fast_target = copy.deepcopy(target)
     use_fast_cpu_kernels(fast_target)
     target_weights = {k: v.clone() for k, v in fast_target.state_dict().items()}
-    saved = DraftProposer.from_config(DraftConfig(model=cfg.out, quantize="none"), target_info(fast_target)).model
-    rounded = DraftProposer.from_config(DraftConfig(model=cfg.out), target_info(fast_target)).model
+    saved = DraftProposer.from_config(
+        DraftConfig(model=cfg.out, quantize="none", dtype="float32"), target_info(fast_target)
+    ).model
+    rounded = DraftProposer.from_config(DraftConfig(model=cfg.out, dtype="float32"), target_info(fast_target)).model
     q_saved, q_rounded = (m.model.layers[0].self_attn.q_proj.weight.detach() for m in (saved, rounded))
     assert block_grid(q_saved) is None and block_grid(q_rounded).bits == 8
     assert torch.allclose(q_saved, q_rounded, atol=q_saved.abs().max() / 127)
     assert block_grid(rounded.lm_head.weight.detach()) is not None  # (its copy of the target's rows, off any grid)
-    plain = DraftProposer.from_config(DraftConfig(model=cfg.out), target_info(target)).model  # (stock kernels)
+    plain = DraftProposer.from_config(
+        DraftConfig(model=cfg.out, dtype="float32"), target_info(target)
+    ).model  # (stock kernels)
     assert torch.equal(plain.model.layers[0].self_attn.q_proj.weight, q_saved)
     dec = SpeculativeDecoder(
-        fast_target, DraftProposer.from_config(DraftConfig(model=cfg.out), target_info(fast_target))
+        fast_target, DraftProposer.from_config(DraftConfig(model=cfg.out, dtype="float32"), target_info(fast_target))
     )
     for prompt in ([1, 2, 3], [4, 5]):
-        assert dec.generate(prompt, max_new_tokens=12).token_ids == reference_greedy(target, prompt, 12)
+        assert dec.generate(prompt, max_new_tokens=12).token_ids == reference_greedy(fast_target, prompt, 12)
     assert all(torch.equal(v, target_weights[k]) for k, v in fast_target.state_dict().items())  # (the target's own)
     with pytest.raises(ConfigError, match="proposer.quantize must be one of auto, none, q8_0; got 'int4'"):
         DraftConfig(quantize="int4")
