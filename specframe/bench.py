@@ -114,6 +114,9 @@ class BenchOptions:
     # torch intra-op threads for the run; None = torch's default. On a machine other work shares, fewer threads
     # than cores can be much faster (a thread waiting for a busy core stalls every matmul).
     threads: int | None = None
+    # Start no question after this many seconds of timed generation (None = run them all; the first always runs). The
+    # questions then take the subtasks in turn, so a cut run still covers each, and the report says where it stopped.
+    time_limit_s: float | None = None
 
     def validate(self) -> None:
         """Raise BadInputError (exit 2) on options that cannot run, before any model is loaded."""
@@ -152,6 +155,9 @@ class BenchOptions:
         ):
             if value is not None and not is_count(value):
                 raise BadInputError(f"--{name} must be an integer >= 1, got {value!r}")
+        limit = self.time_limit_s
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
+            raise BadInputError(f"--time-limit must be a number of seconds > 0, got {limit!r}")
         if not self.tie_threshold >= 0:
             raise BadInputError(f"--tie-threshold must be >= 0, got {self.tie_threshold}")
         from specframe.errors import ConfigError
@@ -204,6 +210,8 @@ class BenchOptions:
             argv += ["--tie-threshold", str(self.tie_threshold)]
         if self.threads is not None:
             argv += ["--threads", str(self.threads)]
+        if self.time_limit_s is not None:
+            argv += ["--time-limit", f"{self.time_limit_s:g}"]
         argv += ["--out", self.out]
         if self.results_doc:
             argv += ["--results-doc", self.results_doc]
@@ -273,6 +281,15 @@ def read_questions(path: str | Path, subtasks: list[str], limit: int | None = No
     if empty:
         raise BadInputError(f"questions file '{p}' has no question of subtask '{empty[0]}'")
     return [q for s in subtasks for q in by_subtask[s]]
+
+
+def subtasks_in_turn(questions: list[Question]) -> list[Question]:
+    """The questions reordered to take the subtasks in turn (first of each, second of each, ...)."""
+    by_subtask: dict[str, list[Question]] = {}
+    for q in questions:
+        by_subtask.setdefault(q.subtask, []).append(q)
+    rounds = max((len(qs) for qs in by_subtask.values()), default=0)
+    return [qs[i] for i in range(rounds) for qs in by_subtask.values() if i < len(qs)]
 
 
 # ------------------------------------------------------------------------------------------------ methods
@@ -578,7 +595,7 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
             warnings.simplefilter("ignore")  # transformers' per-call advice would bury the progress bar
             setup = build(options, log)
             try:
-                records, failed = timed_loop(setup, questions, options, log, tqdm)
+                records, failed, ran = timed_loop(setup, questions, options, log, tqdm)
             finally:
                 setup.counter.remove()
             if options.greedy and any(m.name == REFERENCE for m in setup.methods) and REFERENCE not in failed:
@@ -587,6 +604,7 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
     finally:
         torch.set_num_threads(threads)
     load_end = os.getloadavg()
+    tie = tie_threshold(setup.model, options)
     for r in records:  # prompts are long and re-made from the questions; the JSON keeps their length only
         del r["prompt_ids"]
     skipped = {**setup.skipped, **failed}
@@ -608,14 +626,15 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
             "device": setup.device,
             "greedy": options.greedy,
             "torch_threads": run_threads,
-            "questions_run": {s: sum(q.subtask == s for q in questions) for s in options.subtasks},
+            "questions_run": {s: sum(q.subtask == s for q in ran) for s in options.subtasks},
+            "questions_planned": len(questions),
         },
         "methods": {m.name: {"kind": m.kind, "description": m.description} for m in methods},
         "skipped": skipped,
         "definitions": DEFINITIONS
         | {
-            "near_tie": f"top-1 minus top-2 logit <= {options.tie_threshold} x "
-            "max(1, |top-1 logit|), float32 from-scratch forward"
+            "near_tie": f"top-1 minus top-2 logit <= {tie:g} x max(1, |top-1 logit|), float32 from-scratch "
+            "forward" + (" (a 16-bit target's dtype eps, above --tie-threshold)" if tie > options.tie_threshold else "")
         },
         "summary": summarize(records, [m.name for m in methods], options.subtasks),
         "records": records,
@@ -713,8 +732,10 @@ def conversation_ids(encoder: Any, turns: list[str], answers: list[str]) -> list
 
 def timed_loop(
     setup: Setup, questions: list[Question], options: BenchOptions, log: Callable[[str], None], tqdm: Any
-) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    """Warm up every method, then run question by question, every method on each (order rotated per question)."""
+) -> tuple[list[dict[str, Any]], dict[str, str], list[Question]]:
+    """Warm up every method, then run question by question, every method on each (order rotated per question),
+    until the questions or `options.time_limit_s` run out. Returns the records, the failed methods and the
+    questions that ran."""
     methods = list(setup.methods)
     failed: dict[str, str] = {}
     warm = setup.encoder.encode(WARMUP_PROMPT).tolist()
@@ -728,8 +749,19 @@ def timed_loop(
     records: list[dict[str, Any]] = []
     total = sum(len(q.turns) for q in questions) * len(methods)
     bar = tqdm(total=total, unit="gen", desc="bench", disable=not options.progress, file=sys.stderr, dynamic_ncols=True)
+    if options.time_limit_s is not None:
+        questions = subtasks_in_turn(questions)
+    ran: list[Question] = []
+    started = time.perf_counter()
     with bar, torch.inference_mode():
         for qi, q in enumerate(questions):
+            if ran and options.time_limit_s is not None and time.perf_counter() - started >= options.time_limit_s:
+                log(
+                    f"time limit of {options.time_limit_s:g} s reached: stopped after {qi} of {len(questions)} "
+                    "questions"
+                )
+                break
+            ran.append(q)
             k = qi % len(methods) if methods else 0
             for m in methods[k:] + methods[:k]:  # rotate so drift over the run hits every method alike
                 if m.name in failed:
@@ -753,7 +785,7 @@ def timed_loop(
     records = [r for r in records if r["method"] not in failed]
     if failed and not records:  # (not an empty report that exits 0)
         raise RuntimeError("every method failed: " + "; ".join(f"{name} {why}" for name, why in failed.items()))
-    return records, failed
+    return records, failed, ran
 
 
 def record(m: Method, q: Question, turn: int, prompt: list[int], out: Output) -> dict[str, Any]:
@@ -779,9 +811,18 @@ def record(m: Method, q: Question, turn: int, prompt: list[int], out: Output) ->
     }
 
 
+def tie_threshold(model: torch.nn.Module, options: BenchOptions) -> float:
+    """The near-tie threshold for this target: --tie-threshold, but for a 16-bit target at least its dtype's eps
+    (its forwards then round each logit to about eps x its magnitude, and two forwards that batch the same
+    tokens differently, as a verification and transformers' one-token steps do, round differently)."""
+    dtype = next(model.parameters()).dtype
+    return max(options.tie_threshold, torch.finfo(dtype).eps) if torch.finfo(dtype).bits < 32 else options.tie_threshold
+
+
 def check_identity(records: list[dict[str, Any]], setup: Setup, options: BenchOptions) -> None:
     """Mark each record identical or not to hf's turn; explain every first difference by the target's top-2."""
     model32 = None
+    threshold = tie_threshold(setup.model, options)
     ref = {(r["question_id"], r["turn"]): r for r in records if r["method"] == REFERENCE}
     by_conversation: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for r in records:
@@ -802,7 +843,7 @@ def check_identity(records: list[dict[str, Any]], setup: Setup, options: BenchOp
                 if model32 is None:
                     model32 = float32_copy(setup.model)
                 r["difference"] = explain_difference(
-                    model32, r["prompt_ids"], base["token_ids"], r["token_ids"], at, options.tie_threshold
+                    model32, r["prompt_ids"], base["token_ids"], r["token_ids"], at, threshold
                 )
 
 
@@ -1054,6 +1095,9 @@ def markdown(doc: dict[str, Any], plots: bool = True) -> str:
         else f"sampling (temperature {s['temperature']}, top-p {s['top_p']}, top-k {s['top_k']})"
     )
     per = ", ".join(f"{k} {v}" for k, v in s["questions_run"].items())
+    planned, ran = s.get("questions_planned"), sum(s["questions_run"].values())
+    if planned is not None and ran < planned:
+        per += f"; stopped by the time limit ({s['time_limit_s']:g} s) after {ran} of {planned} questions"
     lines = [
         f"- command: `{doc['command']}`",
         f"- date: {doc['date']} (took {doc['duration_s']:.0f} s)",
@@ -1217,18 +1261,20 @@ def write_plots(doc: dict[str, Any], out: Path) -> list[Path]:
     return paths
 
 
-def results_page(doc: dict[str, Any]) -> str:
-    """docs/results.md: the run's Markdown with how it was made; regenerated by the command it names."""
+def results_page(doc: dict[str, Any], path: str = "docs/results.md") -> str:
+    """The results page (docs/results.md; docs/results-gpu.md for the GPU check's run): the run's Markdown with
+    how it was made; regenerated by the command it names."""
     head = [
-        "# Results",
+        "# Results" + (" on a GPU" if "gpu" in doc["machine"] else ""),
         "",
-        "<!-- Generated by `specframe bench ... --results-doc docs/results.md`; do not edit by hand. -->",
+        f"<!-- Generated by `specframe bench ... --results-doc {path}`; do not edit by hand. -->",
         "",
         "The latest benchmark numbers on this machine. Regenerate this page with the command below plus "
-        "`--results-doc docs/results.md` (which rewrites this file); plots and per-turn records are in the run's "
+        f"`--results-doc {path}` (which rewrites this file); plots and per-turn records are in the run's "
         "`--out` folder (`bench.json`, `speedup.png`, `accepted_lengths.png`; a local folder, not in the "
-        "repository), and `specframe bench --render <out>/bench.json --results-doc docs/results.md` re-makes "
-        "this page from them without generating anything.",
+        f"repository), and `specframe bench --render <out>/bench.json --results-doc {path}` re-makes "
+        "this page from them without generating anything. The GPU check (conformance suite and benchmark on "
+        "CUDA) and its results: [gpu.md](gpu.md).",
         "",
     ]
     return "\n".join(head + [markdown(doc, plots=False)])
@@ -1242,7 +1288,7 @@ def write_outputs(doc: dict[str, Any], out: Path, results_doc: str | None) -> No
     if results_doc:
         page = Path(results_doc)
         page.parent.mkdir(parents=True, exist_ok=True)
-        page.write_text(results_page(doc))
+        page.write_text(results_page(doc, results_doc))
 
 
 class quiet_transformers:

@@ -144,6 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", help="output folder: bench.json, bench.md, *.png (default runs/bench)")
     b.add_argument("--results-doc", help="also write this Markdown results page (docs/results.md)")
     b.add_argument("--threads", type=int, help="torch threads for the run (default: torch's)")
+    b.add_argument(
+        "--time-limit",
+        type=float,
+        dest="time_limit_s",
+        metavar="SECONDS",
+        help="start no question after this many seconds of timed runs; the questions then take the subtasks in "
+        "turn, and the report says where it stopped (default: run them all)",
+    )
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.add_argument(
         "--render",

@@ -442,6 +442,35 @@ def test_render_takes_only_where_to_write(full_run, tmp_path, monkeypatch):
     assert code == 2 and "is one of the report's own files" in err, err
 
 
+def test_a_time_limit_stops_between_questions_and_says_so(tiny_dirs, questions, tmp_path):
+    out = tmp_path / "out"
+    code, _, err = run_cli(
+        *bench_args(tiny_dirs, questions, out, "--proposers", "none", "--baselines", "", "--time-limit", "1e-9")
+    )
+    assert code == 0, err
+    doc = json.loads((out / "bench.json").read_text())
+    # the first question always runs; then the limit has passed, so 1 of the 4 planned (2 per subtask) ran
+    assert doc["settings"]["questions_run"] == {"mt_bench": 1, "translation": 0}
+    assert doc["settings"]["questions_planned"] == 4 and doc["settings"]["time_limit_s"] == 1e-9
+    assert "--time-limit 1e-09" in doc["command"]
+    assert "stopped by the time limit (1e-09 s) after 1 of 4 questions" in (out / "bench.md").read_text()
+    assert "stopped after 1 of 4 questions" in err
+
+
+def test_subtasks_in_turn_interleaves_and_keeps_each_subtasks_order():
+    from specframe.bench import Question, subtasks_in_turn
+
+    qs = [Question(i, s, s, ["t"]) for i, s in enumerate(["a", "a", "a", "b", "c", "c"])]
+    assert [q.question_id for q in subtasks_in_turn(qs)] == [0, 3, 4, 1, 5, 2]
+    assert subtasks_in_turn([]) == []
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "nan"])
+def test_time_limit_must_be_positive(tiny_dirs, questions, tmp_path, value):
+    code, _, err = run_cli(*bench_args(tiny_dirs, questions, tmp_path / "out", f"--time-limit={value}"))
+    assert code == 2 and "--time-limit must be a number of seconds > 0" in err, err
+
+
 def test_question_ids_must_be_unique(tiny_dirs, tmp_path):
     twice = tmp_path / "q.jsonl"
     rows = [QUESTIONS[0], {**QUESTIONS[1], "question_id": QUESTIONS[0]["question_id"]}]
@@ -610,6 +639,18 @@ def test_near_tie_from_the_targets_logits():
         model.lm_head.weight[t2] = model.lm_head.weight[t1]
     tie = bench.explain_difference(model, context, [t1], [t2], 0, 1e-3)
     assert tie["gap"] == 0.0 and tie["near_tie"]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "expected"),
+    [(torch.float32, 1e-3), (torch.bfloat16, 2**-7), (torch.float16, 1e-3)],  # (float16: eps 2**-10 < 1e-3)
+)
+def test_a_16_bit_target_s_near_ties_reach_its_dtype_s_rounding(dtype, expected):
+    # a bfloat16 logit of 20 is rounded in steps of 0.125: a verification and transformers' one-token steps
+    # round differently, so gaps of that size are near-ties there, not in float32 (the flag's 1e-3 stays a floor)
+    model = tiny_llama(vocab_size=8, seed=0).to(dtype)
+    assert bench.tie_threshold(model, bench.BenchOptions()) == expected
+    assert bench.tie_threshold(model, bench.BenchOptions(tie_threshold=0.5)) == 0.5
 
 
 def test_outputs_that_cannot_be_written_are_refused_before_the_run(tiny_dirs, questions, tmp_path):
