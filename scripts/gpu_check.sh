@@ -97,6 +97,7 @@ say "[$(elapsed)] model ready: $MODEL_OK"
 # writes a line per check as it finishes, so one cut off by its time limit still reports the checks it ran.
 proposers=$("${SF[@]}" plugins --json | "$PY" -c "import json,sys; print(' '.join(r['name'] for r in json.load(sys.stdin)['proposers']))")
 pids=()
+runs=()
 for p in $proposers; do
     for t in $DTYPES; do
         mode=--no-power
@@ -105,9 +106,13 @@ for p in $proposers; do
         OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 timeout "${GPU_CHECK_CONFORMANCE_S:-180}" "${SF[@]}" check \
             --proposer "$p" --device "$DEVICE" --dtype "$t" $mode > "$WORK/check/$p-$t.txt" 2> "$WORK/check/$p-$t.err" &
         pids+=($!)
+        runs+=("$p-$t")
     done
 done
-for pid in "${pids[@]}"; do wait "$pid"; done  # exit codes: read from the reports below
+for i in "${!pids[@]}"; do  # each one's exit status beside its report (124: stopped by its time limit)
+    wait "${pids[$i]}"
+    echo $? > "$WORK/check/${runs[$i]}.rc"
+done
 "$PY" - "$WORK/check" << 'EOF' 2>&1 | tee -a "$SUMMARY"
 import pathlib, re, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*.txt")):
@@ -116,7 +121,9 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("*.txt")):
     failed = [c for c in checks if c.startswith("FAIL")]
     finished = bool(lines) and re.fullmatch(r"\d+ passed, \d+ failed", lines[-1].strip()) is not None
     err = f.with_suffix(".err").read_text().strip().splitlines()
-    stopped = "" if finished else f", then stopped: {err[-1] if err else 'cut off by the time limit'}"
+    rc = f.with_suffix(".rc").read_text().strip()
+    why = "cut off by the time limit" if rc == "124" else f"exit {rc}: {err[-1] if err else 'no message'}"
+    stopped = "" if finished else f", then stopped ({why})"
     print(f"{'PASS' if finished and checks and not failed else 'FAIL'} conformance {f.stem}: "
           f"{len(checks) - len(failed)}/{len(checks)} checks passed{stopped}")
     for c in failed if finished else checks:  # (an unfinished run: every check it got through)

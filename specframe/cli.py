@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--tie-threshold",
         type=float,
-        help="a first difference is a near-tie if the top-2 logit gap <= this x max(1, |top-1 logit|)",
+        help="a first difference is a near-tie if the top-2 logit gap <= this x max(1, |top-1 logit|) "
+        "(default 1e-3; for a 16-bit target at least its dtype's eps)",
     )
     b.add_argument("--out", help="output folder: bench.json, bench.md, *.png (default runs/bench)")
     b.add_argument("--results-doc", help="also write this Markdown results page (docs/results.md)")

@@ -465,10 +465,10 @@ def test_subtasks_in_turn_interleaves_and_keeps_each_subtasks_order():
     assert subtasks_in_turn([]) == []
 
 
-@pytest.mark.parametrize("value", ["0", "-3", "nan"])
+@pytest.mark.parametrize("value", ["0", "-3", "nan", "inf"])
 def test_time_limit_must_be_positive(tiny_dirs, questions, tmp_path, value):
     code, _, err = run_cli(*bench_args(tiny_dirs, questions, tmp_path / "out", f"--time-limit={value}"))
-    assert code == 2 and "--time-limit must be a number of seconds > 0" in err, err
+    assert code == 2 and "--time-limit must be a finite number of seconds > 0" in err, err
 
 
 def test_question_ids_must_be_unique(tiny_dirs, tmp_path):

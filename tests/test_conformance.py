@@ -149,14 +149,15 @@ class FixedLogits(torch.nn.Module):
 def test_a_top_p_cut_that_rounding_can_move_is_moved_in_16_bit_dtypes_only():
     import math
 
-    from specframe.sampling import SamplingParams
+    from specframe.sampling import SamplingParams, sampling_probs
 
     # the top token holds 0.9 of the mass: at top_p=0.9 whether the second is kept depends on the last bit
     row = [math.log(0.9), math.log(0.06), math.log(0.04)]
     case = conformance.SamplingCase(SamplingParams(1.0, 0, 0.9), prompt=(0,), lead=1)
     probs, unsettled = conformance.enumerate_continuations(FixedLogits(row, torch.bfloat16), [0], 4, case.params)
     assert unsettled == pytest.approx(4.0)  # every prefix of the 4 tokens: 1 per continuation per token
-    assert torch.equal(probs, conformance.exact_distribution(FixedLogits(row, torch.bfloat16), [0], 4, case.params))
+    one = sampling_probs(torch.tensor(row, dtype=torch.bfloat16).double(), case.params)  # every position's
+    assert torch.allclose(probs, torch.einsum("a,b,c,d->abcd", one, one, one, one).reshape(-1))
     moved, at, nominal = conformance.settled_case(case, FixedLogits(row, torch.bfloat16))
     assert nominal == pytest.approx(4.0) and at <= conformance.UNSETTLED_MASS
     assert moved.params.top_p != 0.9 and moved.params.temperature == 1.0 and moved.prompt == case.prompt
@@ -168,6 +169,14 @@ def test_a_top_p_cut_that_rounding_can_move_is_moved_in_16_bit_dtypes_only():
     tie = conformance.SamplingCase(SamplingParams(1.0, 2, 1.0), prompt=(0,), lead=1)
     moved, at, nominal = conformance.settled_case(tie, FixedLogits([2.0, 1.0, 0.99, -3.0], torch.bfloat16))
     assert nominal > conformance.UNSETTLED_MASS >= at and moved.params.top_k != 2
+    # never to the whole vocabulary (no cut at all) nor to 1 (one continuation): top_k 3 of 4 may go to 2 only,
+    # unsettled too here, so it stays
+    close = conformance.SamplingCase(SamplingParams(1.0, 3, 1.0), prompt=(0,), lead=1)
+    assert conformance.settled_case(close, FixedLogits([2.0, 1.0, 0.99, 0.98], torch.bfloat16))[:2] == (close, 4.0)
+    # the last kept token dropped by a change within rounding: the top one up, it down (0.8995 + 0.0995 of 0.9)
+    edge = conformance.SamplingCase(SamplingParams(1.0, 0, 0.9), prompt=(0,), lead=1)
+    row = [math.log(0.8995), math.log(0.0995), math.log(0.001)]
+    assert conformance.enumerate_continuations(FixedLogits(row, torch.bfloat16), [0], 2, edge.params)[1] > 0
 
 
 @pytest.mark.parametrize(

@@ -125,8 +125,10 @@ def test_a_shared_draft_follows_the_targets_cpu_kernels_and_stays_exact(trained,
     """A draft built on a target that runs specframe's CPU kernels gets them too (its linear layers rerouted, as
     `load_model` does for a draft given as a model), one on the stock kernels does not, and both are exact. (A
     float32 draft: `dtype: auto` makes it bfloat16 on a CPU with native bfloat16 products, where these kernels,
-    float32 only, do not apply; and the reference is the target the decoder runs: specframe's kernels match
-    PyTorch's products bit for bit on some CPUs, to float rounding on others.)"""
+    float32 only, do not apply; and the reference runs on the kernels the decoder's target runs on: they match
+    PyTorch's products bit for bit on some CPUs, to float rounding on others. The decoder's forward also
+    fuses q/k/v and gate/up, equal to the separate products here up to rounding that, on these tiny models,
+    changes no token.)"""
     from specframe.cpu_kernels import fast_kernels_on, is_rerouted, use_fast_cpu_kernels
 
     monkeypatch.setattr("specframe.cpu_kernels.layout_choice", "few-rows")  # (every layer rerouted, not measured)
