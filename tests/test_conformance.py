@@ -353,7 +353,8 @@ def test_chi_square_flags_impossible_outcome():
 
 
 # The proposers' own weights in bfloat16 on a float32 target (what `dtype: auto` picks on CPUs with native bf16
-# matmuls), whatever this machine's CPU: exactness must not depend on the drafter's precision.
+# matmuls for a target off specframe's CPU kernels), whatever this machine's CPU: exactness must not depend on
+# the drafter's precision.
 class TestDraftBf16(ProposerConformance):
     proposer_class = DraftProposer
     proposer_config = DraftConfig(num_speculative_tokens=3, dtype="bfloat16")

@@ -322,6 +322,9 @@ def test_proposer_dtype_auto_is_bf16_only_for_fp32_targets_on_cpus_with_native_b
     cpu = torch.device("cpu")
     monkeypatch.setattr(sm, "cpu_has_native_bf16", lambda: True)
     assert sm.proposer_dtype("auto", torch.float32, cpu) == torch.bfloat16
+    # a target on specframe's CPU kernels: float32 proposers get them too (8-bit blocks), faster than bf16 there
+    assert sm.proposer_dtype("auto", torch.float32, cpu, fast_cpu_kernels=True) == torch.float32
+    assert sm.proposer_dtype("bfloat16", torch.float32, cpu, fast_cpu_kernels=True) == torch.bfloat16
     assert sm.proposer_dtype("auto", torch.float16, cpu) == torch.float16  # a half target keeps its dtype
     assert sm.proposer_dtype("auto", torch.bfloat16, torch.device("cuda", 0)) == torch.bfloat16
     assert sm.proposer_dtype("float32", torch.float32, cpu) == torch.float32  # an explicit choice wins

@@ -52,7 +52,8 @@ class DraftConfig:
     # does not depend on it.
     confidence_threshold: float | None = None
     # Draft weights' dtype: auto (the target's, but bfloat16 for a float32 target on a CPU with native bf16
-    # matmuls; see specframe.models.proposer_dtype), float32, bfloat16 or float16.
+    # matmuls that does not run specframe's CPU kernels; see specframe.models.proposer_dtype), float32,
+    # bfloat16 or float16.
     dtype: str = "auto"
     # The draft's own linear weights rounded at load to 8-bit blocks (GGUF Q8_0: each 32 weights of a row share
     # one 16-bit scale), which specframe's CPU block kernel multiplies reading a quarter of the bytes: auto (where
@@ -117,7 +118,7 @@ class DraftProposer(Proposer):
         from specframe.shared_draft import is_shared_draft, load_shared_draft, saved_gamma, saved_threshold
 
         path = config.model or shipped_draft(target.name)
-        dtype = proposer_dtype(config.dtype, target.dtype, target.device)
+        dtype = proposer_dtype(config.dtype, target.dtype, target.device, target.fast_cpu_kernels)
         if not path:
             raise ConfigError(
                 f"proposer.model is required: no draft ships for target '{target.name}'; give a draft model "
@@ -151,7 +152,10 @@ class DraftProposer(Proposer):
         with seeded(seed):
             model = LlamaForCausalLM(cfg)
         config = config or DraftConfig()
-        model = model.to(device=target.device, dtype=proposer_dtype(config.dtype, target.dtype, target.device))
+        model = model.to(
+            device=target.device,
+            dtype=proposer_dtype(config.dtype, target.dtype, target.device, target.fast_cpu_kernels),
+        )
         quantize_proposer(model, config.quantize, target.fast_cpu_kernels)
         return cls(config, target, model.eval(), None)
 

@@ -113,8 +113,8 @@ class EagleConfig:
     # None: the value saved with the drafter, else 0. Exactness does not depend on it.
     confidence_threshold: float | None = None
     # Drafter weights' dtype: auto (the target's, but bfloat16 for a float32 target on a CPU with native bf16
-    # matmuls: 2-3x faster drafting, exactness untouched; see specframe.models.proposer_dtype), float32,
-    # bfloat16 or float16.
+    # matmuls that does not run specframe's CPU kernels; exactness untouched; see
+    # specframe.models.proposer_dtype), float32, bfloat16 or float16.
     dtype: str = "auto"
     # The drafter's own linear weights (fc, its layer, fuse) rounded at load to 8-bit blocks (GGUF Q8_0: each 32
     # weights of a row share one 16-bit scale), which specframe's CPU block kernel multiplies reading a quarter of
@@ -472,7 +472,7 @@ class EagleProposer(Proposer):
         if target.model is None:
             raise ConfigError("the eagle proposer needs the target model (its embedding and LM head)")
         drafter, vocab_ids, meta = load_drafter(
-            path, target.model, proposer_dtype(config.dtype, target.dtype, target.device)
+            path, target.model, proposer_dtype(config.dtype, target.dtype, target.device, target.fast_cpu_kernels)
         )
         quantize_proposer(drafter, config.quantize, target.fast_cpu_kernels)  # (before its kernels are chosen)
         shape = meta.get("tree_shape") or {}
@@ -508,7 +508,7 @@ class EagleProposer(Proposer):
             for p in drafter.parameters():  # wide init: peaky, varied draft scores
                 if p.dim() == 2:
                     torch.nn.init.normal_(p, std=0.5)
-        dtype = proposer_dtype(config.dtype, target.dtype, target.device)
+        dtype = proposer_dtype(config.dtype, target.dtype, target.device, target.fast_cpu_kernels)
         drafter = drafter.to(device=target.device, dtype=dtype).attach(target.model, vocab_ids)
         quantize_proposer(drafter, config.quantize, target.fast_cpu_kernels)
         return cls(config, target, drafter, vocab_ids)

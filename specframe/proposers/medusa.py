@@ -80,8 +80,9 @@ class MedusaConfig:
     # the tree lacks [0]), where the heads are unsure. 0 = off. None: the value saved with the heads, else 0.
     # Exactness does not depend on it.
     confidence_threshold: float | None = None
-    # Heads' dtype: auto (the target's, but bfloat16 for a float32 target on a CPU with native bf16 matmuls;
-    # see specframe.models.proposer_dtype), float32, bfloat16 or float16.
+    # Heads' dtype: auto (the target's, but bfloat16 for a float32 target on a CPU with native bf16 matmuls
+    # that does not run specframe's CPU kernels; see specframe.models.proposer_dtype), float32, bfloat16 or
+    # float16.
     dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -286,7 +287,7 @@ class MedusaProposer(Proposer):
         saved_threshold: float | None = None,
     ) -> None:
         super().__init__(config, target)
-        dtype = proposer_dtype(config.dtype, target.dtype, target.device)
+        dtype = proposer_dtype(config.dtype, target.dtype, target.device, target.fast_cpu_kernels)
         self.heads = heads.to(device=target.device, dtype=dtype).eval().requires_grad_(False)
         self.vocab_ids = vocab_ids.to(target.device)
         lm = target.model.get_output_embeddings().weight
