@@ -595,17 +595,17 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
         with warnings.catch_warnings(), quiet_transformers():
             warnings.simplefilter("ignore")  # transformers' per-call advice would bury the progress bar
             setup = build(options, log)
+            tie = tie_threshold(setup.model, options)
             try:
                 records, failed, ran = timed_loop(setup, questions, options, log, tqdm)
             finally:
                 setup.counter.remove()
             if options.greedy and any(m.name == REFERENCE for m in setup.methods) and REFERENCE not in failed:
-                check_identity(records, setup, options)
+                check_identity(records, setup, tie)
         run_threads = torch.get_num_threads()
     finally:
         torch.set_num_threads(threads)
     load_end = os.getloadavg()
-    tie = tie_threshold(setup.model, options)
     for r in records:  # prompts are long and re-made from the questions; the JSON keeps their length only
         del r["prompt_ids"]
     skipped = {**setup.skipped, **failed}
@@ -822,10 +822,10 @@ def tie_threshold(model: torch.nn.Module, options: BenchOptions) -> float:
     return max(options.tie_threshold, torch.finfo(dtype).eps) if torch.finfo(dtype).bits < 32 else options.tie_threshold
 
 
-def check_identity(records: list[dict[str, Any]], setup: Setup, options: BenchOptions) -> None:
-    """Mark each record identical or not to hf's turn; explain every first difference by the target's top-2."""
+def check_identity(records: list[dict[str, Any]], setup: Setup, threshold: float) -> None:
+    """Mark each record identical or not to hf's turn; explain every first difference by the target's top-2
+    (a near-tie within `threshold`, `tie_threshold`)."""
     model32 = None
-    threshold = tie_threshold(setup.model, options)
     ref = {(r["question_id"], r["turn"]): r for r in records if r["method"] == REFERENCE}
     by_conversation: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for r in records:

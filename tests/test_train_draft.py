@@ -124,8 +124,8 @@ def test_trained_draft_is_exact_under_greedy_and_reduced_vocabulary(trained):
 def test_a_shared_draft_follows_the_targets_cpu_kernels_and_stays_exact(trained, monkeypatch):
     """A draft built on a target that runs specframe's CPU kernels gets them too (its linear layers rerouted, as
     `load_model` does for a draft given as a model), one on the stock kernels does not, and both are exact. (A
-    float32 draft: `dtype: auto` makes it bfloat16 on a CPU with native bfloat16 products, where these kernels,
-    float32 only, do not apply; and the reference runs on the kernels the decoder's target runs on: they match
+    float32 draft: `dtype: auto` makes one on a target off these kernels bfloat16 on a CPU with native bfloat16
+    products; and the reference runs on the kernels the decoder's target runs on: they match
     PyTorch's products bit for bit on some CPUs, to float rounding on others. The decoder's forward also
     fuses q/k/v and gate/up, equal to the separate products here up to rounding that, on these tiny models,
     changes no token.)"""
@@ -152,8 +152,9 @@ def test_a_shared_draft_follows_the_targets_cpu_kernels_and_stays_exact(trained,
 def test_quantize_rounds_the_drafts_own_layers_to_8_bit_blocks_and_stays_exact(trained, monkeypatch):
     """`proposer.quantize`: auto rounds the draft's own layers and head (a copy of target rows; kept where those are
     on a block grid already) where the target runs specframe's CPU kernels and the block kernel is there; none
-    keeps the saved weights; the output is the target's either way. (A float32 draft: `dtype: auto` makes it
-    bfloat16 on a CPU with native bfloat16 products, where rounding to blocks for these kernels does not apply.)"""
+    keeps the saved weights; the output is the target's either way. (A float32 draft: `dtype: auto` makes one on a
+    target off these kernels bfloat16 on a CPU with native bfloat16 products, and `plain` below is compared with
+    the saved float32 weights.)"""
     from specframe.block_weights import block_grid
     from specframe.cpu_kernels import use_fast_cpu_kernels
 
