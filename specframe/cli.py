@@ -10,6 +10,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+import yaml
+
 from specframe.errors import BadInputError, brief, check_output_path
 
 
@@ -194,19 +196,49 @@ def key_values(items: list[str], prefix: str = "") -> list[str]:
     return items
 
 
+GENERATE_FLAGS = {  # the config key each `generate` flag sets, and the flag
+    "proposer.name": "--proposer",
+    "target.model": "--target",
+    "generation.max_new_tokens": "--max-new-tokens",
+    "sampling.temperature": "--temperature",
+    "sampling.top_p": "--top-p",
+    "sampling.top_k": "--top-k",
+    "sampling.seed": "--seed",
+}
+
+
+def literal(value: Any) -> str:
+    """`value` as a dotlist value that OmegaConf reads back as exactly it: a string YAML-quoted and with its
+    interpolations escaped (a path may hold ' #', ': ' or '${'), a number as it prints."""
+    from specframe.config import escape_interpolations
+
+    if not isinstance(value, str):
+        return str(value)
+    return "'" + escape_interpolations(value).replace("'", "''") + "'"
+
+
 def generate_overrides(args: argparse.Namespace) -> list[str]:
-    """Dotlist overrides: KEY=VALUE arguments, then the explicit flags (which win)."""
+    """Dotlist overrides: KEY=VALUE arguments, then the explicit flags as typed (which win). A flag and an
+    override that set one key to different values are refused: which one the user meant is not known."""
     key_values(args.overrides)
-    flags = {
-        "proposer.name": args.proposer,
-        "target.model": args.target,
-        "generation.max_new_tokens": args.max_new_tokens,
-        "sampling.temperature": args.temperature,
-        "sampling.top_p": args.top_p,
-        "sampling.top_k": args.top_k,
-        "sampling.seed": args.seed,
-    }
-    return list(args.overrides) + [f"{k}={v}" for k, v in flags.items() if v is not None]
+    flags = {key: getattr(args, flag[2:].replace("-", "_")) for key, flag in GENERATE_FLAGS.items()}
+    flags = {key: value for key, value in flags.items() if value is not None}
+    for item in args.overrides:
+        key, value = (part.strip() for part in item.split("=", 1))
+        if key in flags and not _same_value(value, flags[key]):
+            raise BadInputError(
+                f"{GENERATE_FLAGS[key]} {flags[key]} and the override {item} set {key} differently: give one of them"
+            )
+    return list(args.overrides) + [f"{k}={literal(v)}" for k, v in flags.items()]
+
+
+def _same_value(text: str, value: Any) -> bool:
+    """Whether an override's value `text` (YAML, as OmegaConf reads it) is `value`."""
+    try:
+        parsed = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return False
+    return parsed == value and type(parsed) is not bool
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -233,6 +265,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(
             f"[{cfg.proposer_name}] {s['new_tokens']} tokens, {s['target_forwards']} target forwards, "
             f"mean accepted length {s['mean_accepted_length']:.2f}, {s['tokens_per_s']:.1f} tokens/s",
+            file=sys.stderr,
+        )
+    if result.stats["finish_reason"] == "context":  # (never a silent cut: --json says it in its stats too)
+        print(
+            f"specframe: stopped after {result.stats['new_tokens']} of generation.max_new_tokens="
+            f"{cfg.generation.max_new_tokens} tokens: the target's context window "
+            f"({decoder.context_window} tokens) is full",
             file=sys.stderr,
         )
     return 0

@@ -7,6 +7,7 @@ exists in the working directory) resolves to the copy shipped inside the install
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from importlib import resources
 from pathlib import Path
@@ -213,8 +214,25 @@ def with_defaults(raw: DictConfig) -> DictConfig:
             every = OmegaConf.to_container(OmegaConf.structured(schema))  # (`???` for a field with no default)
             defaults[key] = {k: v for k, v in every.items() if k not in keys}
     raw = OmegaConf.merge(OmegaConf.create(defaults), raw)
-    OmegaConf.resolve(raw)
-    return raw
+    # Resolved once, here: a value's escaped "${" (a path holding one) is text afterwards, so it is escaped again
+    # (OmegaConf.resolve would leave it to be read as an interpolation by the section's own validation).
+    return OmegaConf.create(_escaped(OmegaConf.to_container(raw, resolve=True)))
+
+
+def escape_interpolations(text: str) -> str:
+    """`text` with every "${" escaped, so that OmegaConf reads it as text, not an interpolation (backslashes before
+    one doubled: each stays a backslash)."""
+    return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", text)
+
+
+def _escaped(value: Any) -> Any:
+    if isinstance(value, str):
+        return escape_interpolations(value)
+    if isinstance(value, dict):
+        return {k: _escaped(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escaped(v) for v in value]
+    return value
 
 
 def structured(schema: type, values: Any, prefix: str) -> Any:

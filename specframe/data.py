@@ -106,6 +106,8 @@ def read_prompts(path: str | Path, benchmark_turns: Iterable[str] = ()) -> list[
                 f"prompts file '{path}' line {number}: prompt '{pid}' is a Spec-Bench question: never train on it"
             )
         rows.append(row)
+    if not rows:
+        raise BadInputError(f"prompts file '{path}' holds no prompts (one JSON object per line: id, prompt)")
     return rows
 
 

@@ -304,12 +304,12 @@ class SpeculativeDecoder:
                 hidden = pick_hidden(out, layers, torch.tensor(keep, device=self.device))
                 self._call(proposer.accepted, Acceptance(path, accepted_tokens, nxt, hidden))
 
-        token_ids, text = self._truncate(generated, limit, stop, new)
+        token_ids, text, finish_reason = self._truncate(generated, limit, max_new, stop, new)
         # Only the last step's block can be cut (every step checks EOS and stop strings): count as accepted only
         # the draft tokens that were kept, so that accepted_tokens never counts tokens the caller does not get.
         stats.keep_accepted(len(token_ids) - (len(generated) - stats.last_accepted - 1))
         wall = time.perf_counter() - start
-        return GenerationResult(token_ids, text, stats.as_dict(len(token_ids), wall))
+        return GenerationResult(token_ids, text, stats.as_dict(len(token_ids), wall, finish_reason))
 
     def _call(self, fn: Any, *args: Any) -> Any:
         """Call a proposer method; any exception becomes a ProposerError that names the proposer."""
@@ -341,23 +341,25 @@ class SpeculativeDecoder:
         hits = (n for n in range(max(1, first), len(ids) + 1) if any(s in self._decode(ids[:n]) for s in stop))
         return next(hits, None)
 
-    def _truncate(self, generated: list[int], limit: int, stop: list[str], new: int) -> tuple[list[int], str | None]:
-        """Cut at max_new_tokens, after the first EOS, and before the first stop string to be completed; the last
-        step emitted `new` tokens (every earlier prefix was checked for stop strings by `_finished`)."""
+    def _truncate(
+        self, generated: list[int], limit: int, max_new: int, stop: list[str], new: int
+    ) -> tuple[list[int], str | None, str]:
+        """Cut at `limit` (max_new_tokens, or fewer where the context window ends first), after the first EOS, and
+        before the first stop string to be completed; the last step emitted `new` tokens (every earlier prefix was
+        checked for stop strings by `_finished`). Returns the tokens, their text and why generation ended."""
         ids = generated[:limit]
         eos_at = next((i for i, t in enumerate(ids) if t in self.eos_ids), None)
         if eos_at is not None:
             ids = ids[: eos_at + 1]
-        if self.tokenizer is None:
-            return ids, None
-        n = self._stop_prefix(ids, stop, len(generated) - new + 1)
-        if n is None:
-            return ids, self._decode(ids)
-        # (a step that accepts several tokens may complete two stop strings, and the one that starts first in the
-        # text need not be the one completed first: the text is cut before the earliest one in that prefix)
-        ids = ids[:n]
-        text = self._decode(ids)
-        return ids, text[: min(text.index(s) for s in stop if s in text)]
+        n = self._stop_prefix(ids, stop, len(generated) - new + 1) if self.tokenizer is not None else None
+        if n is not None:
+            # (a step that accepts several tokens may complete two stop strings, and the one that starts first in
+            # the text need not be the one completed first: the text is cut before the earliest one in that prefix)
+            ids = ids[:n]
+            text = self._decode(ids)
+            return ids, text[: min(text.index(s) for s in stop if s in text)], "stop"
+        reason = "eos" if eos_at is not None else "length" if len(ids) >= max_new else "context"
+        return ids, self._decode(ids) if self.tokenizer is not None else None, reason
 
 
 def proposer_who(name: str, plugin: str = "") -> str:
@@ -471,9 +473,10 @@ class Counter:
             self.accepted_tokens -= 1
         self.last_accepted = min(self.last_accepted, max(kept, 0))
 
-    def as_dict(self, new_tokens: int, wall: float) -> dict[str, Any]:
+    def as_dict(self, new_tokens: int, wall: float, finish_reason: str) -> dict[str, Any]:
         return {
             "new_tokens": new_tokens,
+            "finish_reason": finish_reason,
             "target_forwards": self.target_forwards,
             "mean_accepted_length": new_tokens / self.target_forwards,
             "proposed_tokens": self.proposed_tokens,

@@ -152,6 +152,15 @@ def test_a_config_file_that_is_not_a_mapping_exits_2(capsys, tiny_dirs, tmp_path
     assert code == 2 and "is a folder, not a YAML file" in err
 
 
+def test_a_cut_at_the_context_window_is_said(capsys, tiny_dirs):
+    # tiny_dirs["short"] has a context window of 8 tokens: a 5-token prompt leaves room for 3 of the 6 asked for.
+    args = ["generate", "--target", str(tiny_dirs["short"]), "--proposer", "none", "--raw", "--prompt", "a b c d e"]
+    code, out, err = run(capsys, *args, "--max-new-tokens", "6", "--json")
+    stats = json.loads(out)["stats"]
+    assert code == 0 and stats["new_tokens"] == 3 and stats["finish_reason"] == "context"
+    assert "specframe: stopped after 3 of generation.max_new_tokens=6 tokens: the target's context window (8" in err
+
+
 def test_prompt_longer_than_context(capsys, tiny_dirs):
     code, _, err = run(
         capsys,
@@ -320,3 +329,20 @@ def test_failures_that_are_not_bad_input_exit_1_and_an_interrupt_130(capsys, mon
     monkeypatch.setattr(specframe.models, "list_models", boom)
     code_got, out, err = run(capsys, "models", "list")
     assert (code_got, out, err) == (code, "", line + "\n")
+
+
+def test_generate_flags_are_taken_as_typed_and_may_not_contradict_an_override(capsys, tiny_dirs, tmp_path):
+    # --target is a path, not YAML: " #" starts no comment (the folder before it was loaded instead), ": " makes
+    # no mapping, "${" no interpolation. Each of these folders is empty, so each must be refused by its name.
+    (tmp_path / "m").symlink_to(tiny_dirs["target"], target_is_directory=True)
+    for name in ("m #2", "m: v2", "m${x}", "it's"):
+        (tmp_path / name).mkdir()
+        argv = ["generate", "--target", str(tmp_path / name), "--proposer", "none", "--prompt", "a"]
+        code, out, err = run(capsys, *argv)
+        assert code == 2 and f"{tmp_path / name} has no config.json" in err and out == "", (name, err)
+    # A flag and a KEY=VALUE override of the same key: refused when they differ (which was meant?), fine when not.
+    code, out, err = run(capsys, *gen_args(tiny_dirs, "--prompt", "a", "--temperature", "0", "sampling.temperature=1"))
+    assert code == 2 and out == ""
+    assert "--temperature 0.0 and the override sampling.temperature=1 set sampling.temperature differently" in err
+    code, out, err = run(capsys, *gen_args(tiny_dirs, "--prompt", "a", "generation.max_new_tokens=6", "--json"))
+    assert code == 0 and 1 <= len(json.loads(out)["token_ids"]) <= 6

@@ -186,6 +186,10 @@ def test_interpolations_cross_sections_and_reach_defaults(tmp_path):
     )
     with pytest.raises(ConfigError, match="^sampling.top_k: Interpolation key 'nope' not found"):
         load_config(None, ["sampling.top_k=${nope}"])
+    # An escaped "${" is text, through the resolution above and each section's validation after it.
+    path.write_text("target: {model: 'm\\${x}'}\nproposer: {name: draft, model: '${target.model}/d'}\n")
+    cfg = load_config(path)
+    assert (cfg.target.model, cfg.proposer.model) == ("m${x}", "m${x}/d")
     # A proposer's own defaults, relative keys included; a given `???` stays missing (not a default).
     assert load_config(None, ["proposer.name=draft", "proposer.model=${.dtype}"]).proposer.model == "auto"
     assert load_config(None, ["proposer.name=draft", "target.model=${proposer.dtype}"]).target.model == "auto"

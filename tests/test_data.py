@@ -215,6 +215,7 @@ def test_cli_refuses_a_bad_tag_before_loading_the_target(capsys, tmp_path):
         ([{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}], "line 2: id 'a' is already on line 1"),
         ([{"id": "a#s1", "prompt": "x"}], "line 1: id 'a#s1' has '#'"),
         ([{"id": "a", "prompt": "x"}, {"id": "b", "prompt": " What is  2+2? "}], "line 2: prompt 'b' is a Spec-Bench"),
+        ([], "holds no prompts"),  # (an empty file was a successful run that added nothing)
     ],
 )
 def test_prompts_that_would_break_the_data_or_leak_the_benchmark_are_refused(tmp_path, rows, message):

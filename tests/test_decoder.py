@@ -26,7 +26,7 @@ def test_none_is_plain_decoding_with_mean_accepted_length_one(target):
     assert res.token_ids == reference_greedy(target, [1, 2, 3], 10)
     s = res.stats
     assert s["new_tokens"] == 10 and s["target_forwards"] == 10 and s["mean_accepted_length"] == 1.0
-    assert s["proposed_tokens"] == 0 and s["acceptance_rate"] is None
+    assert s["proposed_tokens"] == 0 and s["acceptance_rate"] is None and s["finish_reason"] == "length"
 
 
 def test_stats_definitions_with_a_perfect_draft(target):
@@ -115,7 +115,7 @@ def test_eos_ends_generation_and_is_kept(target):
         res = self_draft_decoder(target).generate([1, 2, 3], max_new_tokens=12)
     finally:
         target.generation_config.eos_token_id = None
-    assert res.token_ids == ref[: ref.index(ref[4]) + 1]
+    assert res.token_ids == ref[: ref.index(ref[4]) + 1] and res.stats["finish_reason"] == "eos"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -151,7 +151,9 @@ def test_prompt_errors(target):
 def test_generation_stops_at_the_context_window():
     target = tiny_llama(vocab_size=8, seed=0, max_position_embeddings=12)
     res = self_draft_decoder(target, gamma=4).generate([1, 2, 3], max_new_tokens=50)
-    assert len(res.token_ids) == 9
+    assert len(res.token_ids) == 9 and res.stats["finish_reason"] == "context"  # (said, not a silent cut)
+    res = self_draft_decoder(target, gamma=4).generate([1, 2, 3], max_new_tokens=9)
+    assert len(res.token_ids) == 9 and res.stats["finish_reason"] == "length"  # (the window is also full)
 
 
 def test_a_draft_with_a_shorter_window_stops_drafting_at_its_end():
@@ -297,7 +299,7 @@ def test_stop_string_cuts_text_and_tokens(tiny_dirs):
     cut = dec.generate("a b", max_new_tokens=12, raw=True, stop=[words[j]])
     # Like vLLM: the text stops before the stop string; the token ids keep the tokens that produced it.
     assert cut.text == " ".join(words[:j]) + " "
-    assert cut.token_ids == full.token_ids[: j + 1]
+    assert cut.token_ids == full.token_ids[: j + 1] and cut.stats["finish_reason"] == "stop"
 
 
 class LetterTokenizer:

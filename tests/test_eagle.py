@@ -298,8 +298,20 @@ def test_tree_shape_saved_with_the_drafter_is_the_default(trained, tmp_path):
     (tuned / "eagle_config.json").write_text(json.dumps(meta))
     p = EagleProposer.from_config(EagleConfig(model=str(tuned)), info)
     assert (p.depth, p.top_k, p.total_tokens) == (2, 3, 3)
-    p = EagleProposer.from_config(EagleConfig(model=str(tuned), total_tokens=5), info)  # the config wins
-    assert (p.depth, p.top_k, p.total_tokens) == (2, 3, 5)
+    # A key the config sets wins, and the saved shape is then dropped whole: the others are the device's
+    # defaults (a saved one-node shape had capped `proposer.depth=5` at one node).
+    p = EagleProposer.from_config(EagleConfig(model=str(tuned), total_tokens=5), info)
+    assert (p.depth, p.top_k, p.total_tokens) == (5, 6, 5)
+    meta["tree_shape"] = {"depth": 1, "top_k": 1, "total_tokens": 1}
+    (tuned / "eagle_config.json").write_text(json.dumps(meta))
+    p = EagleProposer.from_config(EagleConfig(model=str(tuned), depth=4), info)
+    assert (p.depth, p.top_k, p.total_tokens) == (4, 6, 24)
+    stats = SpeculativeDecoder(target, p).generate([1, 2, 3], max_new_tokens=12).stats
+    assert len(stats["proposed_by_position"]) == 4 and stats["proposed_nodes"] > stats["target_forwards"]
+    meta["tree_shape"]["confidence_threshold"] = 0.25  # (not part of the shape: it still applies)
+    (tuned / "eagle_config.json").write_text(json.dumps(meta))
+    p = EagleProposer.from_config(EagleConfig(model=str(tuned), depth=4), info)
+    assert p.depth == 4 and p.min_score == pytest.approx(math.log(0.25))
     _, proposal = fresh_proposal(target, EagleConfig(depth=2, top_k=3, total_tokens=3), 1, torch.tensor([1, 2]))
     assert len(proposal) == 3 and max(proposal.depths()) <= 2
     for key, bad in (("depth", 0), ("top_k", "3"), ("total_tokens", 2.5)):  # malformed saved shapes are named

@@ -79,3 +79,22 @@ def test_vocabulary_lists_that_do_not_fit_the_target_are_named(text, message):
     with pytest.raises(ModelLoadError, match=f"heads 'h': x_vocab.json {message}"):
         check_vocab_ids(json.loads(text), 16, "heads 'h'", "x_vocab.json")
     assert check_vocab_ids([3, 0, 15], 16, "heads 'h'", "x_vocab.json").tolist() == [3, 0, 15]
+
+
+def test_a_shipped_artifact_is_found_by_its_targets_name_or_weights(model, tmp_path, monkeypatch):
+    # A target given by its folder, not its alias (`specframe models list` shows the folder), gets the shipped
+    # artifacts all the same: matched by the fingerprint they record; another model gets none.
+    import specframe.artifacts as artifacts
+
+    (tmp_path / "heads").mkdir()
+    (tmp_path / "heads" / "medusa_config.json").write_text(json.dumps({"target": target_fingerprint(model)}))
+    monkeypatch.setattr(artifacts, "SHIPPED", {("medusa", "tiny"): ("heads", "medusa_config.json")})
+    monkeypatch.setattr(artifacts.resources, "files", lambda package: tmp_path)
+    path = str(tmp_path / "heads")
+    assert artifacts.shipped("medusa", "tiny") == path  # (by its alias, without looking at weights)
+    assert artifacts.shipped("medusa", "/models/tiny", model) == path
+    assert artifacts.shipped("medusa", "/models/tiny", copy.deepcopy(model).to(torch.bfloat16)) == path
+    other = tiny_llama(vocab_size=16, seed=1, hidden_size=32, num_layers=2)
+    assert artifacts.shipped("medusa", "/models/other", other) is None
+    assert artifacts.shipped("medusa", "/models/tiny") is None  # (no model: the name alone)
+    assert artifacts.shipped("eagle", "/models/tiny", model) is None  # (none of that kind ships)

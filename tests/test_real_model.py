@@ -95,3 +95,16 @@ def test_shipped_artifacts_load_on_the_default_target_in_half_precision(dtype):
         cfg = load_config(overrides=[f"proposer.name={name}", f"target.dtype={dtype}"])
         res = SpeculativeDecoder.from_config(cfg).generate(PROMPTS[0], max_new_tokens=8)
         assert res.stats["new_tokens"] == 8, name
+
+
+def test_shipped_artifacts_are_found_for_the_default_model_given_by_its_folder(capsys):
+    # `specframe models list` shows the cached folder; a user who passes it as the target gets the same shipped
+    # artifacts as with the alias (matched by the target's weights, not its name).
+    from specframe.cli import main
+    from specframe.models import list_models
+
+    folder = next(m["path"] for m in list_models() if m["alias"] == "smollm2-135m-instruct")
+    for name in ("draft", "medusa", "eagle", "union"):
+        code = main(["generate", "--proposer", name, "--target", folder, "--max-new-tokens", "8", "--prompt", "Hi"])
+        err = capsys.readouterr().err
+        assert code == 0, (name, err)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from importlib import resources
 from pathlib import Path
+
+import torch
 
 # (proposer, target alias) -> (folder inside this package, the file that marks it complete)
 SHIPPED = {
@@ -13,15 +16,22 @@ SHIPPED = {
 }
 
 
-def shipped(proposer: str, target_name: str) -> str | None:
-    """Path of the artifact shipped for `proposer` on a target alias, or None when none ships (or it is absent)."""
-    entry = SHIPPED.get((proposer, target_name))
-    if entry is None:
-        return None
-    folder, marker = entry
-    path = resources.files("specframe.artifacts") / folder
-    return str(Path(str(path))) if (path / marker).is_file() else None
+def shipped(proposer: str, target_name: str, model: torch.nn.Module | None = None) -> str | None:
+    """Path of the artifact shipped for `proposer` on a target alias, or None when none ships (or it is absent).
+    A target given by another name (a local copy of the default model: the folder `specframe models list` shows)
+    is matched by `model`'s weights, against the fingerprint each shipped artifact records of its target."""
+    from specframe.fingerprint import fingerprint_mismatch
 
-
-def shipped_draft(target_name: str) -> str | None:
-    return shipped("draft", target_name)
+    for (kind, alias), (folder, marker) in SHIPPED.items():
+        if kind != proposer:
+            continue
+        path = resources.files("specframe.artifacts") / folder
+        if not (path / marker).is_file():
+            continue
+        if alias == target_name:
+            return str(Path(str(path)))
+        if model is not None:
+            saved = json.loads((path / marker).read_text()).get("target")
+            if fingerprint_mismatch(saved, model, adapter=False) is None:
+                return str(Path(str(path)))
+    return None

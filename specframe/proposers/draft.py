@@ -113,11 +113,11 @@ class DraftProposer(Proposer):
 
     @classmethod
     def from_config(cls, config: DraftConfig, target: TargetInfo) -> DraftProposer:
-        from specframe.artifacts import shipped_draft
+        from specframe.artifacts import shipped
         from specframe.models import load_model
         from specframe.shared_draft import is_shared_draft, load_shared_draft, saved_gamma, saved_threshold
 
-        path = config.model or shipped_draft(target.name)
+        path = config.model or shipped("draft", target.name, target.model)
         dtype = proposer_dtype(config.dtype, target.dtype, target.device, target.fast_cpu_kernels)
         if not path:
             raise ConfigError(

@@ -74,6 +74,7 @@ FORMAT = "specframe-eagle"
 # a CPU (where each verified token costs a little) and on a GPU (where ~60 cost what 1 does: EAGLE-2's shape).
 DEFAULT_TREE_SHAPE = {"depth": 5, "top_k": 6, "total_tokens": 24}
 ACCELERATOR_TREE_SHAPE = {"depth": 6, "top_k": 10, "total_tokens": 60}
+SHAPE_KEYS = ("depth", "top_k", "total_tokens")  # the keys of a draft shape (config, saved tree_shape)
 
 # Weight names the drafter stores (everything else is the target's or recomputed).
 OWN_PREFIXES = ("fc.", "layer.", "norm.", "fuse.", "fuse_norms.")
@@ -100,6 +101,7 @@ class EagleConfig:
     # Deepest draft level (tokens a step can gain beyond the target's own one). None (this and the next two):
     # the shape saved with the drafter (tuned on held-out training prompts), else 5 / 6 / 24; on a CPU, a drafter
     # saved with `"shape_choice": "measured"` drafts the shape timed fastest at load (`measured_candidates`).
+    # Setting any of the three sets the whole shape: the others are then the device's defaults, not the saved ones.
     depth: int | None = None
     # Tree mode: children proposed per frontier node, and frontier nodes kept per level.
     top_k: int | None = None
@@ -125,7 +127,7 @@ class EagleConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self, "proposer.")
-        for key in ("depth", "top_k", "total_tokens"):
+        for key in SHAPE_KEYS:
             value = getattr(self, key)
             if value is not None and not is_count(value):
                 raise ConfigError(f"proposer.{key} must be an integer >= 1, got {value!r}")
@@ -463,7 +465,7 @@ class EagleProposer(Proposer):
     def from_config(cls, config: EagleConfig, target: TargetInfo) -> EagleProposer:
         from specframe.artifacts import shipped
 
-        path = config.model or shipped("eagle", target.name)
+        path = config.model or shipped("eagle", target.name, target.model)
         if not path:
             raise ConfigError(
                 f"proposer.model is required: no EAGLE drafter ships for target '{target.name}'; train one with "
@@ -479,17 +481,19 @@ class EagleProposer(Proposer):
         where = f"in {path}/eagle_config.json"
         if not isinstance(shape, dict):
             raise ModelLoadError(f"tree_shape {where} must be an object, got {shape!r}")
-        for key in ("depth", "top_k", "total_tokens"):
+        for key in SHAPE_KEYS:
             value = shape.get(key)
             if value is not None and not is_count(value):
                 raise ModelLoadError(f"tree_shape.{key} {where} must be an integer >= 1, got {value!r}")
         check_confidence_threshold(shape.get("confidence_threshold"), f"tree_shape.confidence_threshold {where}")
-        if not saved_shape_applies(meta, target.device, f"{path}/eagle_config.json"):  # (the threshold still does)
-            shape = {k: v for k, v in shape.items() if k not in ("depth", "top_k", "total_tokens")}
+        # The saved shape is one shape, tuned whole: a user who sets any of its keys gets the device's defaults for
+        # the others (a saved one-node shape would cap `proposer.depth=5` at one node). The threshold still applies.
+        unset = all(getattr(config, k) is None for k in SHAPE_KEYS)
+        if not unset or not saved_shape_applies(meta, target.device, f"{path}/eagle_config.json"):
+            shape = {k: v for k, v in shape.items() if k not in SHAPE_KEYS}
         measure = check_shape_choice(meta.get("shape_choice"), f"{path}/eagle_config.json") == "measured"
         candidates = measured_candidates(meta, where, config.tree) if measure else []
         proposer = cls(config, target, drafter, vocab_ids, shape)
-        unset = all(getattr(config, k) is None for k in ("depth", "top_k", "total_tokens"))
         if measure and unset and target.device.type == "cpu" and target.model is not None:
             proposer.use_fastest_shape(candidates)
         return proposer

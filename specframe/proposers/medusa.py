@@ -323,7 +323,7 @@ class MedusaProposer(Proposer):
         from specframe.artifacts import shipped
         from specframe.training.medusa import best_tree
 
-        path = config.model or shipped("medusa", target.name)
+        path = config.model or shipped("medusa", target.name, target.model)
         if not path:
             raise ConfigError(
                 f"proposer.model is required: no Medusa heads ship for target '{target.name}'; train them with "
