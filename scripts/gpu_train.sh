@@ -19,9 +19,10 @@
 #   run  command="scripts/gpu_train.sh stage"   carry=[".gpu-model/part-00"]   (and part-01, part-02)
 #   run  command="scripts/gpu_train.sh"         carry=[".whl", ".gpu-data", ".gpu-model/SHA256"]   timeout_s=580
 #
-# Settings (environment): GPU_TRAIN_S (540: the whole script's budget; a phase that would start with too little
-# of it left is skipped and said), GPU_TRAIN_DISTILL_S (200: distillation's share), GPU_TRAIN_SAMPLED (8: sampled
-# passes at most), GPU_TRAIN_BATCH (512 prompts a generate call), GPU_TRAIN_LIMIT (first N prompts; smoke tests),
+# Settings (environment): GPU_TRAIN_S (540: the whole script's budget, in seconds from its start; a phase that
+# would start with too little of it left is skipped and said), GPU_TRAIN_DISTILL_S (200: no distillation past
+# this many seconds from the start), GPU_TRAIN_SAMPLED (8: sampled passes at most), GPU_TRAIN_BATCH (512 prompts
+# a generate call), GPU_TRAIN_LIMIT (first N prompts; smoke tests),
 # GPU_TRAIN_MAX_NEW_TOKENS (128, as the shipped data), GPU_TRAIN_PROPOSERS ("eagle medusa draft"),
 # GPU_TRAIN_EPOCHS (2), GPU_TRAIN_DEVICE (cuda), GPU_TRAIN_DTYPE (bfloat16: generation; training is float32),
 # GPU_SKIP_INSTALL. With GPU_TRAIN_DEVICE=cpu and small settings it runs here as a smoke test.
