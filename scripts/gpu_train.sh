@@ -40,6 +40,7 @@ MAX_NEW=${GPU_TRAIN_MAX_NEW_TOKENS:-128}
 EPOCHS=${GPU_TRAIN_EPOCHS:-2}
 PROPOSERS=${GPU_TRAIN_PROPOSERS:-eagle medusa draft}
 BIG=$(mktemp -d)  # the text and the features cache: too big for the archive
+trap 'rm -rf "$BIG"; finish' EXIT  # (gpu_common.sh's finish, and the big files gone on every exit)
 DATA="$BIG/distill.jsonl"
 limit=()
 [ -n "${GPU_TRAIN_LIMIT:-}" ] && limit=(--limit "$GPU_TRAIN_LIMIT")
@@ -114,5 +115,4 @@ for p in $PROPOSERS; do
         fail "train $p (exit $rc$([ "$rc" = 124 ] && echo ': cut off by the budget')): $(tail -1 "$WORK/train-$p.log")"
     fi
 done
-rm -rf "$BIG"
 [ "$FAILED" = 0 ]
