@@ -64,8 +64,8 @@ class SamplingConfig:
 class GenerationConfig:
     # Stop after this many new tokens.
     max_new_tokens: int = 128
-    # Stop when the generated text contains any of these; the text is cut before it.
-    stop: list[str] = field(default_factory=list)
+    # Stop when the generated text contains any of these; the text is cut before it (one string: one stop string).
+    stop: list[str] = field(default_factory=list, metadata={"one_or_many": True})
 
     def __post_init__(self) -> None:
         check_field_types(self, "generation.")
@@ -244,6 +244,7 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
                 raise ConfigError(f"{prefix} must be a mapping, got {values!r}")
             schema_fields = fields(schema) if is_dataclass(schema) else ()
             text_fields = {f.name for f in schema_fields if f.type in ("str", str)}
+            one_or_many = {f.name for f in schema_fields if f.metadata.get("one_or_many")}  # text alone: a list of one
             list_fields = {
                 f.name
                 for f in schema_fields
@@ -254,6 +255,8 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
                     raise ConfigError(f"{prefix}.{key}: missing mandatory value (set it with {prefix}.{key}=...)")
                 if key in text_fields and values[key] is None:  # `KEY=` (a shell's KEY="") is the empty string
                     values[key] = ""
+                if key in one_or_many and isinstance(values[key], str):
+                    values[key] = [values[key]]
                 if key in list_fields and not isinstance(values[key], ListConfig | None):
                     given = values[key]
                     if isinstance(given, DictConfig):  # (e.g. from `KEY.0=x`: a dotlist index makes a mapping)

@@ -26,6 +26,17 @@ def test_yaml_then_overrides_with_the_proposer_schema(tmp_path):
     assert "num_speculative_tokens: 2" in to_yaml(cfg)
 
 
+def test_one_stop_string_needs_no_brackets(tmp_path):
+    # text alone is one stop string (as the Python API's `stop=`), commas and spaces included; a number is not text
+    assert load_config(None, ["generation.stop=END"]).generation.stop == ["END"]
+    assert load_config(None, ["generation.stop='a, b'"]).generation.stop == ["a, b"]
+    f = tmp_path / "c.yaml"
+    f.write_text("generation:\n  stop: '###'\n")
+    assert load_config(f).generation.stop == ["###"]
+    with pytest.raises(ConfigError, match=r"generation.stop must be a list, e.g. generation.stop=\[5\]"):
+        load_config(None, ["generation.stop=5"])
+
+
 def test_packaged_configs_load_by_name():
     assert {"none.yaml", "draft.yaml"} <= set(packaged_configs())
     assert load_config("none.yaml").proposer_name == "none"
