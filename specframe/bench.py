@@ -441,7 +441,8 @@ class Setup:
 
 
 def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
-    """Load the target once and build every method on it; methods that cannot run are skipped with a reason."""
+    """Load the target once and build every method on it; methods with nothing trained for this target are skipped
+    with a reason (one whose `model` option names an artifact that cannot load ends the run)."""
     from specframe.config import load_config
     from specframe.decoder import SpeculativeDecoder, eos_token_ids, target_info
     from specframe.errors import ModelLoadError
@@ -475,6 +476,13 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
         """Build proposer `name` on the shared target; raises BadInputError when it cannot be built for it."""
         return registry.get(name).cls.from_config(configs[name] if name in configs else proposer_config(name), info)
 
+    def cannot_build(name: str, e: BadInputError) -> str:
+        """Why `name` is skipped: nothing trained for this target. An artifact the user named (its `model`
+        option) that cannot be built ends the run instead."""
+        if getattr(configs[name] if name in configs else proposer_config(name), "model", None):
+            raise type(e)(f"{name}: {bench_keys(name, brief(e))}") from e
+        return bench_keys(name, brief(e))
+
     skipped: dict[str, str] = {}
     methods: list[Method] = []
     built: dict[str, Any] = {}
@@ -482,7 +490,7 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
         try:
             built[name] = proposer(name)
         except BadInputError as e:  # no trained artifact for this target, or one that does not fit it
-            skipped[name] = bench_keys(name, brief(e))
+            skipped[name] = cannot_build(name, e)
             continue
         entry = registry.get(name)
         decoder = SpeculativeDecoder(model, built[name], tokenizer=tokenizer, plugin=entry.plugin)
@@ -514,7 +522,7 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
                 try:
                     draft = proposer("draft")
                 except BadInputError as e:
-                    skipped[name] = f"no draft model: {brief(e)}"
+                    skipped[name] = f"no draft model: {cannot_build('draft', e)}"
                     continue
             assistant, gamma = hf_assistant(draft, info.vocab_size)
             about = (

@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--dtype",
         action="append",
-        help="dtype(s) of the tiny target: float32, bfloat16, float16 (repeat for several; default float32)",
+        help="dtype(s) of the tiny target: float32, bfloat16, float16, auto (= float32); repeat for several; "
+        "default float32",
     )
     c.add_argument("--quick", action="store_true", help="greedy, rollback and isolation checks only (no statistics)")
     c.add_argument(
@@ -99,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument(
         "--tag",
         default="",
-        help="write ids '<prompt id>#TAG': a further pass (e.g. sampled) over prompts already in --out",
+        help="write ids '<prompt id>#TAG': a further response (e.g. sampled) to every prompt of --prompts, in the "
+        "same --out",
     )
     dist.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     dist.set_defaults(run=cmd_data_distill)
@@ -305,12 +307,19 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     from specframe.config import structured
     from specframe.plugins import get_registry
-    from specframe.testing.conformance import run_suite
+    from specframe.testing.conformance import run_suite, suite_devices_and_dtypes
 
     entry = get_registry().get(args.proposer)
     # (built here even without overrides: a field with no default is then named, as generate names it)
     values = OmegaConf.from_dotlist([o.removeprefix("proposer.") for o in key_values(args.overrides, "proposer.")])
     config = structured(entry.cls.config_class, values, "proposer")
+    if getattr(config, "model", None):  # (the suite builds every proposer with random weights on tiny targets)
+        raise BadInputError(
+            f"check tests proposer '{entry.name}' with random weights on tiny targets: proposer.model="
+            f"{config.model} would not be used; drop it (trained weights are checked on their target by comparing "
+            "`specframe bench` or `generate --json` outputs with proposer none's)"
+        )
+    suite_devices_and_dtypes(args.device, args.dtype)  # (bad names refused before the header)
     if not args.json:  # (then each check's line as it finishes, then the totals)
         print(f"conformance of proposer '{entry.name}':", flush=True)
     report = run_suite(
@@ -327,7 +336,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from specframe.config import structured
+    from specframe.config import recipe_for, structured
     from specframe.models import load_model
     from specframe.plugins import get_registry
 
@@ -335,7 +344,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if entry.cls.train_config_class is None:
         raise BadInputError(f"proposer '{entry.name}' has nothing to train")
 
-    config = structured(entry.cls.train_config_class, merged_options(args.config, args.overrides), "train")
+    config = structured(
+        entry.cls.train_config_class, recipe_for(entry.name, merged_options(args.config, args.overrides)), "train"
+    )
     loaded = load_model(args.target, dtype="float32", device=args.device, quiet=True)
     metrics = entry.cls.train(config, loaded.model, loaded.tokenizer, resume=args.resume)
     print(json.dumps(metrics.get("heldout", metrics)))

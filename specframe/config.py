@@ -235,6 +235,18 @@ def _escaped(value: Any) -> Any:
     return value
 
 
+def recipe_for(proposer: str, options: DictConfig) -> DictConfig:
+    """Training options for `proposer`'s trainer, less their optional `proposer` key: a recipe that names another
+    trainer (configs/train-*.yaml name theirs) is refused, so its keys are never read as another trainer's."""
+    meant_for = options.pop("proposer", None)
+    if meant_for is not None and meant_for != proposer:
+        raise ConfigError(
+            f"the training options are for proposer '{meant_for}' (their `proposer` key), not '{proposer}': give "
+            f"--proposer {meant_for}, or a recipe for {proposer}"
+        )
+    return options
+
+
 def structured(schema: type, values: Any, prefix: str) -> Any:
     """Validate `values` against a dataclass schema; errors name the full key (`prefix.key`)."""
     try:

@@ -3,15 +3,17 @@
 Format (one JSON object per line, UTF-8; every trainer reads it through `read_distill`):
 
     {"id": str, "source": str, "prompt_ids": [int, ...], "response_ids": [int, ...], "finished": bool,
-     "prompt_id": str}
+     "prompt_id": str, "target": {dtype: str}}
 
 `prompt_ids` is the chat-templated prompt exactly as specframe feeds it; `response_ids` the target's greedy
 (or sampled) continuation, EOS included when it was reached (`finished`). `id` names the response and
 `prompt_id` the prompt it answers: they are equal, except that a pass run with a tag (`distill --tag s1`, e.g.
 a second, sampled response to every prompt in the same file) writes `id` = "<prompt id>#s1". Trainers split
 held-out data by `prompt_id`, so all responses to one prompt fall on the same side. `prompt_id` may be
-absent (files written before it existed): it is then `id`. The file is appended one batch at
-a time, so an interrupted run resumes where it stopped: ids already present are skipped.
+absent (files written before it existed): it is then `id`. `target` names the model that wrote the row
+(`specframe.fingerprint.data_fingerprint`; absent in files written before 2026-12-05): a file holds one
+target's responses, and a trainer says when its target is not the one that wrote the data. The file is
+appended one batch at a time, so an interrupted run resumes where it stopped: ids already present are skipped.
 Spec-Bench is for measurement only; prompts that look like Spec-Bench questions are refused.
 """
 
@@ -51,6 +53,7 @@ class DistillExample:
     response_ids: list[int]
     finished: bool
     prompt_id: str = ""  # the prompt this responds to ("" in the constructor: the same as `id`)
+    target: dict[str, str] | None = None  # the `data_fingerprint` of the model that wrote it (None: not recorded)
 
     def __post_init__(self) -> None:
         self.prompt_id = self.prompt_id or self.id
@@ -124,11 +127,19 @@ def read_distill(path: str | Path) -> list[DistillExample]:
                 row["response_ids"],
                 bool(row.get("finished", False)),
                 str(row.get("prompt_id", "")),
+                row.get("target"),
             )
         except KeyError as e:
             raise BadInputError(f"distillation data '{path}' line {number}: missing {e}") from e
         if not isinstance(row.get("finished", False), bool):  # ("false" is a true string)
             raise BadInputError(f"distillation data '{path}' line {number}: finished must be true or false")
+        written_by = example.target
+        if written_by is not None and not (
+            isinstance(written_by, dict) and written_by and all(isinstance(v, str) for v in written_by.values())
+        ):
+            raise BadInputError(
+                f"distillation data '{path}' line {number}: target must map dtypes to hashes (as distill writes it)"
+            )
         for field, ids, least in (("prompt_ids", example.prompt_ids, 1), ("response_ids", example.response_ids, 0)):
             if not (isinstance(ids, list) and len(ids) >= least and all(is_count(t, 0) for t in ids)):
                 what = "a non-empty list" if least else "a list"
@@ -203,6 +214,7 @@ def distill(
     from tqdm import tqdm
 
     from specframe.decoder import eos_token_ids
+    from specframe.fingerprint import data_fingerprint, same_data_target
     from specframe.models import neutral_generation_config
 
     check_tag(tag)
@@ -215,7 +227,15 @@ def distill(
     check_output_path(out, "--out", folder=False)
     if out.exists():
         end_unfinished_line(out, quiet)
-    done = {e.id for e in read_distill(out)} if out.exists() else set()
+    written_by = data_fingerprint(model)
+    existing = read_distill(out) if out.exists() else []
+    other = next((e for e in existing if e.target is not None and not same_data_target(e.target, written_by)), None)
+    if other is not None:  # (its ids would be skipped as answered: one file would hold two targets' responses)
+        raise BadInputError(
+            f"--out '{out}' holds responses written by another target (e.g. '{other.id}'): distil this target's "
+            "into another file"
+        )
+    done = {e.id for e in existing}
     # Prompts must leave room for a response in the target's context window, as `specframe generate` requires.
     window = getattr(model.config, "max_position_embeddings", None) or 10**9
     longest = min(max_prompt_tokens, window - 1)
@@ -279,6 +299,7 @@ def distill(
                     "response_ids": resp,
                     "finished": finished,
                     "prompt_id": prompt_id,
+                    "target": written_by,
                 }
                 f.write(json.dumps(row) + "\n")
             f.flush()

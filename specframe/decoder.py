@@ -484,7 +484,9 @@ class Counter:
             "acceptance_rate": self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else None,
             "proposed_nodes": self.proposed_nodes,
             "proposed_by_position": self.proposed_by_position,
-            "accepted_by_position": self.accepted_by_position,
+            # (as long as proposed_by_position: depths proposed and never accepted count 0)
+            "accepted_by_position": self.accepted_by_position
+            + [0] * (len(self.proposed_by_position) - len(self.accepted_by_position)),
             "propose_time_s": self.propose_time,
             "verify_time_s": self.verify_time,
             "wall_time_s": wall,

@@ -54,6 +54,25 @@ def target_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
     }
 
 
+def data_fingerprint(model: torch.nn.Module) -> dict[str, str]:
+    """A short form of `target_fingerprint` for every row of self-distillation data: {dtype: 16 hex digits}, each
+    a hash of the sizes, the merged adapter and that dtype's weights hash. Data written by the target in bfloat16
+    and a run training it in float32 share the bfloat16 entry (`same_data_target`)."""
+    full = target_fingerprint(model)
+    sizes = f"{full['vocab_size']}:{full['hidden_size']}:{full.get(ADAPTER_KEY)}:"
+    return {
+        name: hashlib.sha256((sizes + digest).encode()).hexdigest()[:16]
+        for name, digest in full["weights_sha256"].items()
+    }
+
+
+def same_data_target(recorded: dict[str, str], model_print: dict[str, str]) -> bool:
+    """Whether data whose rows record `recorded` (a `data_fingerprint`) was written by the target fingerprinted
+    `model_print`: some dtype's entry is equal. (The same weights in another dtype round to the same values in
+    the coarser dtype; other weights essentially never do.)"""
+    return any(recorded.get(name) == digest for name, digest in model_print.items())
+
+
 def mark_adapter(merged: torch.nn.Module, base: dict[str, Any], adapter_file: str | Path) -> None:
     """Record on `merged` that it is the model fingerprinted `base` with the adapter in `adapter_file` merged."""
     digest = hashlib.sha256(Path(adapter_file).read_bytes()).hexdigest()

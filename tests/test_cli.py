@@ -273,8 +273,9 @@ def test_check_in_several_dtypes(capsys):
         ("rollback", "bfloat16"),
         ("isolation", "bfloat16"),
     ]
-    code, _, err = run(capsys, "check", "--proposer", "eagle", "--quick", "--dtype", "float8")
-    assert code == 2 and "float8" in err
+    for bad in (["--dtype", "float8"], ["--device", "tpu"]):  # (refused before the header)
+        code, out, err = run(capsys, "check", "--proposer", "eagle", "--quick", *bad)
+        assert code == 2 and bad[1] in err and out == ""
 
 
 def test_python_dash_m_entry_point():
@@ -294,6 +295,9 @@ def test_check_with_proposer_options_and_bad_option(capsys):
     assert code == 0 and "3 passed, 0 failed" in out
     code, _, err = run(capsys, "check", "--proposer", "draft", "--quick", "proposer.num_speculative_tokens=0")
     assert code == 2 and "proposer.num_speculative_tokens" in err
+    # trained weights cannot be checked on the suite's tiny targets: said, not silently ignored
+    code, out, err = run(capsys, "check", "--proposer", "medusa", "--quick", "proposer.model=runs/heads")
+    assert code == 2 and out == "" and "proposer.model=runs/heads would not be used" in err
 
 
 def test_a_broken_plugin_is_one_warning_line(capsys, monkeypatch):

@@ -116,13 +116,15 @@ def test_key_with_nothing_after_the_equals_sign_sets_a_text_option_to_the_empty_
 
 @pytest.mark.parametrize("proposer", ["draft", "medusa", "eagle"])
 def test_the_packaged_training_configs_are_valid_for_their_trainer(proposer):
-    from specframe.config import load_yaml, structured
+    from specframe.config import load_yaml, recipe_for, structured
     from specframe.plugins import get_registry
 
-    config = structured(
-        get_registry().get(proposer).cls.train_config_class, load_yaml(f"train-{proposer}.yaml"), "train"
-    )
+    recipe = recipe_for(proposer, load_yaml(f"train-{proposer}.yaml"))
+    config = structured(get_registry().get(proposer).cls.train_config_class, recipe, "train")
     assert config.data == "runs/distill/smollm2-135m-instruct.jsonl" and config.out == f"runs/{proposer}"
+    other = "eagle" if proposer != "eagle" else "draft"
+    with pytest.raises(ConfigError, match=f"for proposer '{proposer}' \\(their `proposer` key\\), not '{other}'"):
+        recipe_for(other, load_yaml(f"train-{proposer}.yaml"))
 
 
 def test_the_packaged_bench_config_is_valid():

@@ -121,6 +121,33 @@ def test_a_tagged_pass_adds_second_responses_kept_with_their_prompt_in_the_split
     assert [r.id for r in split_heldout(plain, 0.3)[1]] == [r.id for r in held if r.id == r.prompt_id]
 
 
+def test_rows_record_the_target_and_a_file_holds_one_target_s_responses(tokenizer, tmp_path):
+    """Each row names the model that wrote it; the same weights in bfloat16 add to the file (a tagged pass), another
+    model of the same shapes and tokenizer is refused before it writes, and rows from before the field load."""
+    import torch
+
+    from specframe.fingerprint import data_fingerprint, same_data_target
+
+    model = tiny_llama(vocab_size=8, seed=0)
+    out = tmp_path / "d.jsonl"
+    run(model, tokenizer, out)
+    own = data_fingerprint(model)
+    assert all(r.target == own for r in read_distill(out))
+    assert run(model.to(torch.bfloat16), tokenizer, out, tag="b") == len(PROMPTS)
+    assert all(same_data_target(r.target, own) for r in read_distill(out))
+    before = out.read_bytes()
+    with pytest.raises(BadInputError, match=r"holds responses written by another target \(e.g. 'q"):
+        run(tiny_llama(vocab_size=8, seed=1), tokenizer, out, tag="other")
+    assert out.read_bytes() == before
+    old = tmp_path / "old.jsonl"  # (written before rows named their target)
+    old.write_text(json.dumps({"id": "q0", "prompt_ids": [1], "response_ids": [2], "finished": False}) + "\n")
+    assert read_distill(old)[0].target is None
+    assert run(tiny_llama(vocab_size=8, seed=1), tokenizer, old) == len(PROMPTS) - 1
+    old.write_text(json.dumps({"id": "q0", "prompt_ids": [1], "response_ids": [2], "target": "x"}) + "\n")
+    with pytest.raises(BadInputError, match="line 1: target must map dtypes to hashes"):
+        read_distill(old)
+
+
 def test_rows_without_prompt_id_answer_the_prompt_named_by_their_id(tmp_path):
     row = {"id": "x", "source": "s", "prompt_ids": [1], "response_ids": [2], "finished": True}
     (tmp_path / "d.jsonl").write_text(json.dumps(row) + "\n")

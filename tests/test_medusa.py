@@ -383,6 +383,11 @@ def test_cli_trains_medusa(tmp_path, tiny_dirs, capsys):
     saved = json.loads((tmp_path / "heads" / "medusa_config.json").read_text())["train_config"]
     assert saved["num_heads"] == 2 and saved["tree_nodes"] == 16 and saved["epochs"] == 1
     assert main(["train", "--proposer", "medusa", "--target", str(tiny_dirs["target"]), "stage=5"]) == 2
+    capsys.readouterr()
+    # another trainer's recipe (it names its trainer) is refused before the target loads
+    code = main(["train", "--proposer", "medusa", "--target", "/nonexistent", "--config", "train-draft.yaml"])
+    err = capsys.readouterr().err
+    assert code == 2 and "for proposer 'draft' (their `proposer` key), not 'medusa'" in err, err
 
 
 def test_a_tree_tuned_on_a_cpu_is_rebuilt_for_other_devices(trained, tmp_path):

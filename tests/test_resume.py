@@ -95,3 +95,32 @@ def test_a_new_run_never_overwrites_another_run_s_out_folder(tmp_path, name):
     with pytest.raises(ConfigError, match=r"already holds trained weights .*: train into another train.out"):
         run(epochs=1, lr=5e-3)
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == saved
+
+
+@pytest.mark.parametrize("name", list(TRAINERS))
+def test_resume_on_another_target_is_refused(tmp_path, name):
+    """A checkpoint continues only on the target it was trained with: another one of the same shapes (another
+    seed) is refused by its fingerprint before any feature extraction, and the checkpoint is left as it was."""
+    from specframe.errors import ConfigError
+
+    train, make = TRAINERS[name]
+    data = tmp_path / "d.jsonl"
+    write_distill_data(data, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), n=40)
+
+    def run(seed: int, **kw):
+        target = tiny_llama(vocab_size=16, seed=seed, hidden_size=32, num_layers=2)
+        cfg = make(data=str(data), out=str(tmp_path / "out"), features_cache=str(tmp_path / "f"), **COMMON)
+        return train(cfg, target, None, **kw)
+
+    with pytest.raises(Interrupted):
+        run(0, log=interrupt_at("epoch 2:"))
+    state = (tmp_path / "out" / "checkpoint" / "state.json").read_text()
+    logs: list[str] = []
+    with pytest.raises(ConfigError, match=r"checkpoint in .* was trained with another target \(the weights of"):
+        run(1, resume=True, log=logs.append)
+    assert any("were written by another model than this target" in m for m in logs), logs  # (the data's seed-0)
+    assert not any("features" in m for m in logs), logs
+    assert (tmp_path / "out" / "checkpoint" / "state.json").read_text() == state
+    logs.clear()
+    run(0, resume=True, log=logs.append)  # (its own target resumes, and wrote the data)
+    assert not any("another model" in m for m in logs) and any("resumed" in m for m in logs), logs

@@ -529,3 +529,18 @@ def test_a_gamma_tuned_on_a_cpu_is_not_used_on_other_devices(trained, tmp_path):
     assert DraftProposer.from_config(config, info).gamma == 1
     elsewhere = dataclasses.replace(info, device=torch.device("meta"))  # (standing in for a GPU)
     assert DraftProposer.from_config(config, elsewhere).gamma == DEFAULT_GAMMA
+
+
+def test_empty_data_is_refused_and_a_whole_vocabulary_is_said(tmp_path):
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    cfg = DraftTrainConfig(data=str(empty), out=str(tmp_path / "a"), layers=1, epochs=1, heldout_fraction=0.2)
+    with pytest.raises(ConfigError, match=r"^train.data '.*empty.jsonl' holds no examples \(make it with"):
+        train_draft(cfg, target, None, log=lambda m: None)
+    write_distill_data(tmp_path / "d.jsonl", target)
+    logs: list[str] = []
+    whole = DraftTrainConfig(**{**cfg.__dict__, "data": str(tmp_path / "d.jsonl"), "vocab_size": 100000})
+    train_draft(whole, target, None, log=logs.append)
+    assert "train.vocab_size=100000 covers the target's whole vocabulary of 16 tokens" in logs
+    assert load_shared_draft(tmp_path / "a", target)[1].numel() == 16

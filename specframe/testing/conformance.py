@@ -674,6 +674,17 @@ def run_check(name: str, check: Callable[[], CheckResult], device: str, dtype: s
         return CheckResult(name, device, False, detail, None, time.perf_counter() - t0, dtype)
 
 
+def suite_devices_and_dtypes(devices: list[str] | None, dtypes: list[str] | None) -> tuple[list[str], list[str]]:
+    """The devices (default: cpu, and cuda if present) and dtypes (default float32) a suite runs on, by canonical
+    name, each once; bad names fail here, before anything runs, with the model loader's errors."""
+    names = []
+    for device in devices or available_devices():
+        resolved = resolve_device(device)  # (bad names fail here)
+        names.append(str(resolved) if device == "auto" else device)  # "auto" becomes the device it resolves to
+    dtypes = [str(resolve_dtype(t, torch.device("cpu"))).removeprefix("torch.") for t in dtypes or ["float32"]]
+    return list(dict.fromkeys(names)), list(dict.fromkeys(dtypes))  # (a dtype named by two names runs once)
+
+
 def run_suite(
     proposer_cls: type[Proposer],
     devices: list[str] | None = None,
@@ -685,14 +696,7 @@ def run_suite(
 ) -> Report:
     """Run every check for one proposer class (built with random weights) on each device, in each dtype
     (default float32)."""
-    # Bad names fail before anything runs, with the model loader's errors; dtypes reported by canonical name.
-    names = []
-    for device in devices or available_devices():
-        resolved = resolve_device(device)  # (bad names fail here)
-        names.append(str(resolved) if device == "auto" else device)  # "auto" becomes the device it resolves to
-    devices = list(dict.fromkeys(names))
-    dtypes = [str(resolve_dtype(t, torch.device("cpu"))).removeprefix("torch.") for t in dtypes or ["float32"]]
-    dtypes = list(dict.fromkeys(dtypes))  # (a dtype named twice, or by two names, runs once)
+    devices, dtypes = suite_devices_and_dtypes(devices, dtypes)
     report = Report(proposer_cls.name)
     with one_thread():
         for device, dtype in itertools.product(devices, dtypes):

@@ -57,11 +57,14 @@ def available_devices() -> list[str]:
 
 
 def write_distill_data(path, target: torch.nn.Module, n: int = 40, seed: int = 0, response_length: int = 6) -> None:
-    """Self-distillation data for tests: random prompts and the tiny target's own greedy responses (JSONL)."""
+    """Self-distillation data for tests: random prompts and the tiny target's own greedy responses (JSONL), each
+    row naming its target as `specframe data distill` does."""
     import json
 
+    from specframe.fingerprint import data_fingerprint
     from specframe.testing.conformance import reference_greedy
 
+    written_by = data_fingerprint(target)
     g = torch.Generator().manual_seed(seed)
     vocab = target.get_output_embeddings().weight.shape[0]
     with open(path, "w") as f:
@@ -74,5 +77,6 @@ def write_distill_data(path, target: torch.nn.Module, n: int = 40, seed: int = 0
                 "prompt_ids": prompt,
                 "response_ids": reference_greedy(target, prompt, response_length),
                 "finished": False,
+                "target": written_by,
             }
             f.write(json.dumps(row) + "\n")

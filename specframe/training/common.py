@@ -168,6 +168,7 @@ def check_checkpoint_params(folder: Path, named_params: dict[str, torch.Tensor])
 
 
 RUN_PARTS = {  # what a resumed run must share with its checkpoint (`run_identity`), in words, most specific first
+    "target": "target (the weights of --target / target.model differ from those it was trained with)",
     "seed": "seed (it splits the data and orders the batches)",
     "max_length": "max_length",
     "heldout": "held-out split (data or heldout_fraction)",
@@ -184,9 +185,12 @@ RESUME_MAY_CHANGE = frozenset(
 )
 
 
-def run_identity(cfg: TrainRunConfig, train_ex: list, held_ex: list, vocab_ids: torch.Tensor) -> dict:
-    """What a resumed run must share with the checkpoint it continues: the examples on each side of the split, the
-    cut, the seed, the vocabulary, and every option outside RESUME_MAY_CHANGE."""
+def run_identity(
+    cfg: TrainRunConfig, train_ex: list, held_ex: list, vocab_ids: torch.Tensor, target_print: dict
+) -> dict:
+    """What a resumed run must share with the checkpoint it continues: the target (`target_print`, its
+    `target_fingerprint`), the examples on each side of the split, the cut, the seed, the vocabulary, and every
+    option outside RESUME_MAY_CHANGE."""
     import hashlib
 
     def digest(lines) -> str:
@@ -199,6 +203,7 @@ def run_identity(cfg: TrainRunConfig, train_ex: list, held_ex: list, vocab_ids: 
         return digest(f"{e.id}:{e.prompt_ids}:{e.response_ids}\n" for e in sorted(split, key=lambda e: e.id))
 
     return {
+        "target": target_print,
         "train": examples(train_ex),
         "heldout": examples(held_ex),
         "max_length": cfg.max_length,
@@ -228,7 +233,8 @@ def resuming_from(
     saved = state.get("run")
     again = "resume with the same data and options, or train into a new out folder"
     if saved is not None:  # (checkpoints from before this check carry none)
-        differ = [k for k in RUN_PARTS if saved.get(k) != run.get(k)]
+        # (checkpoints from before 2026-12-05 record no target)
+        differ = [k for k in RUN_PARTS if (k in saved or k != "target") and saved.get(k) != run.get(k)]
         if differ:
             raise ConfigError(f"the checkpoint in {ckpt} was trained with another {RUN_PARTS[differ[0]]}: {again}")
         old, new = saved.get("options", {}), run.get("options", {})  # (checkpoints from before 2026-12-02: none)
@@ -330,9 +336,11 @@ def choose_vocab(examples, size: int, vocab_size: int, always: list[int]) -> tor
     return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
-def start_run(cfg: TrainRunConfig, target: torch.nn.Module, tokenizer) -> tuple[list, list, torch.Tensor]:
-    """Seed, read the data, split it (by id) and choose the reduced vocabulary: (train, held-out, vocab_ids)."""
+def start_run(cfg: TrainRunConfig, target: torch.nn.Module, tokenizer, log=print) -> tuple[list, list, torch.Tensor]:
+    """Seed, read the data, split it (by id) and choose the reduced vocabulary: (train, held-out, vocab_ids).
+    `log` is told when the data was written by another model or the vocabulary asked for is the whole one."""
     from specframe.data import read_distill
+    from specframe.fingerprint import data_fingerprint, same_data_target
 
     if not isinstance(getattr(target, "model", None), torch.nn.Module) or target.get_output_embeddings() is None:
         raise ModelLoadError(
@@ -341,6 +349,15 @@ def start_run(cfg: TrainRunConfig, target: torch.nn.Module, tokenizer) -> tuple[
         )
     torch.manual_seed(cfg.seed)
     examples = read_distill(cfg.data)
+    if not examples:
+        raise ConfigError(f"train.data '{cfg.data}' holds no examples (make it with `specframe data distill`)")
+    own = data_fingerprint(target)
+    others = sum(e.target is not None and not same_data_target(e.target, own) for e in examples)
+    if others:  # (still a valid distillation: the target's own distributions are the labels, on another's text)
+        log(
+            f"note: {others} of the {len(examples)} responses in train.data '{cfg.data}' were written by another "
+            "model than this target: it learns the target's predictions on text that is not the target's own"
+        )
     train_ex, held_ex = split_heldout(examples, cfg.heldout_fraction, cfg.seed)
     if not train_ex or not held_ex:
         side = "training" if not train_ex else "held-out"
@@ -362,6 +379,9 @@ def start_run(cfg: TrainRunConfig, target: torch.nn.Module, tokenizer) -> tuple[
                 f"train.data '{cfg.data}': no {name} example keeps a response token within max_length={cfg.max_length}"
             )
     eos = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
+    started_from = getattr(cfg, "init_from", "") or getattr(cfg, "init_heads", "")  # (its vocabulary is used)
+    if cfg.vocab_size >= vocab_size and not started_from:
+        log(f"train.vocab_size={cfg.vocab_size} covers the target's whole vocabulary of {vocab_size} tokens")
     return train_ex, held_ex, choose_vocab(train_ex, min(cfg.vocab_size, vocab_size), vocab_size, eos)
 
 

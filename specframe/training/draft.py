@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from specframe.errors import ConfigError, ModelLoadError
+from specframe.fingerprint import target_fingerprint
 from specframe.shared_draft import build_shared_draft, is_shared_draft, load_shared_draft, save_shared_draft
 from specframe.training.common import (
     Sequence,
@@ -140,7 +141,7 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
             f"train.layers={cfg.layers} is more than the target's {have} layers, which the draft's layers start "
             f"from: give train.init_layers, {cfg.layers} target layers (repeats allowed), or fewer train.layers"
         )
-    train_ex, held_ex, vocab_ids = start_run(cfg, target, tokenizer)
+    train_ex, held_ex, vocab_ids = start_run(cfg, target, tokenizer, log)
     vocab_size = target.get_output_embeddings().weight.shape[0]
     if cfg.init_from:  # (loaded and checked before the features are extracted)
         draft, vocab_ids, init = initial_draft(cfg, target)
@@ -155,7 +156,7 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
     # The teacher: the target's cached features (one bfloat16 pass shared with the Medusa and EAGLE trainers)
     # through its LM-head rows for the draft's vocabulary, computed per batch (never stored as log-probs).
     ckpt = out / "checkpoint"
-    run = run_identity(cfg, train_ex, held_ex, vocab_ids)
+    run = run_identity(cfg, train_ex, held_ex, vocab_ids, target_fingerprint(target))
     resuming = resuming_from(ckpt, params, resume, run, cfg.epochs)  # (refused before the features)
     train_feats, held_feats = split_features(cfg, target, train_ex, held_ex)
     train_seqs = [Sequence(f.ids.tolist(), f.first_target, f.features) for f in train_feats]

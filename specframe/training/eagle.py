@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from specframe.errors import ConfigError, is_count
+from specframe.fingerprint import target_fingerprint
 from specframe.training.common import TrainRunConfig, optimizer_step
 
 
@@ -258,7 +259,7 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
 
     out = Path(cfg.out)
     check_extra_layers(cfg.fuse_layers, target.config.num_hidden_layers, "train.fuse_layers")
-    train_ex, held_ex, vocab_ids = start_run(cfg, target, tokenizer)
+    train_ex, held_ex, vocab_ids = start_run(cfg, target, tokenizer, log)
     if cfg.init_from:  # (loaded and checked before the features are extracted)
         drafter, vocab_ids = initial_drafter(cfg, target)
     ckpt = out / "checkpoint"  # (its layers checked before the features are extracted too)
@@ -276,7 +277,7 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
     if not cfg.init_from:
         drafter = build_drafter(target, vocab_ids, cfg.init_from_last_layer, tuple(cfg.fuse_layers))
     params = dict(drafter.named_parameters())
-    run = run_identity(cfg, train_ex, held_ex, vocab_ids)
+    run = run_identity(cfg, train_ex, held_ex, vocab_ids, target_fingerprint(target))
     resuming = resuming_from(ckpt, params, resume, run, cfg.epochs)  # (refused before the features)
     full_head = target.get_output_embeddings().weight.detach().float()
     vocab_size = full_head.shape[0]

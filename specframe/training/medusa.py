@@ -216,7 +216,7 @@ def train_medusa(cfg: MedusaTrainConfig, target, tokenizer, resume: bool = False
     """Train and save Medusa heads for `target` (a float32 model); returns the held-out metrics."""
     from specframe.proposers.medusa import MedusaHeads, load_heads, save_heads
 
-    train_ex, held_ex, vocab_ids = start_run(cfg, target, tokenizer)
+    train_ex, held_ex, vocab_ids = start_run(cfg, target, tokenizer, log)
     vocab = target.get_output_embeddings().weight.shape[0]
     index = vocab_index(vocab_ids, vocab)
     hidden = target.config.hidden_size
@@ -286,7 +286,7 @@ def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
 
     params = dict(heads.named_parameters())
     ckpt = Path(cfg.out) / "checkpoint"
-    run = run_identity(cfg, train_ex, held_ex, vocab_ids)
+    run = run_identity(cfg, train_ex, held_ex, vocab_ids, target_fingerprint(target))
     resuming = resuming_from(ckpt, params, resume, run, cfg.epochs)  # (refused before the features)
     train_feats, held_feats = split_features(cfg, target, train_ex, held_ex)
     x_train, y_train = stack_features(train_feats, cfg.num_heads, cfg.prompt_positions)
@@ -368,7 +368,7 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     batches = make_batches(seqs, cfg.batch_size, cfg.seed)
     out = Path(cfg.out)
     ckpt = out / "checkpoint"
-    run = run_identity(cfg, train_ex, held_ex, vocab_ids)
+    run = run_identity(cfg, train_ex, held_ex, vocab_ids, base_fingerprint)
     resuming = resuming_from(ckpt, params, resume, run, cfg.epochs)
     start, history = resume_from(ckpt, params, optimizer, resuming=resuming, log=log)
     schedule = warmup_cosine(optimizer, len(batches) * cfg.epochs, start * len(batches))
