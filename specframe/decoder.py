@@ -89,6 +89,7 @@ class SpeculativeDecoder:
                 )
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.context_window = getattr(model.config, "max_position_embeddings", None) or 10**9
+        self.rope_switch = longrope_switch(model.config)
         new_cache(model)  # refuses, before any generation, a target whose cache cannot be rolled back
         engine_forward(model)  # (its first-use check and stacked products made here, not in the first call's time)
         self.cache = None  # the target's KV cache, during a generate call
@@ -268,6 +269,8 @@ class SpeculativeDecoder:
             past = cache.get_seq_length()
             tokens = torch.cat([prompt_ids, torch.tensor(generated, device=self.device)])
             max_depth = limit - len(generated) - 1  # a step emits depth + 1 tokens; limit respects the window
+            if self.rope_switch is not None and past < self.rope_switch:  # (no verification across the switch)
+                max_depth = min(max_depth, self.rope_switch - 1 - past)
             state = DecodeState(tokens, prompt_ids.numel(), params, generator, max_depth)
             root = tokens[-1:].clone()  # (the proposer's edits of state.tokens stay its own)
             t0 = time.perf_counter()
@@ -408,6 +411,26 @@ def check_tree_attention(model: torch.nn.Module) -> None:
             "which sit side by side in the cache, would be scored at the wrong distances: use a proposer that "
             "drafts chains (e.g. draft, or eagle with proposer.tree=false)"
         )
+
+
+def longrope_switch(config: Any) -> int | None:
+    """The position from which a `longrope` target (Phi-3 style) rotates with its long factors, else None.
+    transformers picks the short or long factors once per forward, for every row, by the forward's largest
+    position: a verification whose drafts reach this position would rotate the rows before it (and the keys it
+    caches for them) with the long factors, where plain decoding uses the short ones. So the engine never
+    verifies across it: until the root reaches it, drafts stop short of it (exact, at most one slower step)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return None
+    per_layer_type = "rope_type" not in params and "type" not in params  # ({layer type: its parameters})
+    found = [p for p in params.values() if isinstance(p, dict)] if per_layer_type else [params]
+    switches = [
+        p.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+        for p in found
+        if (p.get("rope_type") or p.get("type")) == "longrope"
+    ]
+    switches = [int(s) for s in switches if s]
+    return min(switches) if switches else None
 
 
 def slot_positions(config: Any) -> str | None:

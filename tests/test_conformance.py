@@ -415,3 +415,27 @@ def test_sampling_settings_choose_which_sampling_tests_a_class_runs():
 
     with pytest.raises(ValueError, match=r"Misspelt.sampling_settings must name some of .*'temprature=0.7'"):
         Misspelt().pytest_generate_tests(metafunc)
+
+
+class ReducedVocabularyDraft(DraftProposer):
+    """The shipped draft's kind: a shared draft (the target's first layer, its embeddings) whose head scores only
+    some of the target's tokens (`vocab_ids`), so q = 0 for the others, which only the residual can give."""
+
+    @classmethod
+    def random(cls, target, config=None, seed=0):
+        from specframe.shared_draft import build_shared_draft
+
+        vocab_ids = torch.tensor([0, 2, 3, 5, 7])  # 5 of the 8 tokens
+        draft = build_shared_draft(target.model, 1, vocab_ids).eval()
+        return cls(config or DraftConfig(num_speculative_tokens=3), target, draft, vocab_ids=vocab_ids)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", ["temperature=1", "top_k=5"])
+def test_a_reduced_vocabulary_draft_samples_the_target_s_distribution(setting):
+    decoder = conformance.make_decoder(ReducedVocabularyDraft, "cpu", conformance.SAMPLING_VOCAB)
+    out = decoder.generate([1, 2, 3], max_new_tokens=40, temperature=1.0, seed=0)
+    drafted = decoder.proposer.vocab_ids.tolist()
+    assert out.stats["accepted_tokens"] > 0 and set(out.token_ids) - set(drafted)  # (both kinds of token occur)
+    r = conformance.check_sampling(ReducedVocabularyDraft, "cpu", setting)
+    assert r.passed, r.detail

@@ -158,6 +158,55 @@ def test_generation_stops_at_the_context_window():
     assert len(res.token_ids) == 9 and res.stats["finish_reason"] == "length"  # (the window is also full)
 
 
+def test_a_longrope_target_is_never_verified_across_its_switch_to_the_long_factors():
+    # transformers rotates every row of a forward with the long factors once the forward's largest position
+    # reaches original_max_position_embeddings; a verification reaching it would rotate the rows before it
+    # differently from plain decoding. So drafts stop short of it, and a perfect draft gives plain decoding's output.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specframe.decoder import longrope_switch
+    from specframe.proposer import seeded
+
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0] * 4,
+        "long_factor": [8.0, 16.0, 32.0, 64.0],
+        "original_max_position_embeddings": 16,
+    }
+    cfg = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        initializer_range=0.5,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        rope_parameters=rope,
+    )
+    with seeded(0):
+        target = LlamaForCausalLM(cfg).eval()
+    target.generation_config.eos_token_id = None
+    assert longrope_switch(target.config) == 16 and longrope_switch(tiny_llama().config) is None
+    prompt = list(range(1, 11))
+    plain = none_decoder(target).generate(prompt, max_new_tokens=30)
+    fast = self_draft_decoder(target, gamma=4)
+    spans = []
+    verify = fast.acceptance
+    fast.acceptance = lambda logits, proposal, *a: (
+        spans.append((fast.cache.get_seq_length(), len(proposal))) or verify(logits, proposal, *a)
+    )
+    assert fast.generate(prompt, max_new_tokens=30).token_ids == plain.token_ids
+    # (the cache holds the verified rows when the rule runs: the forward's rows were length - n - 1 .. length - 1)
+    assert not any(length - n - 1 < 16 <= length - 1 for length, n in spans[1:]), spans
+    # rows 10-14 (a root and 4 drafts), then row 15 alone (no room for a draft before 16), then drafts again
+    assert spans[1:4] == [(15, 4), (16, 0), (21, 4)], spans
+
+
 def test_a_draft_with_a_shorter_window_stops_drafting_at_its_end():
     # A GPT-2 draft (learned positions, 16 of them) for a target with 256: past its window it proposes nothing
     # and the target decodes alone (before: IndexError inside the draft's position embedding).
