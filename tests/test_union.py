@@ -172,6 +172,29 @@ def test_a_member_that_cannot_be_built_is_named_with_its_own_keys(info):
         UnionProposer.from_config(UnionConfig(members=["none", "eagle"]), info)
 
 
+def test_on_a_cpu_the_ngram_member_drafts_shorter_unless_told(info):
+    # (CPU_MEMBER_OPTIONS: each key the user leaves unset; on another device the member's own defaults)
+    import dataclasses
+
+    from specframe.testing.suite import require_proposers
+
+    require_proposers("ngram")
+    union = UnionProposer.from_config(UnionConfig(members=["none", "ngram"]), info)
+    ngram = union.members[1].config
+    assert (ngram.num_speculative_tokens, ngram.max_candidates) == (6, 1)
+    assert (
+        union.shape_choice == "on this CPU, ngram num_speculative_tokens=6, max_candidates=1 (union.CPU_MEMBER_OPTIONS)"
+    )
+    told = UnionConfig(members=["none", "ngram"], options={"ngram": {"num_speculative_tokens": 3}})
+    ngram = UnionProposer.from_config(told, info).members[1].config
+    assert (ngram.num_speculative_tokens, ngram.max_candidates) == (3, 1)
+    elsewhere = UnionProposer.from_config(
+        UnionConfig(members=["none", "ngram"]), dataclasses.replace(info, device="meta")
+    )
+    alone = get_registry().get("ngram").cls.config_class()
+    assert elsewhere.members[1].config == alone and not hasattr(elsewhere, "shape_choice")
+
+
 def test_config_from_yaml_and_overrides():
     cfg = load_config(
         "union.yaml" if "ngram" in get_registry().proposers else None,

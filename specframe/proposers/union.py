@@ -27,7 +27,7 @@ often and is seldom right makes every step dearer; pick members whose strengths 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, is_dataclass, replace
 from typing import Any
 
 import torch
@@ -38,6 +38,12 @@ from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, Targ
 
 # Chosen on held-out training prompts (docs/plugins.md); "ngram" is the separate specframe-ngram plugin.
 DEFAULT_MEMBERS = ("eagle", "ngram")
+# Members' options on a CPU target, for each key the user does not set. On a CPU every verified token costs
+# (4 tokens ~1.4 one-token forwards, default target, 2 cores), and ngram's own default (10 tokens after a match,
+# 2 continuations) verifies up to 20 nodes for a guess that EAGLE's node often covers already. Chosen on 24
+# held-out training prompts (128 tokens, greedy, 2026-12-05): union 1.39x plain decoding with ngram's 6 tokens of
+# 1 continuation, 1.37x with 8 (or 6 of 2), 1.23x with ngram's defaults. On a GPU a member keeps its own defaults.
+CPU_MEMBER_OPTIONS = {"ngram": {"num_speculative_tokens": 6, "max_candidates": 1}}
 
 
 @dataclass
@@ -164,14 +170,24 @@ class UnionProposer(Proposer):
 
         registry = get_registry()
         members = []
+        cpu_defaults = []  # (said in the bench's report through `shape_choice`)
         for name, cfg in zip(config.members, config.member_configs, strict=True):
+            given = config.options.get(name) or {}
+            defaults = CPU_MEMBER_OPTIONS.get(name, {}) if torch.device(target.device).type == "cpu" else {}
+            defaults = {k: v for k, v in defaults.items() if k not in given and is_dataclass(cfg) and hasattr(cfg, k)}
+            if defaults:
+                cfg = replace(cfg, **defaults)
+                cpu_defaults.append(f"{name} " + ", ".join(f"{k}={v}" for k, v in defaults.items()))
             try:
                 members.append(registry.get(name).cls.from_config(cfg, target))
             except BadInputError as e:  # keep the error's kind (exit code 2); say which member and which key
                 raise type(e)(f"union member '{name}': {member_keys(str(e), name)}") from e
             except Exception as e:
                 raise ProposerError(f"union member '{name}' failed to build: {type(e).__name__}: {e}") from e
-        return cls(config, target, members)
+        union = cls(config, target, members)
+        if cpu_defaults:
+            union.shape_choice = "on this CPU, " + "; ".join(cpu_defaults) + " (union.CPU_MEMBER_OPTIONS)"
+        return union
 
     @classmethod
     def random(cls, target: TargetInfo, config: UnionConfig | None = None, seed: int = 0) -> UnionProposer:
