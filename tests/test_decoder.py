@@ -162,10 +162,7 @@ def test_a_longrope_target_is_never_verified_across_its_switch_to_the_long_facto
     # transformers rotates every row of a forward with the long factors once the forward's largest position
     # reaches original_max_position_embeddings; a verification reaching it would rotate the rows before it
     # differently from plain decoding. So drafts stop short of it, and a perfect draft gives plain decoding's output.
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from specframe.decoder import longrope_switch
-    from specframe.proposer import seeded
 
     rope = {
         "rope_type": "longrope",
@@ -174,23 +171,7 @@ def test_a_longrope_target_is_never_verified_across_its_switch_to_the_long_facto
         "long_factor": [8.0, 16.0, 32.0, 64.0],
         "original_max_position_embeddings": 16,
     }
-    cfg = LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        initializer_range=0.5,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        rope_parameters=rope,
-    )
-    with seeded(0):
-        target = LlamaForCausalLM(cfg).eval()
-    target.generation_config.eos_token_id = None
+    target = tiny_llama(vocab_size=32, seed=0, max_position_embeddings=64, rope_parameters=rope)
     assert longrope_switch(target.config) == 16 and longrope_switch(tiny_llama().config) is None
     prompt = list(range(1, 11))
     plain = none_decoder(target).generate(prompt, max_new_tokens=30)

@@ -32,7 +32,9 @@ def tiny_llama(
     num_layers: int = 2,
     initializer_range: float = 0.5,  # large: logits spread over a few tokens, not uniform
     max_position_embeddings: int = 256,
+    rope_parameters: dict | None = None,  # (None: transformers' default RoPE)
 ) -> LlamaForCausalLM:
+    extra = {"rope_parameters": rope_parameters} if rope_parameters is not None else {}
     cfg = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -45,6 +47,7 @@ def tiny_llama(
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
+        **extra,
     )
     with seeded(seed):
         model = LlamaForCausalLM(cfg)
