@@ -115,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--config", help="YAML of bench options (BenchOptions' fields, e.g. the packaged bench-cpu.yaml)")
     b.add_argument(
         "--proposers",
-        help="comma-separated specframe proposers (an unknown name is an error); ones without a "
-        "trained artifact for the target are skipped with a message (default: none,draft,medusa,eagle,ngram,union)",
+        help="comma-separated specframe proposers (an unknown name is an error); ones with no trained artifact "
+        "for the target are skipped with a message, and one named by its model option that cannot load is an "
+        "error (default: none,draft,medusa,eagle,ngram,union)",
     )
     b.add_argument(
         "--baselines",
@@ -305,7 +306,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
-    from specframe.config import structured
+    from specframe.config import structured, user_set
     from specframe.plugins import get_registry
     from specframe.testing.conformance import run_suite, suite_devices_and_dtypes
 
@@ -313,7 +314,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     # (built here even without overrides: a field with no default is then named, as generate names it)
     values = OmegaConf.from_dotlist([o.removeprefix("proposer.") for o in key_values(args.overrides, "proposer.")])
     config = structured(entry.cls.config_class, values, "proposer")
-    if getattr(config, "model", None):  # (the suite builds every proposer with random weights on tiny targets)
+    if user_set(config, "model"):  # (the suite builds every proposer with random weights on tiny targets)
         raise BadInputError(
             f"check tests proposer '{entry.name}' with random weights on tiny targets: proposer.model="
             f"{config.model} would not be used; drop it (trained weights are checked on their target by comparing "
@@ -344,9 +345,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if entry.cls.train_config_class is None:
         raise BadInputError(f"proposer '{entry.name}' has nothing to train")
 
-    config = structured(
-        entry.cls.train_config_class, recipe_for(entry.name, merged_options(args.config, args.overrides)), "train"
-    )
+    schema = entry.cls.train_config_class
+    config = structured(schema, recipe_for(entry.name, merged_options(args.config, args.overrides), schema), "train")
     loaded = load_model(args.target, dtype="float32", device=args.device, quiet=True)
     metrics = entry.cls.train(config, loaded.model, loaded.tokenizer, resume=args.resume)
     print(json.dumps(metrics.get("heldout", metrics)))

@@ -235,10 +235,28 @@ def _escaped(value: Any) -> Any:
     return value
 
 
-def recipe_for(proposer: str, options: DictConfig) -> DictConfig:
+def user_set(config: Any, key: str) -> bool:
+    """Whether a proposer config's `key` holds something other than its class default and is not empty (the
+    user set it: a plugin whose default names a model has not been given one)."""
+    value = getattr(config, key, None)
+    if not value:
+        return False
+    default = next((f.default for f in fields(config) if f.name == key), None) if is_dataclass(config) else None
+    return value != default
+
+
+def recipe_for(proposer: str, options: DictConfig, schema: type | None = None) -> DictConfig:
     """Training options for `proposer`'s trainer, less their optional `proposer` key: a recipe that names another
-    trainer (configs/train-*.yaml name theirs) is refused, so its keys are never read as another trainer's."""
+    trainer (configs/train-*.yaml name theirs) is refused, so its keys are never read as another trainer's. (A
+    trainer `schema` with a `proposer` field of its own keeps the key.)"""
+    if schema is not None and is_dataclass(schema) and "proposer" in {f.name for f in fields(schema)}:
+        return options
     meant_for = options.pop("proposer", None)
+    if isinstance(meant_for, DictConfig):  # (e.g. configs/draft.yaml: `proposer: {name: ..., model: ...}`)
+        raise ConfigError(
+            "the training options hold a `proposer` mapping, as a `specframe generate` config does: give a "
+            f"training recipe (e.g. train-{proposer}.yaml; every key: docs/training.md)"
+        )
     if meant_for is not None and meant_for != proposer:
         raise ConfigError(
             f"the training options are for proposer '{meant_for}' (their `proposer` key), not '{proposer}': give "

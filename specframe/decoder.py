@@ -90,6 +90,11 @@ class SpeculativeDecoder:
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.context_window = getattr(model.config, "max_position_embeddings", None) or 10**9
         self.rope_switch = longrope_switch(model.config)
+        # Whether the target's own generation recomputes its whole cache when the sequence reaches the switch
+        # (transformers' Phi-3 family does, in its prepare_inputs_for_generation): then the engine does too.
+        self.recompute_at_switch = self.rope_switch is not None and getattr(model.config, "model_type", None) in (
+            RECOMPUTE_AT_LONGROPE_SWITCH
+        )
         new_cache(model)  # refuses, before any generation, a target whose cache cannot be rolled back
         engine_forward(model)  # (its first-use check and stacked products made here, not in the first call's time)
         self.cache = None  # the target's KV cache, during a generate call
@@ -271,6 +276,8 @@ class SpeculativeDecoder:
             max_depth = limit - len(generated) - 1  # a step emits depth + 1 tokens; limit respects the window
             if self.rope_switch is not None and past < self.rope_switch:  # (no verification across the switch)
                 max_depth = min(max_depth, self.rope_switch - 1 - past)
+            recompute = self.recompute_at_switch and past == self.rope_switch  # (then a step without drafts)
+            max_depth = 0 if recompute else max_depth
             state = DecodeState(tokens, prompt_ids.numel(), params, generator, max_depth)
             root = tokens[-1:].clone()  # (the proposer's edits of state.tokens stay its own)
             t0 = time.perf_counter()
@@ -280,20 +287,33 @@ class SpeculativeDecoder:
 
             n = len(proposal)
             inputs = torch.cat([root, proposal.tokens.to(self.device)])[None]
-            if depths == list(range(1, n + 1)):  # a chain: the model's own causal mask is the tree mask
-                positions, mask = torch.arange(past, past + n + 1, device=self.device)[None], None
+            rows_before = 0  # rows of this forward before the root's
+            if recompute:  # as the target's own generation does: the whole sequence again, in a fresh cache
+                cache = self.cache = new_cache(model)
+                whole = torch.cat([prompt_ids, torch.tensor(generated, device=self.device)])
+                out = forward(
+                    input_ids=whole[None],
+                    cache=cache,
+                    use_cache=True,
+                    output_hidden_states=bool(layers),
+                    logits_to_keep=1,
+                )
+                rows_before = past
             else:
-                check_tree_attention(model)
-                positions = (past + torch.tensor([0, *depths], device=self.device))[None]
-                mask = tree_attention_mask(proposal.parents.tolist(), past, self.mask_dtype, self.device)
-            out = forward(
-                input_ids=inputs,
-                position_ids=positions,
-                attention_mask=mask,
-                cache=cache,
-                use_cache=True,
-                output_hidden_states=bool(layers),
-            )
+                if depths == list(range(1, n + 1)):  # a chain: the model's own causal mask is the tree mask
+                    positions, mask = torch.arange(past, past + n + 1, device=self.device)[None], None
+                else:
+                    check_tree_attention(model)
+                    positions = (past + torch.tensor([0, *depths], device=self.device))[None]
+                    mask = tree_attention_mask(proposal.parents.tolist(), past, self.mask_dtype, self.device)
+                out = forward(
+                    input_ids=inputs,
+                    position_ids=positions,
+                    attention_mask=mask,
+                    cache=cache,
+                    use_cache=True,
+                    output_hidden_states=bool(layers),
+                )
             stats.target_forwards += 1
             path, nxt = self.acceptance(out.logits[0], proposal, params, generator)
             keep = [0] + [c + 1 for c in path]
@@ -304,7 +324,7 @@ class SpeculativeDecoder:
             new = len(path) + 1
             done = self._finished(generated, limit, stop, new)
             if not done:
-                hidden = pick_hidden(out, layers, torch.tensor(keep, device=self.device))
+                hidden = pick_hidden(out, layers, rows_before + torch.tensor(keep, device=self.device))
                 self._call(proposer.accepted, Acceptance(path, accepted_tokens, nxt, hidden))
 
         token_ids, text, finish_reason = self._truncate(generated, limit, max_new, stop, new)
@@ -413,12 +433,18 @@ def check_tree_attention(model: torch.nn.Module) -> None:
         )
 
 
+# Model types whose transformers generation drops the KV cache and recomputes the whole sequence, with the long
+# factors, when it reaches original_max_position_embeddings + 1 tokens (their prepare_inputs_for_generation).
+RECOMPUTE_AT_LONGROPE_SWITCH = ("phi3", "phimoe", "phi4_multimodal")
+
+
 def longrope_switch(config: Any) -> int | None:
     """The position from which a `longrope` target (Phi-3 style) rotates with its long factors, else None.
     transformers picks the short or long factors once per forward, for every row, by the forward's largest
     position: a verification whose drafts reach this position would rotate the rows before it (and the keys it
     caches for them) with the long factors, where plain decoding uses the short ones. So the engine never
-    verifies across it: until the root reaches it, drafts stop short of it (exact, at most one slower step)."""
+    verifies across it: until the root reaches it, drafts stop short of it, and the step at it drafts nothing
+    (and, for RECOMPUTE_AT_LONGROPE_SWITCH, recomputes the sequence as the model's own generation does)."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     if not isinstance(params, dict):
         return None
@@ -427,7 +453,7 @@ def longrope_switch(config: Any) -> int | None:
     switches = [
         p.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
         for p in found
-        if (p.get("rope_type") or p.get("type")) == "longrope"
+        if (p.get("rope_type") or p.get("type")) in ("longrope", "su")  # ("su": its name in older Phi-3 configs)
     ]
     switches = [int(s) for s in switches if s]
     return min(switches) if switches else None

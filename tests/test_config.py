@@ -125,6 +125,22 @@ def test_the_packaged_training_configs_are_valid_for_their_trainer(proposer):
     other = "eagle" if proposer != "eagle" else "draft"
     with pytest.raises(ConfigError, match=f"for proposer '{proposer}' \\(their `proposer` key\\), not '{other}'"):
         recipe_for(other, load_yaml(f"train-{proposer}.yaml"))
+    with pytest.raises(ConfigError, match="hold a `proposer` mapping, as a `specframe generate` config does"):
+        recipe_for(proposer, load_yaml(f"{proposer}.yaml"))  # (the generate config of the same name)
+
+
+def test_a_model_is_user_set_only_when_it_is_not_the_class_default():
+    from dataclasses import dataclass
+
+    from specframe.config import user_set
+
+    @dataclass
+    class WithDefault:
+        model: str | None = "acme/base"
+
+    assert not user_set(WithDefault(), "model") and user_set(WithDefault("mine"), "model")
+    assert not user_set(WithDefault(None), "model") and not user_set(WithDefault(""), "model")
+    assert user_set(DraftConfig(model="x"), "model") and not user_set(DraftConfig(), "model")
 
 
 def test_the_packaged_bench_config_is_valid():

@@ -188,6 +188,64 @@ def test_a_longrope_target_is_never_verified_across_its_switch_to_the_long_facto
     assert spans[1:4] == [(15, 4), (16, 0), (21, 4)], spans
 
 
+def test_a_phi3_target_recomputes_its_cache_at_the_switch_as_its_own_generation_does():
+    # transformers' Phi-3 generation drops the cache and recomputes the whole sequence with the long factors when
+    # it reaches original_max_position_embeddings + 1 tokens; the engine does the same, so every proposer's
+    # output is transformers' greedy output, before and after the switch.
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from specframe.proposer import seeded
+
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0] * 4,
+        "long_factor": [8.0, 16.0, 32.0, 64.0],
+        "original_max_position_embeddings": 16,
+    }
+    cfg = Phi3Config(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        original_max_position_embeddings=16,
+        initializer_range=0.5,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        rope_parameters=rope,
+        sliding_window=None,
+    )
+    with seeded(0):
+        target = Phi3ForCausalLM(cfg).eval()
+    target.generation_config.eos_token_id = None
+    for prompt in (list(range(1, 11)), list(range(1, 17)), list(range(1, 18))):  # below, at and past the switch
+        want = target.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False)[0, len(prompt) :]
+        assert none_decoder(target).generate(prompt, max_new_tokens=30).token_ids == want.tolist(), prompt
+        assert self_draft_decoder(target, gamma=4).generate(prompt, max_new_tokens=30).token_ids == want.tolist()
+
+
+@pytest.mark.parametrize(
+    "config, switch",
+    [
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, None),
+        ({"rope_parameters": {"rope_type": "longrope", "original_max_position_embeddings": 16}}, 16),
+        ({"rope_scaling": {"type": "su"}, "original_max_position_embeddings": 4096}, 4096),  # (older configs)
+        ({"rope_parameters": {"full": {"rope_type": "longrope", "original_max_position_embeddings": 8}}}, 8),
+        ({"rope_parameters": None}, None),
+    ],
+)
+def test_the_longrope_switch_is_read_from_every_config_form(config, switch):
+    import types
+
+    from specframe.decoder import longrope_switch
+
+    assert longrope_switch(types.SimpleNamespace(**config)) == switch
+
+
 def test_a_draft_with_a_shorter_window_stops_drafting_at_its_end():
     # A GPT-2 draft (learned positions, 16 of them) for a target with 256: past its window it proposes nothing
     # and the target decodes alone (before: IndexError inside the draft's position embedding).
