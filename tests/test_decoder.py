@@ -158,20 +158,23 @@ def test_generation_stops_at_the_context_window():
     assert len(res.token_ids) == 9 and res.stats["finish_reason"] == "length"  # (the window is also full)
 
 
+# A tiny longrope RoPE (Phi-3 style): short factors below position 16, long ones from it.
+TINY_LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "short_factor": [1.0] * 4,
+    "long_factor": [8.0, 16.0, 32.0, 64.0],
+    "original_max_position_embeddings": 16,
+}
+
+
 def test_a_longrope_target_is_never_verified_across_its_switch_to_the_long_factors():
     # transformers rotates every row of a forward with the long factors once the forward's largest position
     # reaches original_max_position_embeddings; a verification reaching it would rotate the rows before it
     # differently from plain decoding. So drafts stop short of it, and a perfect draft gives plain decoding's output.
     from specframe.decoder import longrope_switch
 
-    rope = {
-        "rope_type": "longrope",
-        "rope_theta": 10000.0,
-        "short_factor": [1.0] * 4,
-        "long_factor": [8.0, 16.0, 32.0, 64.0],
-        "original_max_position_embeddings": 16,
-    }
-    target = tiny_llama(vocab_size=32, seed=0, max_position_embeddings=64, rope_parameters=rope)
+    target = tiny_llama(vocab_size=32, seed=0, max_position_embeddings=64, rope_parameters=TINY_LONGROPE)
     assert longrope_switch(target.config) == 16 and longrope_switch(tiny_llama().config) is None
     prompt = list(range(1, 11))
     plain = none_decoder(target).generate(prompt, max_new_tokens=30)
@@ -196,13 +199,6 @@ def test_a_phi3_target_recomputes_its_cache_at_the_switch_as_its_own_generation_
 
     from specframe.proposer import seeded
 
-    rope = {
-        "rope_type": "longrope",
-        "rope_theta": 10000.0,
-        "short_factor": [1.0] * 4,
-        "long_factor": [8.0, 16.0, 32.0, 64.0],
-        "original_max_position_embeddings": 16,
-    }
     cfg = Phi3Config(
         vocab_size=32,
         hidden_size=16,
@@ -216,7 +212,7 @@ def test_a_phi3_target_recomputes_its_cache_at_the_switch_as_its_own_generation_
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
-        rope_parameters=rope,
+        rope_parameters=TINY_LONGROPE,
         sliding_window=None,
     )
     with seeded(0):
