@@ -443,8 +443,8 @@ def longrope_switch(config: Any) -> int | None:
     transformers picks the short or long factors once per forward, for every row, by the forward's largest
     position: a verification whose drafts reach this position would rotate the rows before it (and the keys it
     caches for them) with the long factors, where plain decoding uses the short ones. So the engine never
-    verifies across it: until the root reaches it, drafts stop short of it, and the step at it drafts nothing
-    (and, for RECOMPUTE_AT_LONGROPE_SWITCH, recomputes the sequence as the model's own generation does)."""
+    verifies across it: until the root reaches it, drafts stop short of it (for RECOMPUTE_AT_LONGROPE_SWITCH
+    models the step whose root is at it drafts nothing and recomputes the sequence, as their generation does)."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     if not isinstance(params, dict):
         return None
