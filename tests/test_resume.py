@@ -121,6 +121,14 @@ def test_resume_on_another_target_is_refused(tmp_path, name):
     assert any("were written by another model than this target" in m for m in logs), logs  # (the data's seed-0)
     assert not any("features" in m for m in logs), logs
     assert (tmp_path / "out" / "checkpoint" / "state.json").read_text() == state
+    if name == "medusa-2":  # (the refused run leaves the caller's target without PEFT's adapter layers)
+        other = tiny_llama(vocab_size=16, seed=1, hidden_size=32, num_layers=2)
+        before = {k: v.clone() for k, v in other.state_dict().items()}
+        cfg = make(data=str(data), out=str(tmp_path / "out"), features_cache=str(tmp_path / "f"), **COMMON)
+        with pytest.raises(ConfigError, match="trained with another target"):
+            train(cfg, other, None, resume=True, log=lambda m: None)
+        after = other.state_dict()
+        assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     logs.clear()
     run(0, resume=True, log=logs.append)  # (its own target resumes, and wrote the data)
     assert not any("another model" in m for m in logs) and any("resumed" in m for m in logs), logs

@@ -369,7 +369,11 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     out = Path(cfg.out)
     ckpt = out / "checkpoint"
     run = run_identity(cfg, train_ex, held_ex, vocab_ids, base_fingerprint)
-    resuming = resuming_from(ckpt, params, resume, run, cfg.epochs)
+    try:
+        resuming = resuming_from(ckpt, params, resume, run, cfg.epochs)
+    except ConfigError:  # (refused: the caller's target as it was given, without the adapter PEFT put in place)
+        model.unload()
+        raise
     start, history = resume_from(ckpt, params, optimizer, resuming=resuming, log=log)
     schedule = warmup_cosine(optimizer, len(batches) * cfg.epochs, start * len(batches))
 
