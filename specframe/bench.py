@@ -443,7 +443,7 @@ class Setup:
 def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
     """Load the target once and build every method on it; methods with nothing trained for this target are skipped
     with a reason (one whose `model` option names an artifact that cannot load ends the run)."""
-    from specframe.config import load_config, user_set
+    from specframe.config import load_config, models_named
     from specframe.decoder import SpeculativeDecoder, eos_token_ids, target_info
     from specframe.errors import ModelLoadError
     from specframe.models import load_target
@@ -477,9 +477,9 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
         return registry.get(name).cls.from_config(configs[name] if name in configs else proposer_config(name), info)
 
     def cannot_build(name: str, e: BadInputError) -> str:
-        """Why `name` is skipped: nothing trained for this target. An artifact the user named (its `model`
-        option) that cannot be built ends the run instead."""
-        if user_set(configs[name] if name in configs else proposer_config(name), "model"):
+        """Why `name` is skipped: nothing trained for this target. An artifact the user named (a `model`
+        option, a union member's included) that cannot be built ends the run instead."""
+        if models_named(configs[name] if name in configs else proposer_config(name)):
             raise type(e)(f"{name}: {bench_keys(name, brief(e))}") from e
         return bench_keys(name, brief(e))
 

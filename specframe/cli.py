@@ -306,7 +306,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
-    from specframe.config import structured, user_set
+    from specframe.config import models_named, structured
     from specframe.plugins import get_registry
     from specframe.testing.conformance import run_suite, suite_devices_and_dtypes
 
@@ -314,11 +314,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     # (built here even without overrides: a field with no default is then named, as generate names it)
     values = OmegaConf.from_dotlist([o.removeprefix("proposer.") for o in key_values(args.overrides, "proposer.")])
     config = structured(entry.cls.config_class, values, "proposer")
-    if user_set(config, "model"):  # (the suite builds every proposer with random weights on tiny targets)
+    named = models_named(config)  # (the suite builds every proposer with random weights on tiny targets)
+    if named:
         raise BadInputError(
-            f"check tests proposer '{entry.name}' with random weights on tiny targets: proposer.model="
-            f"{config.model} would not be used; drop it (trained weights are checked on their target by comparing "
-            "`specframe bench` or `generate --json` outputs with proposer none's)"
+            f"check tests proposer '{entry.name}' with random weights on tiny targets: {', '.join(named)} would "
+            "not be used; drop it (trained weights are checked on their target by comparing `specframe bench` or "
+            "`generate --json` outputs with proposer none's)"
         )
     suite_devices_and_dtypes(args.device, args.dtype)  # (bad names refused before the header)
     if not args.json:  # (then each check's line as it finishes, then the totals)

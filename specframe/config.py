@@ -245,6 +245,19 @@ def user_set(config: Any, key: str) -> bool:
     return value != default
 
 
+def models_named(config: Any) -> list[str]:
+    """The models a proposer config names that the user set (`user_set`), as `proposer.<key>=<value>`: its own
+    `model`, and for a union-style config (`members` with one validated `member_configs` entry each) every
+    member's `proposer.options.<member>.model`."""
+    named = [f"proposer.model={config.model}"] if user_set(config, "model") else []
+    members = getattr(config, "members", None) or []
+    for name, member in zip(members, getattr(config, "member_configs", None) or [], strict=False):
+        key = f"proposer.options.{name}.model={getattr(member, 'model', None)}"
+        if user_set(member, "model") and key not in named:  # (a repeated member shares its options)
+            named.append(key)
+    return named
+
+
 def recipe_for(proposer: str, options: DictConfig, schema: type | None = None) -> DictConfig:
     """Training options for `proposer`'s trainer, less their optional `proposer` key: a recipe that names another
     trainer (configs/train-*.yaml name theirs) is refused, so its keys are never read as another trainer's. (A

@@ -396,6 +396,7 @@ def test_a_config_file_sets_options_and_flags_win(tiny_dirs, questions, tmp_path
         # an artifact named on the command line that cannot load ends the run (other methods would have run)
         (["--proposers", "none,draft", "draft.model=/nonexistent/draft"], "draft: model path '/nonexistent/draft'"),
         (["--proposers", "none", "--baselines", "hf,hf-assisted", "draft.model=/no/d"], "draft: model path '/no/d'"),
+        (["--proposers", "none,union", "union.options.eagle.model=/no/e"], "union: union member 'eagle'"),
         (["--proposers", "none,draft", "draft.num_speculatve_tokens=3"], "draft.num_speculatve_tokens: Key"),
         (["--proposers", "none,draft", "draft.num_speculative_tokens=abc"], "draft.num_speculative_tokens: Value"),
         (["--proposers", "none,union", "union.options.ngram.bogus=1"], "union.options.ngram.bogus"),

@@ -298,6 +298,8 @@ def test_check_with_proposer_options_and_bad_option(capsys):
     # trained weights cannot be checked on the suite's tiny targets: said, not silently ignored
     code, out, err = run(capsys, "check", "--proposer", "medusa", "--quick", "proposer.model=runs/heads")
     assert code == 2 and out == "" and "proposer.model=runs/heads would not be used" in err
+    code, out, err = run(capsys, "check", "--proposer", "union", "--quick", "proposer.options.eagle.model=runs/e")
+    assert code == 2 and out == "" and "proposer.options.eagle.model=runs/e would not be used" in err
 
 
 def test_a_broken_plugin_is_one_warning_line(capsys, monkeypatch):
