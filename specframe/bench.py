@@ -537,6 +537,8 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
         )
     for name, why in skipped.items():
         log(f"skipping {name}: {why}")
+    if not getattr(tokenizer, "chat_template", None):
+        log("the target's tokenizer has no chat template: each conversation is given as its turns' texts, one a line")
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     return Setup(model, tokenizer, encoder, methods, skipped, counter, eos_ids, t.model, dtype, str(info.device))
 
@@ -730,12 +732,15 @@ DEFINITIONS = {
 
 
 def conversation_ids(encoder: Any, turns: list[str], answers: list[str]) -> list[int]:
-    """Ids of the conversation so far (user turns with the method's own answers between), generation prompt on."""
+    """Ids of the conversation so far (user turns with the method's own answers between), generation prompt on;
+    for a tokenizer without a chat template (a base model), its texts one a line."""
     messages: list[dict[str, str]] = []
     for i, text in enumerate(turns):
         messages.append({"role": "user", "content": text})
         if i < len(answers):
             messages.append({"role": "assistant", "content": answers[i]})
+    if not getattr(encoder.tokenizer, "chat_template", None):
+        return encoder.encode("\n".join(m["content"] for m in messages), raw=True).tolist()
     return encoder.encode(messages).tolist()
 
 

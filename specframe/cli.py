@@ -228,19 +228,37 @@ def generate_overrides(args: argparse.Namespace) -> list[str]:
     flags = {key: value for key, value in flags.items() if value is not None}
     for item in args.overrides:
         key, value = (part.strip() for part in item.split("=", 1))
-        if key in flags and not _same_value(value, flags[key]):
-            raise BadInputError(
-                f"{GENERATE_FLAGS[key]} {flags[key]} and the override {item} set {key} differently: give one of them"
-            )
+        for flag_key, flag_value in flags.items():
+            flag = f"{GENERATE_FLAGS[flag_key]} {flag_value}"
+            if flag_key == key:
+                if not _same_value(_parsed(value), flag_value):
+                    raise BadInputError(f"{flag} and the override {item} set {key} differently: give one of them")
+            elif flag_key.startswith(key + "."):  # the override sets a whole section the flag sets a key of
+                section = _parsed(value)
+                if not isinstance(section, dict):
+                    raise BadInputError(
+                        f"the override {item} sets {key} to something that is not a mapping of its keys, and "
+                        f"{flag} sets {flag_key} in it: give {key}'s keys one at a time ({flag_key}=...)"
+                    )
+                inner = flag_key[len(key) + 1 :]
+                if inner in section and not _same_value(section[inner], flag_value):
+                    raise BadInputError(f"{flag} and the override {item} set {flag_key} differently: give one of them")
     return list(args.overrides) + [f"{k}={literal(v)}" for k, v in flags.items()]
 
 
-def _same_value(text: str, value: Any) -> bool:
-    """Whether an override's value `text` (YAML, as OmegaConf reads it) is `value`."""
+_UNPARSED = object()
+
+
+def _parsed(text: str) -> Any:
+    """An override's value `text` as OmegaConf reads it (YAML); `_UNPARSED` when it is not YAML."""
     try:
-        parsed = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError:
-        return False
+        return _UNPARSED
+
+
+def _same_value(parsed: Any, value: Any) -> bool:
+    """Whether an override's parsed value is the flag's `value`."""
     return parsed == value and type(parsed) is not bool
 
 

@@ -132,7 +132,14 @@ def load_yaml(path: str | Path) -> DictConfig:
 
 def with_overrides(raw: DictConfig, overrides: list[str]) -> DictConfig:
     """`raw` with KEY=VALUE overrides merged in, one at a time, so that an error names the override."""
+    if not isinstance(overrides, list | tuple):
+        raise ConfigError(
+            f"overrides must be a list of 'KEY=VALUE' strings, got a {type(overrides).__name__} "
+            "(e.g. overrides=['sampling.temperature=0.7'])"
+        )
     for item in overrides:
+        if not isinstance(item, str) or "=" not in item:
+            raise ConfigError(f"override {item!r} is not a 'KEY=VALUE' string")
         try:
             raw = OmegaConf.merge(raw, OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as e:

@@ -142,8 +142,12 @@ class SpeculativeDecoder:
     def encode(self, prompt: Prompt, raw: bool = False) -> torch.Tensor:
         """Token ids of `prompt`: ids verbatim; strings and message lists through the chat template."""
         if isinstance(prompt, torch.Tensor):
-            if prompt.dim() != 1 or prompt.dtype not in (torch.long, torch.int32, torch.int64):
-                raise BadInputError("a tensor prompt must be a 1-D tensor of token ids")
+            if prompt.dim() != 1:
+                raise BadInputError(
+                    f"a tensor prompt must be a 1-D tensor of token ids, got shape {tuple(prompt.shape)}"
+                )
+            if prompt.dtype not in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64):
+                raise BadInputError(f"a tensor prompt must hold integer token ids, got dtype {prompt.dtype}")
             ids = prompt.long().tolist()
         elif isinstance(prompt, list) and all(is_integer(t) for t in prompt):
             ids = [int(t) for t in prompt]  # (NumPy integers too)
@@ -157,10 +161,17 @@ class SpeculativeDecoder:
                 raise BadInputError("a list prompt must hold token ids (int) or messages ({'role', 'content'})")
             for m in messages:
                 check_text(m["content"])
-            if not raw and getattr(self.tokenizer, "chat_template", None):
+            template = getattr(self.tokenizer, "chat_template", None)
+            if isinstance(prompt, list) and (raw or not template):  # (joining the contents would drop the roles)
+                raise BadInputError(
+                    "a list of messages needs the tokenizer's chat template, and "
+                    + ("raw=True skips it" if raw else "this target's tokenizer has none")
+                    + ": give the prompt as text (a string) or as token ids"
+                )
+            if not raw and template:
                 from jinja2 import TemplateError
 
-                for m in messages:  # (the template reads roles; without it only the contents are joined)
+                for m in messages:  # (the template reads roles)
                     if not isinstance(m.get("role"), str) or not m["role"].strip():
                         raise BadInputError(f"a message needs a 'role' (user, assistant...), got {m.get('role')!r}")
 
@@ -171,14 +182,21 @@ class SpeculativeDecoder:
                 if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                     ids = ids["input_ids"]
             else:
-                text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
-                ids = self.tokenizer(text)["input_ids"]
+                ids = self.tokenizer(prompt)["input_ids"]
         else:
             raise BadInputError(f"unsupported prompt type {type(prompt).__name__}")
         if not ids:
             raise BadInputError("the prompt is empty")
         if min(ids) < 0 or max(ids) >= self.info.vocab_size:
-            raise BadInputError(f"prompt token id out of range [0, {self.info.vocab_size})")
+            wrong = min(ids) if min(ids) < 0 else max(ids)
+            why = f"prompt token id {wrong} out of range [0, {self.info.vocab_size})"
+            from_text = isinstance(prompt, str) or (isinstance(prompt, list) and isinstance(prompt[0], dict))
+            if from_text and wrong >= self.info.vocab_size:
+                why += (  # (the tokenizer made these ids)
+                    f": the tokenizer has {len(self.tokenizer)} tokens, more than the model's "
+                    f"{self.info.vocab_size} (are they from different models?)"
+                )
+            raise BadInputError(why)
         if len(ids) >= self.context_window:
             raise BadInputError(
                 f"the prompt has {len(ids)} tokens; the target's context window is {self.context_window}"

@@ -478,6 +478,11 @@ def _from_pretrained(src: str, what: str, **kwargs: Any) -> transformers.PreTrai
     try:
         model, info = AutoModelForCausalLM.from_pretrained(src, output_loading_info=True, **kwargs)
     except _load_errors() as e:
+        if "trust_remote_code" in str(e) and not kwargs.get("trust_remote_code"):  # (its hub URL fits no folder)
+            raise ModelLoadError(
+                f"model {what} needs its own Python code (its config.json's auto_map), which specframe runs only "
+                "with target.trust_remote_code=true: turn that on only for code you have read and trust"
+            ) from e
         if "ignore_mismatched_sizes" not in str(e):
             raise ModelLoadError(f"could not load model {what}: {_first_line(e)}") from e
         # transformers names the tensors whose shapes differ only in a log it has just printed (hushed when

@@ -50,6 +50,7 @@ class Registry:
         self.proposers: dict[str, ProposerEntry] = {}
         self.failures: list[str] = []  # one message per plugin that could not be loaded
         self.contested: dict[str, str] = {}  # proposer name -> the plugins that both register it, in words
+        self.autoload = True  # whether installed plugins were loaded (off: only the builtin proposers)
 
     def add(self, cls: type, plugin: str, distribution: str, version: str) -> None:
         check_proposer_class(cls, plugin)
@@ -90,7 +91,8 @@ class Registry:
                 "uninstall one of them"
             )
         if name not in self.proposers:
-            raise BadInputError(f"unknown proposer '{name}'; installed: {', '.join(sorted(self.proposers))}")
+            off = "" if self.autoload else f" (plugins are not loaded: {DISABLE_ENV} is set)"
+            raise BadInputError(f"unknown proposer '{name}'; installed: {', '.join(sorted(self.proposers))}{off}")
         return self.proposers[name]
 
     def names(self) -> list[str]:
@@ -149,6 +151,7 @@ def build_registry(autoload: bool | None = None) -> Registry:
     if autoload is None:
         # (set means 1/true/yes/on; 0, false or empty leave autoloading on)
         autoload = os.environ.get(DISABLE_ENV, "").strip().lower() not in {"1", "true", "yes", "on"}
+    registry.autoload = autoload
     if not autoload:
         return registry
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):

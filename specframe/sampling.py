@@ -50,8 +50,8 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if params.greedy:
         return torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).to(x.dtype)
     dtype = x.dtype
-    if params.temperature < torch.finfo(dtype).tiny:  # (it would round to 0 in float32, and 0 / 0 is nan)
-        x = x.double()
+    if not torch.finfo(dtype).tiny <= params.temperature <= torch.finfo(dtype).max:
+        x = x.double()  # (it would round to 0 or inf in float32, and 0 / 0 or -inf / inf is nan)
     # (shifted by the row's maximum first: softmax is unchanged, and a tiny temperature cannot overflow to inf)
     x = (x - x.amax(-1, keepdim=True)) / params.temperature
     vocab = x.shape[-1]

@@ -350,5 +350,16 @@ def test_generate_flags_are_taken_as_typed_and_may_not_contradict_an_override(ca
     code, out, err = run(capsys, *gen_args(tiny_dirs, "--prompt", "a", "--temperature", "0", "sampling.temperature=1"))
     assert code == 2 and out == ""
     assert "--temperature 0.0 and the override sampling.temperature=1 set sampling.temperature differently" in err
+    # ... also when the override sets the flag's whole section (the flag, applied last, would replace it unseen)
+    for override, message in [
+        ("sampling={temperature: 1.0, seed: 3}", "--temperature 0.0 and the override sampling={temperature: 1.0, "),
+        ("sampling=abc", "the override sampling=abc sets sampling to something that is not a mapping"),
+        ("proposer={name: eagle}", "--proposer none and the override proposer={name: eagle} set proposer.name"),
+    ]:
+        flags = ["--temperature", "0", "--proposer", "none"]
+        code, out, err = run(capsys, *gen_args(tiny_dirs, "--prompt", "a", *flags, override))
+        assert code == 2 and out == "" and message in err, (override, err)
+    code, out, err = run(capsys, *gen_args(tiny_dirs, "--prompt", "a", "--temperature", "0", "sampling={seed: 3}"))
+    assert code == 0 and out
     code, out, err = run(capsys, *gen_args(tiny_dirs, "--prompt", "a", "generation.max_new_tokens=6", "--json"))
     assert code == 0 and 1 <= len(json.loads(out)["token_ids"]) <= 6

@@ -74,6 +74,20 @@ def test_bad_config_names_the_full_key(overrides, message):
         load_config(overrides=overrides)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ("sampling.temperature=0.7", "overrides must be a list of 'KEY=VALUE' strings, got a str"),
+        ({"sampling.temperature": 0.7}, "overrides must be a list of 'KEY=VALUE' strings, got a dict"),
+        (["sampling.temperature"], "override 'sampling.temperature' is not a 'KEY=VALUE' string"),
+        ([("sampling.temperature", 0.7)], r"override \('sampling.temperature', 0.7\) is not a 'KEY=VALUE' string"),
+    ],
+)
+def test_overrides_that_are_not_a_list_of_key_values_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides)
+
+
 def test_an_unresolvable_section_in_a_file_is_named(tmp_path):
     (tmp_path / "c.yaml").write_text("sampling: ${oops}\n")
     with pytest.raises(ConfigError, match="^sampling: Interpolation key 'oops' not found"):

@@ -629,8 +629,9 @@ class CharTokenizer(LetterTokenizer):
 @pytest.mark.parametrize(
     "prompt, message",
     [
-        (torch.tensor([[1, 2]]), "a tensor prompt must be a 1-D tensor of token ids"),
-        (torch.tensor([1.0, 2.0]), "a tensor prompt must be a 1-D tensor of token ids"),
+        (torch.tensor([[1, 2]]), r"a tensor prompt must be a 1-D tensor of token ids, got shape \(1, 2\)"),
+        (torch.tensor([1.0, 2.0]), "a tensor prompt must hold integer token ids, got dtype torch.float32"),
+        ([{"role": "user", "content": "ab"}], "a list of messages needs the tokenizer's chat template, and this"),
         ([1, {"role": "user", "content": "ab"}], "a list prompt must hold token ids .int. or messages"),
         ([{"role": "user"}], "a list prompt must hold token ids .int. or messages"),
         ([{"role": "user", "content": 5}], "a message's content must be text, got int"),
@@ -643,7 +644,26 @@ def test_malformed_prompts_are_named(target, info, prompt, message):
     dec = SpeculativeDecoder(target, NoneProposer(NoneConfig(), info), CharTokenizer())
     with pytest.raises(BadInputError, match=message):
         dec.generate(prompt, max_new_tokens=2)
-    assert dec.generate([{"role": "user", "content": "ab"}], max_new_tokens=2).token_ids  # (a good one runs)
+    assert dec.generate("ab", max_new_tokens=2).token_ids  # (a good one runs)
+    assert dec.generate(torch.tensor([1, 2], dtype=torch.int16), max_new_tokens=2).token_ids
+
+
+class WideTokenizer(CharTokenizer):
+    """A tokenizer of 100 tokens, from another model than the 8-token target."""
+
+    def __len__(self):
+        return 100
+
+    def __call__(self, text):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_a_tokenizer_wider_than_the_model_is_named(target, info):
+    dec = SpeculativeDecoder(target, NoneProposer(NoneConfig(), info), WideTokenizer())
+    with pytest.raises(BadInputError, match=r"id 98 out of range \[0, 8\): the tokenizer has 100 tokens, more than"):
+        dec.generate("b", max_new_tokens=2)
+    with pytest.raises(BadInputError, match=r"prompt token id 98 out of range \[0, 8\)$"):  # (ids: no tokenizer said)
+        dec.generate([98], max_new_tokens=2)
 
 
 class StrictChatTokenizer(CharTokenizer):
@@ -675,7 +695,8 @@ def test_messages_a_chat_template_refuses_are_named(target, info):
     for roleless in ([{"content": "ab"}], [{"role": " ", "content": "ab"}]):  # (the template reads roles)
         with pytest.raises(BadInputError, match="a message needs a 'role' .user, assistant...., got"):
             dec.generate(roleless, max_new_tokens=2)
-        assert dec.generate(roleless, max_new_tokens=2, raw=True).token_ids  # (raw: only the contents are read)
+        with pytest.raises(BadInputError, match="a list of messages needs the tokenizer's chat template, and raw"):
+            dec.generate(roleless, max_new_tokens=2, raw=True)  # (joining the contents would lose the turns)
     assert dec.generate(twice[:1], max_new_tokens=2).token_ids  # (a good one runs)
 
 

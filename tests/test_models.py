@@ -274,6 +274,15 @@ def test_weights_of_another_shape_than_the_config_are_named(tmp_path: Path, tiny
         load_model(str(tmp_path), quiet=True)
 
 
+def test_a_model_that_needs_its_own_code_names_the_switch(tmp_path: Path, tiny_dir: Path) -> None:
+    # (transformers' own message points at a hub page, which a local folder has none of)
+    auto_map = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    with_config(tiny_dir, tmp_path, model_type="xcustom", architectures=["XForCausalLM"], auto_map=auto_map)
+    with pytest.raises(ModelLoadError, match="needs its own Python code .* target.trust_remote_code=true: turn") as e:
+        load_model(str(tmp_path), quiet=True)
+    assert "hf.co" not in str(e.value)
+
+
 def test_a_checkpoint_with_more_layers_than_its_config_is_refused(tmp_path: Path, tiny_dir: Path) -> None:
     # transformers drops the tensors of layer 1 and only warns: a silently smaller model.
     with_config(tiny_dir, tmp_path, num_hidden_layers=1)

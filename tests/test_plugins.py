@@ -76,6 +76,8 @@ def test_builtins_register_through_the_plugin_manager():
 def test_unknown_proposer_lists_installed():
     with pytest.raises(BadInputError, match="unknown proposer 'nope'; installed: draft, eagle, medusa, none"):
         build_registry(autoload=False).get("nope")
+    with pytest.raises(BadInputError, match=r"union \(plugins are not loaded: SPECFRAME_DISABLE_PLUGIN_AUTOLOAD is"):
+        build_registry(autoload=False).get("nope")  # (a plugin's proposer may be installed, not loaded)
 
 
 def test_duplicate_names_are_refused():

@@ -25,6 +25,14 @@ def test_a_tiny_temperature_is_near_greedy_not_nan(temperature):
     assert torch.equal(p, torch.tensor([1.0, 0.0, 0.0, 0.0]))
 
 
+@pytest.mark.parametrize("temperature", [1e39, 1e300])
+def test_a_huge_temperature_is_near_uniform_not_nan(temperature):
+    # (past float32's largest number the temperature rounds to inf there, and a masked token's -inf / inf is
+    # nan: a draft over a reduced vocabulary masks every token outside it)
+    p = sampling_probs(torch.tensor([3.0, float("-inf"), 0.5, 1.0]), SamplingParams(temperature, top_k=2))
+    assert torch.equal(p, torch.tensor([0.5, 0.0, 0.0, 0.5]))
+
+
 def test_top_k_keeps_k_largest():
     p = sampling_probs(torch.tensor([0.0, 4.0, 1.0, 3.0, 2.0]), SamplingParams(1.0, top_k=2))
     assert (p > 0).tolist() == [False, True, False, True, False]

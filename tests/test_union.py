@@ -166,6 +166,30 @@ def test_config_errors_name_the_key():
         UnionConfig(members=["draft"], options={"draft": {"num_speculative_tokens": 0}})
 
 
+def test_a_member_that_is_installed_but_not_usable_is_named_so(monkeypatch):
+    from specframe import plugins
+
+    # Autoloading off: the plugin may well be installed, so no "pip install" hint.
+    monkeypatch.setattr(plugins, "_registry", plugins.build_registry(autoload=False))
+    with pytest.raises(ConfigError, match="plugins are not loaded: SPECFRAME_DISABLE_PLUGIN_AUTOLOAD") as e:
+        UnionConfig(members=["eagle", "ngram"])
+    assert "pip install" not in str(e.value)
+    # Two plugins register the name: neither is used, and the union says so.
+    registry = plugins.build_registry(autoload=False)
+    registry.contested["ngram"] = "plugin 'ngram' (specframe-ngram) and plugin 'other' (other)"
+    monkeypatch.setattr(plugins, "_registry", registry)
+    with pytest.raises(ConfigError, match="proposer.members: proposer 'ngram' is registered by two plugins"):
+        UnionConfig(members=["ngram"])
+    # Not installed at all: the hint.
+    registry = plugins.build_registry(autoload=False)
+    registry.autoload = True
+    monkeypatch.setattr(plugins, "_registry", registry)
+    with pytest.raises(
+        ConfigError, match=r"unknown proposer 'ngram'; installed: .* \(the specframe-ngram plugin: pip install"
+    ):
+        UnionConfig(members=["ngram"])
+
+
 def test_a_member_that_cannot_be_built_is_named_with_its_own_keys(info):
     # No drafter ships for a tiny random target: eagle's "proposer.model is required" names the union's key.
     with pytest.raises(ConfigError, match=r"union member 'eagle': proposer\.options\.eagle\.model is required"):
