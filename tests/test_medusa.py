@@ -154,8 +154,11 @@ def test_saved_heads_round_trip_and_decode_exactly(trained):
         assert res.token_ids == reference_greedy(target, prompt, 24)
     # Trained on the target's own greedy text, the heads must be accepted often.
     assert res.stats["mean_accepted_length"] > 1.5
-    bigger = MedusaProposer.from_config(MedusaConfig(model=cfg.out, tree_nodes=10), info)
-    assert len(bigger.tree) == min(10, len(meta["path_counts"]["counts"]))
+    paths = len(meta["path_counts"]["counts"])
+    bigger = MedusaProposer.from_config(MedusaConfig(model=cfg.out, tree_nodes=min(10, paths)), info)
+    assert len(bigger.tree) == min(10, paths)
+    with pytest.raises(ConfigError, match=f"tree_nodes={paths + 1}: heads .* hold statistics for {paths} paths"):
+        MedusaProposer.from_config(MedusaConfig(model=cfg.out, tree_nodes=paths + 1), info)  # (not fewer, unsaid)
 
 
 def test_heads_for_another_target_are_refused(trained, tmp_path):

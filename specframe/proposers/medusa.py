@@ -339,7 +339,13 @@ class MedusaProposer(Proposer):
         elif config.tree_nodes is not None:
             if not meta.get("path_counts"):
                 raise ConfigError(f"proposer.tree_nodes: heads '{path}' carry no path statistics; give proposer.tree")
-            tree = best_tree(saved_path_counts(meta, path, heads.num_heads), config.tree_nodes)
+            counts = saved_path_counts(meta, path, heads.num_heads)
+            if config.tree_nodes > len(counts["counts"]):  # (best_tree would quietly give fewer nodes)
+                raise ConfigError(
+                    f"proposer.tree_nodes={config.tree_nodes}: heads '{path}' hold statistics for "
+                    f"{len(counts['counts'])} paths, so a tree from them has at most that many nodes"
+                )
+            tree = best_tree(counts, config.tree_nodes)
         elif not saved_applies and target.device.type != "cpu" and meta.get("path_counts"):
             # (the saved tree was chosen elsewhere)
             tree = best_tree(saved_path_counts(meta, path, heads.num_heads), ACCELERATOR_TREE_NODES)
