@@ -431,7 +431,7 @@ class ReducedVocabularyDraft(DraftProposer):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("setting", ["temperature=1", "top_k=5"])
+@pytest.mark.parametrize("setting", ["temperature=1", "temperature=1.5,top_k=5,top_p=0.8"])
 def test_a_reduced_vocabulary_draft_samples_the_target_s_distribution(setting):
     decoder = conformance.make_decoder(ReducedVocabularyDraft, "cpu", conformance.SAMPLING_VOCAB)
     out = decoder.generate([1, 2, 3], max_new_tokens=40, temperature=1.0, seed=0)

@@ -3,6 +3,8 @@ if it did not, its passing verdicts would prove nothing."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from specframe.acceptance import TreeAcceptance
@@ -53,6 +55,20 @@ class UntransformedQDraft(DraftProposer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, _ = super().draw(logits, state, q)
         return x, logits.float().softmax(-1)
+
+
+class OneCutQDraft(DraftProposer):
+    """Draws from T(logits) but reports q with only top-p applied when top-k is set too, as a transform written
+    `if top_p < 1: ... elif top_k: ...` would."""
+
+    def draw(
+        self, logits: torch.Tensor, state: DecodeState, q: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, _ = super().draw(logits, state, q)
+        params = state.sampling
+        if params.top_p < 1.0:
+            params = replace(params, top_k=0)
+        return x, sampling_probs(logits, params)
 
 
 class StaleQDraft(DraftProposer):

@@ -76,7 +76,9 @@ class SamplingCase:
 SETTINGS: dict[str, SamplingCase] = {
     "temperature=1": SamplingCase(SamplingParams(1.0, 0, 1.0)),
     "temperature=0.7,top_p=0.9": SamplingCase(SamplingParams(0.7, 0, 0.9)),
-    "top_k=5": SamplingCase(SamplingParams(1.0, 5, 1.0)),
+    # Temperature above 1 with top-k and top-p together: a transform that applies only one of the two cuts, or
+    # that caps the temperature, reports another q than the one drawn from.
+    "temperature=1.5,top_k=5,top_p=0.8": SamplingCase(SamplingParams(1.5, 5, 0.8)),
     # A longer context, and budget for drafts up to depth 4 in the first speculative step (it starts after one
     # token and may emit 4 drafts and a bonus): counted tokens 2-4 can be its drafts at depths 2-4. Longer
     # samples, so fewer of them (CI time; a q reported wrong from depth 3 on gave p ~ 1e-68 with 4,000).
@@ -597,6 +599,7 @@ def power_cases() -> list[tuple[str, type[Proposer], Any, TreeAcceptance | None,
         BonusFromParent,
         InvertedRatio,
         KeepIfLikelyDraft,
+        OneCutQDraft,
         ResampleFromTarget,
         ResidualNotNormalised,
         StaleQDraft,
@@ -618,6 +621,7 @@ def power_cases() -> list[tuple[str, type[Proposer], Any, TreeAcceptance | None,
             "temperature=1",
         ),
         ("q_not_transformed", UntransformedQDraft, chain, None, "temperature=0.7,top_p=0.9"),
+        ("q_one_cut_only", OneCutQDraft, chain, None, "temperature=1.5,top_k=5,top_p=0.8"),
         ("stale_q_past_depth_1", StaleQDraft, chain, None, "temperature=1"),
         (
             "stale_q_past_depth_2",
