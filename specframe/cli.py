@@ -228,20 +228,20 @@ def generate_overrides(args: argparse.Namespace) -> list[str]:
     flags = {key: value for key, value in flags.items() if value is not None}
     for item in args.overrides:
         key, value = (part.strip() for part in item.split("=", 1))
+        parsed = _parsed(value)
         for flag_key, flag_value in flags.items():
             flag = f"{GENERATE_FLAGS[flag_key]} {flag_value}"
             if flag_key == key:
-                if not _same_value(_parsed(value), flag_value):
+                if not _same_value(parsed, flag_value):
                     raise BadInputError(f"{flag} and the override {item} set {key} differently: give one of them")
             elif flag_key.startswith(key + "."):  # the override sets a whole section the flag sets a key of
-                section = _parsed(value)
-                if not isinstance(section, dict):
+                if not isinstance(parsed, dict):
                     raise BadInputError(
                         f"the override {item} sets {key} to something that is not a mapping of its keys, and "
                         f"{flag} sets {flag_key} in it: give {key}'s keys one at a time ({flag_key}=...)"
                     )
                 inner = flag_key[len(key) + 1 :]
-                if inner in section and not _same_value(section[inner], flag_value):
+                if inner in parsed and not _same_value(parsed[inner], flag_value):
                     raise BadInputError(f"{flag} and the override {item} set {flag_key} differently: give one of them")
     return list(args.overrides) + [f"{k}={literal(v)}" for k, v in flags.items()]
 

@@ -308,6 +308,7 @@ class SpeculativeDecoder:
             rows_before = 0  # rows of this forward before the root's
             if recompute:  # as the target's own generation does: the whole sequence again, in a fresh cache
                 cache = self.cache = new_cache(model)
+                # (built again, not `tokens`: the proposer may have edited state.tokens in place)
                 whole = torch.cat([prompt_ids, torch.tensor(generated, device=self.device)])
                 out = forward(
                     input_ids=whole[None],

@@ -67,14 +67,12 @@ class UnionConfig:
                 raise ConfigError(f"proposer.members must hold proposer names, got {name!r}")
             if name == UnionProposer.name:
                 raise ConfigError("proposer.members: a union cannot have a union as a member")
-            if name not in registry.proposers:  # (the registry's words: unknown, contested, plugins not loaded)
-                try:
-                    registry.get(name)
-                except BadInputError as e:
-                    why = str(e)
+            try:
+                registry.get(name)
+            except BadInputError as e:  # (the registry's words: unknown, contested, plugins not loaded)
                 missing = name == "ngram" and registry.autoload and name not in registry.contested
                 hint = " (the specframe-ngram plugin: pip install plugins/specframe-ngram)" if missing else ""
-                raise ConfigError(f"proposer.members: {why}{hint}; set proposer.members to installed proposers")
+                raise ConfigError(f"proposer.members: {e}{hint}; set proposer.members to installed proposers") from e
         if not isinstance(self.options, Mapping):
             raise ConfigError(f"proposer.options must map member names to their options, got {self.options!r}")
         for name, values in self.options.items():
