@@ -15,9 +15,10 @@
 # Settings (environment): GPU_CHECK_DEVICE (cuda), GPU_CHECK_LIMIT (2 questions per subtask),
 # GPU_CHECK_SUBTASKS (all six), GPU_CHECK_MAX_NEW_TOKENS (128), GPU_CHECK_DTYPES ("float32 bfloat16"),
 # GPU_CHECK_QUICK (conformance: greedy, rollback and isolation only), GPU_CHECK_TESTS (set: also the fast test suite),
-# GPU_CHECK_CONFORMANCE_S (180), GPU_CHECK_TESTS_S (150), GPU_CHECK_BENCH_S (240): each phase's time limit,
-# GPU_CHECK_BENCH_TIMED_S (150): the bench's --time-limit (no question starts after it; the report says where it
-# stopped, so a cut run still writes its results), GPU_CHECK_SKIP_INSTALL. With GPU_CHECK_DEVICE=cpu and small settings it runs here as a smoke test.
+# GPU_CHECK_CONFORMANCE_S (180), GPU_CHECK_TESTS_S (150), GPU_CHECK_BENCH_S (210): each phase's time limit,
+# GPU_CHECK_BENCH_TIMED_S (120): the bench's --time-limit (no question starts after it; the report says where it
+# stopped, so a cut run still writes its results), GPU_CHECK_SKIP_INSTALL; the comparison run with CUDA graphs off
+# (none and union against hf, 2 questions): GPU_CHECK_EAGER_S (110), GPU_CHECK_EAGER_TIMED_S (50), GPU_CHECK_SKIP_EAGER. With GPU_CHECK_DEVICE=cpu and small settings it runs here as a smoke test.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -90,13 +91,29 @@ if [ "$MODEL_OK" = 1 ]; then
     [ -f "$questions" ] || questions=../shared/data/spec_bench/question.jsonl
     methods=none
     for p in $proposers; do [ "$p" != none ] && methods="$methods,$p"; done
-    timeout "${GPU_CHECK_BENCH_S:-240}" "${SF[@]}" bench --proposers "$methods" \
+    timeout "${GPU_CHECK_BENCH_S:-210}" "${SF[@]}" bench --proposers "$methods" \
         --baselines hf,hf-assisted,hf-pld --limit "$LIMIT" --subtasks "$SUBTASKS" --max-new-tokens "$MAX_NEW" \
         --device "$DEVICE" --questions "$questions" --out "$WORK/bench" --results-doc "$WORK/bench/results.md" \
-        --time-limit "${GPU_CHECK_BENCH_TIMED_S:-150}" --no-progress >> "$LOG" 2>&1 || fail "bench (exit $?): $(tail -2 "$LOG")"
+        --time-limit "${GPU_CHECK_BENCH_TIMED_S:-120}" --no-progress >> "$LOG" 2>&1 || fail "bench (exit $?): $(tail -2 "$LOG")"
     if [ -f "$WORK/bench/results.md" ]; then
         awk '/^## Speed/ {f = 1; next} /^## / {f = 0} f && /^\| (subtask|overall) /' "$WORK/bench/results.md" \
             | tee -a "$SUMMARY"
+        grep -o "verification forwards as CUDA graphs\|CUDA graphs off: [^|]*" "$WORK/bench/results.md" | sort | uniq -c \
+            | sed 's/^/    methods: /' | tee -a "$SUMMARY"
+    fi
+    # --- 6. what the CUDA graphs gave: plain decoding and union again with the eager forwards, against hf in the
+    # same (shorter) run, on the questions the first run began with
+    if [ "$DEVICE" != cpu ] && [ -z "${GPU_CHECK_SKIP_EAGER:-}" ]; then
+        timeout "${GPU_CHECK_EAGER_S:-110}" "${SF[@]}" bench --proposers none,union --baselines hf \
+            --limit 1 --subtasks mt_bench,translation --max-new-tokens "$MAX_NEW" --device "$DEVICE" \
+            --questions "$questions" --out "$WORK/bench-eager" --results-doc "$WORK/bench-eager/results.md" \
+            --time-limit "${GPU_CHECK_EAGER_TIMED_S:-50}" --no-progress target.cuda_graphs=false >> "$LOG" 2>&1 \
+            || fail "bench with target.cuda_graphs=false (exit $?): $(tail -2 "$LOG")"
+        if [ -f "$WORK/bench-eager/results.md" ]; then
+            say "eager forwards (target.cuda_graphs=false):"
+            awk '/^## Speed/ {f = 1; next} /^## / {f = 0} f && /^\| (subtask|overall) /' "$WORK/bench-eager/results.md" \
+                | tee -a "$SUMMARY"
+        fi
     fi
 fi
 [ "$FAILED" = 0 ]

@@ -34,7 +34,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -313,17 +313,25 @@ class Method:
 
 
 class ForwardCounter:
-    """Counts the target's forward calls (transformers reports none); a pre-hook on the top module."""
+    """Counts the target's forward calls in transformers' runs (transformers reports none): a pre-hook on the top
+    module, there only inside `counting()`. (Left on the shared target, a hook would turn specframe's lean forward
+    off in every other method's run: `lean_forward_applies` refuses models with hooks.)"""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
         self.calls = 0
-        self.handle = model.register_forward_pre_hook(self._hook)
 
     def _hook(self, *_: Any) -> None:
         self.calls += 1
 
-    def remove(self) -> None:
-        self.handle.remove()
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        self.calls = 0
+        handle = self.model.register_forward_pre_hook(self._hook)
+        try:
+            yield
+        finally:
+            handle.remove()
 
 
 def shape_choices(proposer: Any) -> list[str]:
@@ -383,10 +391,9 @@ def hf_method(
             # Same transform as specframe's T: temperature, top-k (0 = off), top-p.
             kwargs.update(do_sample=True, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
             torch.manual_seed(seed)
-        counter.calls = 0
         assistant = extra.get("assistant_model")  # (on the stock kernels too, as a transformers user runs it)
         assistant_kernels = stock_kernels(assistant) if assistant is not None else contextlib.nullcontext()
-        with neutral_generation_config(model), stock_kernels(model), assistant_kernels:
+        with neutral_generation_config(model), stock_kernels(model), assistant_kernels, counter.counting():
             t0 = time.perf_counter()
             out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kwargs, **extra)
             seconds = time.perf_counter() - t0
@@ -493,11 +500,17 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
             skipped[name] = cannot_build(name, e)
             continue
         entry = registry.get(name)
-        decoder = SpeculativeDecoder(model, built[name], tokenizer=tokenizer, plugin=entry.plugin)
+        decoder = SpeculativeDecoder(
+            model, built[name], tokenizer=tokenizer, plugin=entry.plugin, cuda_graphs=t.cuda_graphs
+        )
         about = f"specframe proposer '{name}' (plugin {entry.plugin}, {entry.distribution} {entry.version})"
         about += "".join(f"; {how}" for how in shape_choices(built[name]))
+        if decoder.graphs is not None:
+            about += "; verification forwards as CUDA graphs"
+        elif decoder.graphs_off:  # (the warning that says it is hidden under the progress bar)
+            about += f"; CUDA graphs off: {decoder.graphs_off}"
         methods.append(specframe_method(name, decoder, options, about))
-    encoder = SpeculativeDecoder(model, built.get("none") or proposer("none"), tokenizer=tokenizer)
+    encoder = SpeculativeDecoder(model, built.get("none") or proposer("none"), tokenizer=tokenizer, cuda_graphs=False)
 
     counter = ForwardCounter(model)
 
@@ -531,7 +544,6 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
             )
             methods.append(baseline(name, about, assistant_model=assistant))
     if not methods:
-        counter.remove()
         raise BadInputError(
             "nothing to run: every method was skipped (" + "; ".join(f"{k}: {v}" for k, v in skipped.items()) + ")"
         )
@@ -606,10 +618,7 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
             warnings.simplefilter("ignore")  # transformers' per-call advice would bury the progress bar
             setup = build(options, log)
             tie = tie_threshold(setup.model, options)
-            try:
-                records, failed, ran = timed_loop(setup, questions, options, log, tqdm)
-            finally:
-                setup.counter.remove()
+            records, failed, ran = timed_loop(setup, questions, options, log, tqdm)
             if options.greedy and any(m.name == REFERENCE for m in setup.methods) and REFERENCE not in failed:
                 check_identity(records, setup, tie)
         run_threads = torch.get_num_threads()

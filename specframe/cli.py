@@ -478,10 +478,11 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 
 
 def show_plugin_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """Plugin problems as one clean line on stderr; other warnings as Python shows them."""
+    """Plugin problems and CUDA graphs turned off as one clean line on stderr; other warnings as Python shows them."""
+    from specframe.cuda_graphs import GraphsWarning
     from specframe.plugins import PluginWarning
 
-    if issubclass(category, PluginWarning):
+    if issubclass(category, (PluginWarning, GraphsWarning)):
         print(f"specframe: warning: {message}", file=sys.stderr)
     else:
         _show_warning(message, category, filename, lineno, file, line)

@@ -13,6 +13,7 @@ import torch
 from specframe.acceptance import TreeAcceptance
 from specframe.config import stop_strings
 from specframe.cpu_kernels import ATTENTION, fast_kernels_on
+from specframe.cuda_graphs import graphed_target
 from specframe.errors import BadInputError, ProposerError, SpecframeError, brief, is_count, is_integer, is_number
 from specframe.kv_cache import keep_positions, new_cache, tree_attention_mask
 from specframe.lean_forward import engine_forward
@@ -60,6 +61,7 @@ class SpeculativeDecoder:
         seed: int | None = None,
         acceptance: TreeAcceptance | None = None,
         plugin: str = "",
+        cuda_graphs: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -97,6 +99,10 @@ class SpeculativeDecoder:
         )
         new_cache(model)  # refuses, before any generation, a target whose cache cannot be rolled back
         engine_forward(model)  # (its first-use check and stacked products made here, not in the first call's time)
+        # On CUDA, the verification forwards as CUDA graphs over a static cache (specframe/cuda_graphs.py): built
+        # and checked against the eager forward here; None where off or not on CUDA, and where they do not apply
+        # or failed the check (then `graphs_off` says why, as a warning does).
+        self.graphs, self.graphs_off = graphed_target(model, cuda_graphs and self.rope_switch is None)
         self.cache = None  # the target's KV cache, during a generate call
         self._one_call = threading.Lock()  # held by the running generate call
         self._caller: int | None = None  # that call's thread
@@ -135,6 +141,7 @@ class SpeculativeDecoder:
             stop=list(cfg.generation.stop),
             seed=s.seed,
             plugin=entry.plugin,
+            cuda_graphs=t.cuda_graphs,
         )
 
     # ---------------------------------------------------------------- prompt handling
@@ -272,7 +279,9 @@ class SpeculativeDecoder:
         prompt_ids = self.encode(prompt, raw=raw)
         model, proposer, layers = self.model, self.proposer, tuple(self.proposer.hidden_state_layers)
         limit = min(max_new, self.context_window - prompt_ids.numel())
-        cache = self.cache = new_cache(model)  # on self for inspection during the call (the rollback check)
+        graphs = self.graphs
+        # (on self for inspection during the call: the rollback check)
+        cache = self.cache = graphs.new_cache(prompt_ids.numel() + limit) if graphs else new_cache(model)
         forward = engine_forward(model)  # (the model itself, or its lean forward where that is the same)
         stats = Counter()
 
@@ -319,20 +328,25 @@ class SpeculativeDecoder:
                 )
                 rows_before = past
             else:
-                if depths == list(range(1, n + 1)):  # a chain: the model's own causal mask is the tree mask
-                    positions, mask = torch.arange(past, past + n + 1, device=self.device)[None], None
+                parents = None  # a chain: the model's own causal mask is the tree mask
+                if depths == list(range(1, n + 1)):
+                    positions = torch.arange(past, past + n + 1, device=self.device)[None]
                 else:
                     check_tree_attention(model)
                     positions = (past + torch.tensor([0, *depths], device=self.device))[None]
-                    mask = tree_attention_mask(proposal.parents.tolist(), past, self.mask_dtype, self.device)
-                out = forward(
-                    input_ids=inputs,
-                    position_ids=positions,
-                    attention_mask=mask,
-                    cache=cache,
-                    use_cache=True,
-                    output_hidden_states=bool(layers),
-                )
+                    parents = proposal.parents.tolist()
+                if graphs is not None and graphs.takes(n + 1):
+                    out = graphs.forward(cache, inputs, positions, parents, output_hidden_states=bool(layers))
+                else:
+                    mask = None if parents is None else tree_attention_mask(parents, past, self.mask_dtype, self.device)
+                    out = forward(
+                        input_ids=inputs,
+                        position_ids=positions,
+                        attention_mask=mask,
+                        cache=cache,
+                        use_cache=True,
+                        output_hidden_states=bool(layers),
+                    )
             stats.target_forwards += 1
             path, nxt = self.acceptance(out.logits[0], proposal, params, generator)
             keep = [0] + [c + 1 for c in path]

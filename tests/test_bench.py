@@ -12,6 +12,7 @@ import torch
 from specframe import bench
 from specframe.cli import main
 from specframe.errors import BadInputError
+from specframe.lean_forward import lean_forward_applies
 from specframe.testing.conformance import reference_greedy
 from specframe.testing.tiny import tiny_llama
 
@@ -261,7 +262,9 @@ def test_hf_baselines_ignore_the_target_s_generation_config_and_stop_at_its_wind
     assert len(out.token_ids) == 6 and out.token_ids == plain.generate(prompt, 12).token_ids
     with pytest.raises(BadInputError, match="context window is 16"):
         hf.run(list(range(8)) * 2, 4, 0)
-    counter.remove()
+    # forwards counted in transformers' runs only: no hook is left on the target, which would turn the lean
+    # forward off for specframe's methods
+    assert out.target_forwards == 6 and lean_forward_applies(model)
 
 
 def test_plain_decoding_scores_one_and_matches_hf(full_run):

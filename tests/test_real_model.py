@@ -108,3 +108,27 @@ def test_shipped_artifacts_are_found_for_the_default_model_given_by_its_folder(c
         code = main(["generate", "--proposer", name, "--target", folder, "--max-new-tokens", "8", "--prompt", "Hi"])
         err = capsys.readouterr().err
         assert code == 0, (name, err)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_static_graph_forward_on_the_default_target(decoders, dtype):
+    """The forward that CUDA graphs replay (specframe/cuda_graphs.py), run here without capture: on SmolLM2's 30
+    layers and grouped-query attention it matches the eager forward, and EAGLE decodes the same tokens with it."""
+    from specframe.cuda_graphs import GraphedTarget
+
+    model = decoders["none"].model
+    if dtype == "float32":
+        graphed = GraphedTarget(model, capture=False)
+        assert graphed.check() is None
+        if "eagle" in decoders:
+            eagle = decoders["eagle"]
+            want = eagle.generate(PROMPTS[0], max_new_tokens=32).token_ids
+            eagle.graphs = graphed
+            try:
+                assert eagle.generate(PROMPTS[0], max_new_tokens=32).token_ids == want
+            finally:
+                eagle.graphs = None
+    else:
+        import copy
+
+        assert GraphedTarget(copy.deepcopy(model).to(torch.bfloat16), capture=False).check() is None

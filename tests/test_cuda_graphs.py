@@ -1,0 +1,238 @@
+"""The graphed (static-cache) forward, run here without capture (`capture=False`): the same forward on the same
+buffers as on a GPU, where only the capture and replay are added."""
+
+import re
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specframe import cuda_graphs
+from specframe import decoder as decoder_module
+from specframe.config import load_config
+from specframe.cuda_graphs import MAX_QUERY, GraphedTarget, GraphsWarning, graphed_target, graphs_refusal
+from specframe.decoder import SpeculativeDecoder, target_info
+from specframe.plugins import get_registry
+from specframe.proposer import seeded
+from specframe.proposers.none import NoneConfig, NoneProposer
+from specframe.testing import conformance
+from specframe.testing.tiny import tiny_llama
+from specframe.testing.tree_proposer import TreeConfig, TreeTestProposer
+
+
+def llama(**overrides) -> LlamaForCausalLM:
+    """A tiny Llama with grouped-query attention (4 heads, 2 key/value heads) and a bias in attention."""
+    fields = dict(
+        vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, attention_bias=True, initializer_range=0.3,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    with seeded(0):
+        return LlamaForCausalLM(LlamaConfig(**{**fields, **overrides})).eval().requires_grad_(False)
+
+
+@pytest.fixture
+def static_graphs(monkeypatch):
+    """Decoders built while this is active run their steps on the static buffers (no capture: a CPU)."""
+
+    def build(model, enabled):
+        return (GraphedTarget(model, capture=False) if enabled and graphs_refusal(model) is None else None), None
+
+    monkeypatch.setattr(decoder_module, "graphed_target", build)
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        lambda: tiny_llama(vocab_size=32, hidden_size=32),
+        lambda: llama(),
+        lambda: llama(head_dim=16, attn_implementation="eager"),  # head_dim != hidden / heads
+        lambda: llama(num_key_value_heads=4, attention_bias=False),  # no grouping
+        lambda: llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+        lambda: llama().to(torch.bfloat16),
+    ],
+    ids=["tiny", "gqa-bias", "head-dim", "mha", "linear-rope", "bfloat16"],
+)
+def test_static_forward_matches_the_eager_forward(model):
+    assert GraphedTarget(model(), capture=False).check() is None
+
+
+@pytest.mark.parametrize("broken", ["tree block", "cache slots", "padding row", "positions"])
+def test_check_catches_a_wrong_static_forward(monkeypatch, broken):
+    graphed = GraphedTarget(llama(), capture=False)
+    if broken == "tree block":  # a tree verified as a chain: a node sees its sibling
+        block = GraphedTarget._block
+        monkeypatch.setattr(GraphedTarget, "_block", lambda self, rows, parents: block(self, rows, None))
+    elif broken == "cache slots":  # the step's keys written one slot late
+        forward = cuda_graphs.static_llama_forward
+
+        def late(model, buffers, rows):
+            buffers.slots[:rows] += 1
+            return forward(model, buffers, rows)
+
+        monkeypatch.setattr(cuda_graphs, "static_llama_forward", late)
+    elif broken == "padding row":  # padding rows see the whole buffer, and are seen: a real row reads them
+        write = GraphedTarget._write_mask
+
+        def open_padding(self, past, rows, bucket, parents):
+            write(self, past, rows, bucket, parents)
+            self.buffers.mask[0, 0, :bucket, past + rows : past + bucket] = 0
+
+        monkeypatch.setattr(GraphedTarget, "_write_mask", open_padding)
+    else:  # rotary positions off by one
+        forward = cuda_graphs.static_llama_forward
+
+        def shifted(model, buffers, rows):
+            buffers.positions[:, :rows] += 1
+            return forward(model, buffers, rows)
+
+        monkeypatch.setattr(cuda_graphs, "static_llama_forward", shifted)
+    assert graphed.check() is not None
+
+
+def test_refusals():
+    assert graphs_refusal(llama()) is None
+    dynamic = llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    assert "changes with the sequence length" in graphs_refusal(dynamic)
+    training = llama().train()
+    assert "eval mode" in graphs_refusal(training)
+    with pytest.raises(ValueError, match="cannot be graphed: its rotary embedding"):
+        GraphedTarget(dynamic, capture=False)
+    with pytest.raises(ValueError, match="need a CUDA target; this one is on cpu"):
+        GraphedTarget(llama())
+    # graphs are for CUDA: nothing is built (or said) on a CPU, nor when they are off
+    assert graphed_target(llama(), enabled=True) == (None, None)
+    assert SpeculativeDecoder(llama(), NoneProposer(NoneConfig(), target_info(llama()))).graphs is None
+
+
+class Uncaptured(GraphedTarget):
+    def __init__(self, model):
+        super().__init__(model, capture=False)
+
+
+@pytest.mark.parametrize("case", ["applies", "dynamic rope", "differs", "capture fails"])
+def test_graphed_target_on_cuda_says_why_it_is_off(monkeypatch, case):
+    """As on a CUDA target (the device test faked, the capture left out): what `graphed_target` returns and says."""
+    monkeypatch.setattr(cuda_graphs, "on_cuda", lambda model: True)
+    monkeypatch.setattr(cuda_graphs, "GraphedTarget", Uncaptured)
+    model = llama()
+    if case == "dynamic rope":
+        model = llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    elif case == "differs":
+        monkeypatch.setattr(Uncaptured, "check", lambda self: "logits differ by 3")
+    elif case == "capture fails":
+
+        def fails(self, *args):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        monkeypatch.setattr(Uncaptured, "forward", fails)
+    if case == "applies":
+        graphed, why = graphed_target(model, enabled=True)
+        assert isinstance(graphed, Uncaptured) and why is None
+        assert graphed_target(model, enabled=False) == (None, None)
+        return
+    with pytest.warns(GraphsWarning, match="CUDA graphs off for this target: ") as said:
+        graphed, why = graphed_target(model, enabled=True)
+    assert graphed is None and why in str(said[0].message)
+    expected = {
+        "dynamic rope": "its rotary embedding (dynamic) changes with the sequence length",
+        "differs": "logits differ by 3",
+        "capture fails": "capturing failed: RuntimeError: operation not permitted when stream is capturing",
+    }
+    assert why == expected[case]
+    with pytest.warns(GraphsWarning, match=re.escape(expected[case])):
+        decoder = SpeculativeDecoder(model, NoneProposer(NoneConfig(), target_info(model)))
+    assert decoder.graphs is None and decoder.graphs_off == expected[case]
+
+
+def test_config_key():
+    assert load_config().target.cuda_graphs is True
+    assert load_config(overrides=["target.cuda_graphs=false"]).target.cuda_graphs is False
+    with pytest.raises(Exception, match="cuda_graphs"):
+        load_config(overrides=["target.cuda_graphs=maybe"])
+
+
+def test_static_layer_refuses_an_overflow():
+    graphed = GraphedTarget(llama(), capture=False)
+    cache = graphed.new_cache(4)
+    layer = cache.layers[0]
+    room = layer.key_buffer.shape[-2]
+    too_long = torch.zeros(1, 2, room + 1, 8)
+    with pytest.raises(RuntimeError, match="do not fit its buffers"):
+        layer.update(too_long, too_long)
+
+
+def proposers(model):
+    info = target_info(model)
+    registry = get_registry()
+    built = {"tree": TreeTestProposer.random(info, TreeConfig(width=2, depth=3), seed=1)}
+    for name in ("none", "draft", "medusa", "eagle"):
+        built[name] = registry.get(name).cls.random(info, seed=1)
+    return built
+
+
+@pytest.mark.parametrize("name", ["none", "draft", "medusa", "eagle", "tree"])
+def test_decoding_on_static_buffers_is_the_targets_greedy_decoding(static_graphs, name):
+    model = tiny_llama(vocab_size=32, hidden_size=32)
+    decoder = SpeculativeDecoder(model, proposers(model)[name], max_new_tokens=40)
+    assert isinstance(decoder.graphs, GraphedTarget)
+    prompt = [1, 5, 2, 7, 3]
+    out = decoder.generate(prompt).token_ids
+    assert out == conformance.reference_greedy(tiny_llama(vocab_size=32, hidden_size=32), prompt, 40)
+    # sampled: the same tokens as the eager forwards give with the same seed (logits equal up to rounding)
+    eager = SpeculativeDecoder(model, proposers(model)[name], max_new_tokens=40, cuda_graphs=False)
+    for seed in (1, 2):
+        graphed = decoder.generate(prompt, temperature=1.0, top_p=0.9, seed=seed).token_ids
+        assert graphed == eager.generate(prompt, temperature=1.0, top_p=0.9, seed=seed).token_ids
+
+
+def test_graphs_off_by_config(static_graphs):
+    model = tiny_llama(vocab_size=32, hidden_size=32)
+    assert SpeculativeDecoder(model, NoneProposer.random(target_info(model)), cuda_graphs=False).graphs is None
+
+
+def test_buffers_grow_for_a_longer_generation(static_graphs):
+    model = tiny_llama(vocab_size=32, hidden_size=32, max_position_embeddings=4096)
+    decoder = SpeculativeDecoder(model, NoneProposer.random(target_info(model)), max_new_tokens=8)
+    decoder.generate([1, 2, 3])
+    first = decoder.graphs.buffers
+    assert decoder.graphs.new_cache(100) is not None and decoder.graphs.buffers is first  # (room enough: kept)
+    prompt = [i % 31 + 1 for i in range(first.capacity)]  # longer than the buffers hold
+    out = decoder.generate(prompt, max_new_tokens=3).token_ids
+    assert decoder.graphs.buffers is not first and decoder.graphs.buffers.capacity > len(prompt) + 3
+    assert out == conformance.reference_greedy(model, prompt, 3)
+
+
+def test_a_verification_past_the_largest_graph_runs_eagerly(static_graphs, monkeypatch):
+    model = tiny_llama(vocab_size=32, hidden_size=32)
+    config = TreeConfig(width=8, depth=2)  # sampled: 8 + 64 nodes
+    decoder = SpeculativeDecoder(model, TreeTestProposer.random(target_info(model), config, seed=1))
+    rows = []
+    forward = GraphedTarget.forward
+
+    def counted(self, cache, input_ids, *args, **kwargs):
+        rows.append(input_ids.shape[1])
+        return forward(self, cache, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(GraphedTarget, "forward", counted)
+    result = decoder.generate([1, 2, 3], max_new_tokens=12, temperature=1.0, seed=4)
+    eager = SpeculativeDecoder(model, TreeTestProposer.random(target_info(model), config, seed=1), cuda_graphs=False)
+    assert result.token_ids == eager.generate([1, 2, 3], max_new_tokens=12, temperature=1.0, seed=4).token_ids
+    # the 73-token steps ran eagerly (the last steps, with budget for one level only, on the static buffers)
+    assert result.stats["proposed_nodes"] >= 72 and all(r <= MAX_QUERY for r in rows)
+    assert len(rows) < result.stats["target_forwards"] - 1
+
+
+@pytest.mark.parametrize("name", ["none", "medusa", "eagle", "union"])
+def test_conformance_on_static_buffers(static_graphs, name):
+    cls = get_registry().get(name).cls
+    for check in (conformance.check_greedy, conformance.check_rollback):
+        result = check(cls, "cpu")
+        assert result.passed, result.detail
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["eagle", "union"])
+def test_sampling_conformance_on_static_buffers(static_graphs, name):
+    result = conformance.check_sampling(get_registry().get(name).cls, "cpu", "temperature=0.7,top_p=0.9")
+    assert result.passed, result.detail
