@@ -15,7 +15,7 @@
 #   run  command="scripts/gpu_check.sh stage"                carry=[".gpu-model/part-00"]
 #   run  command="scripts/gpu_check.sh stage"                carry=[".gpu-model/part-01"]
 #   run  command="scripts/gpu_check.sh stage"                carry=[".gpu-model/part-02"]
-#   run  command="scripts/gpu_check.sh"  timeout_s=560       carry=[".whl", ".gpu-data", ".gpu-model/SHA256"]
+#   run  command="scripts/gpu_check.sh"  timeout_s=590       carry=[".whl", ".gpu-data", ".gpu-model/SHA256"]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

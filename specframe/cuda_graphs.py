@@ -13,10 +13,11 @@ the same memory, so everything that changes between steps must live in fixed buf
 - the output logits and hidden states.
 
 A verification of m tokens replays the graph of the smallest bucket size (`QUERY_BUCKETS`) holding m; the rows
-past m are padding: they see only their own slot (a finite row, never NaN) and write keys and values past the
-sequence, which no real row sees and the next step overwrites. Larger verifications (over MAX_QUERY tokens) and
-the prefill run the eager forward on the same cache. Graphs are captured on first use of a bucket and kept with
-the buffers; a generation longer than the buffers makes new, larger ones (and new graphs).
+past m are padding: they see the past and their own slot (finite rows, never NaN) and write keys and values
+past the sequence, which no real row sees and the next step overwrites. Larger verifications (over MAX_QUERY
+tokens) and the prefill run the eager forward on the same cache. Every bucket's graph is captured when the
+decoder is built (`prepare`), and again before the prefill when a generation needs larger buffers; a capture
+that fails turns graphs off (`turn_off`, with a warning) and the steps run the same forward uncaptured.
 
 The graphed forward is `static_llama_forward`, written out as transformers' Llama computes it, but attending
 over the whole buffer through PyTorch's SDPA with the mask above and reading rotary cos/sin from a table made
@@ -32,6 +33,8 @@ that is how the tests pin it down on a CPU.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -123,6 +126,7 @@ class StaticBuffers:
         cos, sin = model.model.rotary_emb(probe, position_ids=torch.arange(capacity + MAX_QUERY, device=device)[None])
         self.cos, self.sin = cos[0], sin[0]
         self.graphs: dict[tuple[int, bool], tuple[Any, LeanOutput]] = {}  # (bucket, hidden states) -> graph
+        self.weights = weight_addresses(model)  # where the graphs read the weights (`GraphedTarget.new_cache`)
 
     def layer(self, i: int) -> StaticLayer:
         return StaticLayer(self.kv[i, 0], self.kv[i, 1])
@@ -159,7 +163,8 @@ def static_llama_forward(model: torch.nn.Module, buffers: StaticBuffers, rows: i
             b, h, n, d = keys.shape
             keys = keys[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
             values = values[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=attn.scaling)
+        with attention_kernels(query.device):
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=attn.scaling)
         hidden = residual + attn.o_proj(out.transpose(1, 2).reshape(1, rows, -1))
         residual = hidden
         hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
@@ -167,6 +172,18 @@ def static_llama_forward(model: torch.nn.Module, buffers: StaticBuffers, rows: i
     hidden = inner.norm(hidden)
     states[-1] = hidden  # (transformers returns the last layer's output after the final norm)
     return LeanOutput(model.lm_head(hidden), tuple(states))
+
+
+def attention_kernels(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """On CUDA, SDPA's memory-efficient kernel (or its math fallback): it takes an arbitrary additive mask and
+    is long used under CUDA graphs; left to itself PyTorch may pick cuDNN's attention for a masked bfloat16
+    query on recent GPUs, which some cuDNN versions get wrong under graphs for long keys (TransformerEngine
+    turns it off there). Elsewhere, PyTorch's own choice."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _rotated(heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -192,18 +209,68 @@ class GraphedTarget:
             raise ValueError(f"CUDA graphs need a CUDA target; this one is on {self.device}")
         self.buffers: StaticBuffers | None = None
         self.causal: dict[int, torch.Tensor] = {}  # rows -> the additive causal block of a chain
+        self.prepared: set[bool] = set()  # output_hidden_states values whose graphs `prepare` captures
+        self.off: str | None = None  # why graphs were turned off while in use (then `new_cache` gives None)
 
-    def new_cache(self, length: int) -> DynamicCache:
+    def new_cache(self, length: int) -> DynamicCache | None:
         """An empty cache over the static buffers, with room for `length` positions and a padded verification
-        after them (made larger, and the graphs dropped, when the present buffers are shorter)."""
+        after them: the buffers are made again (larger, or for a target whose weights were replaced since, not
+        changed in place: graphs read them where they were), with their graphs captured before the prefill.
+        None once graphs are off (`off`), or when they no longer apply to the target (then turned off, said)."""
+        if self.off is not None:
+            return None
         need = length + MAX_QUERY
-        if self.buffers is None or self.buffers.capacity < need:
+        replaced = self.buffers is not None and self.buffers.weights != weight_addresses(self.model)
+        if replaced:
+            refusal = graphs_refusal(self.model)
+            if refusal is None and self.capture and not on_cuda(self.model):
+                refusal = "it is no longer on CUDA"
+            if refusal is not None:
+                self.turn_off(f"the target changed since its graphs were made: {refusal}")
+                return None
+        if self.buffers is None or replaced or self.buffers.capacity < need:
             capacity = -(-need // CAPACITY_STEP) * CAPACITY_STEP
             self.buffers = None  # (the old buffers and graphs freed before the new ones are made)
             self.buffers = StaticBuffers(self.model, capacity)
+            for hidden in sorted(self.prepared):
+                self.prepare(hidden)
+                if self.off is not None:
+                    return None
         cache = DynamicCache(config=self.model.config)
         cache.layers = [self.buffers.layer(i) for i in range(len(cache.layers))]
         return cache
+
+    def prepare(self, output_hidden_states: bool) -> None:
+        """Capture every bucket's graph now (at build, or as new buffers are made, before their prefill: not in
+        a timed step, and not while other threads may be running kernels on the model), with or without the
+        hidden states; a failure turns graphs off (`turn_off`). Their warm-up runs write keys and values into
+        the cache's slots from the static inputs as they are: nothing a later prefill and step do not
+        overwrite, or mask."""
+        self.prepared.add(output_hidden_states)
+        if not self.capture:
+            return
+        for bucket in QUERY_BUCKETS:
+            if self._graph(bucket, output_hidden_states) is None:
+                return
+
+    def turn_off(self, why: str) -> None:
+        """No graphs from now on (the steps run `static_llama_forward` uncaptured until this generation ends;
+        the next one eager forwards), said as a warning."""
+        self.off = why
+        if self.buffers is not None:
+            self.buffers.graphs.clear()
+        warnings.warn(f"CUDA graphs off for this target: {why}", GraphsWarning, stacklevel=4)
+
+    def _graph(self, bucket: int, output_hidden_states: bool) -> tuple[Any, LeanOutput] | None:
+        """The bucket's graph, captured now if it was not (None when capturing failed: graphs then turned off)."""
+        key = (bucket, output_hidden_states)
+        if key not in self.buffers.graphs:
+            try:
+                self.buffers.graphs[key] = self._capture(bucket, output_hidden_states)
+            except Exception as e:
+                self.turn_off(f"capturing failed: {type(e).__name__}: {e}")
+                return None
+        return self.buffers.graphs[key]
 
     def takes(self, rows: int) -> bool:
         """Whether a forward of `rows` tokens runs here (else the caller runs the eager one)."""
@@ -230,24 +297,23 @@ class GraphedTarget:
         buffers.positions[:, :rows].copy_(position_ids)
         torch.add(buffers.offsets[:bucket], past, out=buffers.slots[:bucket])
         self._write_mask(past, rows, bucket, parents)
-        key = (bucket, output_hidden_states)
-        if not self.capture:
+        graphed = self._graph(bucket, output_hidden_states) if self.capture and self.off is None else None
+        if graphed is None:  # (without capture, or after a capture failed: the same forward, launched from Python)
             out = static_llama_forward(self.model, buffers, bucket)
         else:
-            if key not in buffers.graphs:
-                buffers.graphs[key] = self._capture(bucket, output_hidden_states)
-            graph, out = buffers.graphs[key]
-            graph.replay()
+            graph, out = graphed
+            self._replay(graph)
         for layer in cache.layers:
             layer.set_length(past + rows)
         hidden = tuple(h[:, :rows] for h in out.hidden_states) if output_hidden_states else None
-        # (logits copied: the next replay overwrites the graph's output; the engine copies the hidden rows it keeps)
+        # (logits copied: the next replay overwrites the graph's output. The hidden states are views of it, valid
+        # until the next forward: the engine copies the rows it keeps before then)
         return LeanOutput(out.logits[:, :rows].clone(), hidden)
 
     def _write_mask(self, past: int, rows: int, bucket: int, parents: Sequence[int] | None) -> None:
         """The additive mask of the step's `bucket` rows over the buffer: each real row sees the past and its
         block's ancestors (a chain's earlier tokens, or a tree node's path to the root) and itself; a padding
-        row sees only its own slot; nothing sees the positions after the step."""
+        row sees the past and its own slot; nothing sees the positions after the step."""
         buffers = self.buffers
         mask = buffers.mask[0, 0, :bucket]
         mask.fill_(buffers.hidden_minimum)
@@ -276,18 +342,24 @@ class GraphedTarget:
         """A graph of `static_llama_forward` on `bucket` rows, its inputs already written for this step (the warm-up
         runs compute this step's keys and values, as the replay that follows does)."""
         model, buffers = self.model, self.buffers
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                static_llama_forward(model, buffers, bucket)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # (a memory pool of its own: graphs replay in any order)
-            out = static_llama_forward(model, buffers, bucket)
+        with torch.cuda.device(self.device):  # (a target on another GPU than the current one)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_RUNS):
+                    static_llama_forward(model, buffers, bucket)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # (a memory pool of its own: graphs replay in any order; other threads' work does not break it)
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                out = static_llama_forward(model, buffers, bucket)
         if not output_hidden_states:
             out = LeanOutput(out.logits, None)
         return graph, out
+
+    def _replay(self, graph: Any) -> None:
+        with torch.cuda.device(self.device):
+            graph.replay()
 
     def check(self) -> str | None:
         """Whether this forward gives the eager forward's results on this model and device, up to rounding: a
@@ -352,23 +424,38 @@ def _differs(got: LeanOutput, want: LeanOutput) -> str | None:
     return None
 
 
-def graphed_target(model: torch.nn.Module, enabled: bool) -> tuple[GraphedTarget | None, str | None]:
+def graphed_target(
+    model: torch.nn.Module, enabled: bool, output_hidden_states: bool = False
+) -> tuple[GraphedTarget | None, str | None]:
     """The decoder's graphed forward for `model` and, where there is none on a CUDA target with graphs on, why (also
     said as a warning): None and no reason when graphs are off or the model is not on CUDA; None and a reason when
-    it cannot be graphed (`graphs_refusal`), or failed to capture or to match the eager forward (`check`)."""
+    it cannot be graphed (`graphs_refusal`), or failed to capture or to match the eager forward (`check`). Every
+    bucket's graph is captured here, with the hidden states or without (`output_hidden_states`: what the
+    decoder's proposer asks for)."""
     if not enabled or not on_cuda(model):
         return None, None
     differs = graphs_refusal(model)
     if differs is None:
         try:
             graphed = GraphedTarget(model)
-            differs = graphed.check()
+            with warnings.catch_warnings():  # (a capture that fails turns graphs off: said once, below)
+                warnings.simplefilter("ignore", GraphsWarning)
+                differs = graphed.check() or graphed.off
+                if differs is None:
+                    with torch.inference_mode():
+                        graphed.prepare(output_hidden_states)
+                    differs = graphed.off
         except Exception as e:  # (a capture that fails: eager forwards, said)
             differs = f"capturing failed: {type(e).__name__}: {e}"
     if differs is not None:
         warnings.warn(f"CUDA graphs off for this target: {differs}", GraphsWarning, stacklevel=3)
         return None, differs
     return graphed, None
+
+
+def weight_addresses(model: torch.nn.Module) -> tuple[int, ...]:
+    """Where each parameter and buffer of `model` is (a captured graph reads them there)."""
+    return tuple(t.data_ptr() for t in itertools.chain(model.parameters(), model.buffers()))
 
 
 def on_cuda(model: torch.nn.Module) -> bool:

@@ -102,7 +102,8 @@ class SpeculativeDecoder:
         # On CUDA, the verification forwards as CUDA graphs over a static cache (specframe/cuda_graphs.py): built
         # and checked against the eager forward here; None where off or not on CUDA, and where they do not apply
         # or failed the check (then `graphs_off` says why, as a warning does).
-        self.graphs, self.graphs_off = graphed_target(model, cuda_graphs and self.rope_switch is None)
+        hidden = bool(proposer.hidden_state_layers)
+        self.graphs, self.graphs_off = graphed_target(model, cuda_graphs and self.rope_switch is None, hidden)
         self.cache = None  # the target's KV cache, during a generate call
         self._one_call = threading.Lock()  # held by the running generate call
         self._caller: int | None = None  # that call's thread
@@ -110,6 +111,8 @@ class SpeculativeDecoder:
     def __getstate__(self) -> dict[str, Any]:  # (copies and pickles get a lock of their own, not this one)
         state = {**self.__dict__, "_caller": None}
         del state["_one_call"]
+        if state.get("graphs") is not None:  # (not shared: two decoders would write one static cache)
+            state.update(graphs=None, graphs_off=GRAPHS_NOT_COPIED)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -238,7 +241,7 @@ class SpeculativeDecoder:
                 return self._generate(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, raw)
             finally:
                 self._caller = None
-                self.cache = None  # (the call's cache: no memory held between calls)
+                self.cache = None  # (the call's cache; with CUDA graphs their static buffers are kept for the next)
 
     def _generate(
         self,
@@ -280,8 +283,12 @@ class SpeculativeDecoder:
         model, proposer, layers = self.model, self.proposer, tuple(self.proposer.hidden_state_layers)
         limit = min(max_new, self.context_window - prompt_ids.numel())
         graphs = self.graphs
-        # (on self for inspection during the call: the rollback check)
-        cache = self.cache = graphs.new_cache(prompt_ids.numel() + limit) if graphs else new_cache(model)
+        cache = graphs.new_cache(prompt_ids.numel() + limit) if graphs is not None else None
+        if cache is None:
+            if graphs is not None:  # (turned off in use: graphs.off says why, as a warning did)
+                self.graphs, self.graphs_off, graphs = None, graphs.off, None
+            cache = new_cache(model)
+        self.cache = cache  # on self for inspection during the call (the rollback check)
         forward = engine_forward(model)  # (the model itself, or its lean forward where that is the same)
         stats = Counter()
 
@@ -416,6 +423,9 @@ class SpeculativeDecoder:
             return ids, text[: min(text.index(s) for s in stop if s in text)], "stop"
         reason = "eos" if eos_at is not None else "length" if len(ids) >= max_new else "context"
         return ids, self._decode(ids) if self.tokenizer is not None else None, reason
+
+
+GRAPHS_NOT_COPIED = "a copied or unpickled decoder runs eager forwards (CUDA graphs are tied to their static cache)"
 
 
 def proposer_who(name: str, plugin: str = "") -> str:

@@ -35,7 +35,7 @@ def llama(**overrides) -> LlamaForCausalLM:
 def static_graphs(monkeypatch):
     """Decoders built while this is active run their steps on the static buffers (no capture: a CPU)."""
 
-    def build(model, enabled):
+    def build(model, enabled, output_hidden_states=False):
         return (GraphedTarget(model, capture=False) if enabled and graphs_refusal(model) is None else None), None
 
     monkeypatch.setattr(decoder_module, "graphed_target", build)
@@ -236,3 +236,117 @@ def test_conformance_on_static_buffers(static_graphs, name):
 def test_sampling_conformance_on_static_buffers(static_graphs, name):
     result = conformance.check_sampling(get_registry().get(name).cls, "cpu", "temperature=0.7,top_p=0.9")
     assert result.passed, result.detail
+
+
+def test_copies_of_a_decoder_do_not_share_its_static_cache(static_graphs):
+    import copy
+
+    model = tiny_llama(vocab_size=32, hidden_size=32)
+    decoder = SpeculativeDecoder(model, NoneProposer.random(target_info(model)), max_new_tokens=6)
+    for other in (copy.copy(decoder), copy.deepcopy(decoder)):
+        assert other.graphs is None and "copied or unpickled decoder runs eager forwards" in other.graphs_off
+        assert other.generate([1, 2, 3]).token_ids == decoder.generate([1, 2, 3]).token_ids
+    assert isinstance(decoder.graphs, GraphedTarget)
+
+
+class EmulatedGraphs(GraphedTarget):
+    """Capture and replay emulated on a CPU: a "graph" is the forward run again, its results written into the
+    tensors its capture returned, as a replay overwrites a graph's outputs. What it pins down is the bookkeeping
+    around them: which graphs are captured when, and that outputs are read before the next replay overwrites
+    them. `fail_after`: captures that succeed before one raises."""
+
+    fail_after = None
+
+    def __init__(self, model):
+        super().__init__(model, capture=False)
+        self.capture = True
+        self.captures = []
+
+    def _capture(self, bucket, output_hidden_states):
+        if self.fail_after is not None and len(self.captures) >= self.fail_after:
+            raise RuntimeError("CUDA error: out of memory")
+        self.captures.append((bucket, output_hidden_states))
+        out = cuda_graphs.static_llama_forward(self.model, self.buffers, bucket)
+        if not output_hidden_states:
+            out = cuda_graphs.LeanOutput(out.logits, None)
+        return EmulatedGraph(self, bucket, out), out
+
+    def _replay(self, graph):
+        graph.replay()
+
+
+class EmulatedGraph:
+    def __init__(self, owner, bucket, out):
+        self.owner, self.bucket, self.out = owner, bucket, out
+
+    def replay(self):
+        new = cuda_graphs.static_llama_forward(self.owner.model, self.owner.buffers, self.bucket)
+        self.out.logits.copy_(new.logits)
+        for kept, fresh in zip(self.out.hidden_states or (), new.hidden_states, strict=False):
+            kept.copy_(fresh)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setattr(cuda_graphs, "on_cuda", lambda model: True)
+    monkeypatch.setattr(cuda_graphs, "GraphedTarget", EmulatedGraphs)
+    monkeypatch.setattr(EmulatedGraphs, "fail_after", None)
+    return EmulatedGraphs
+
+
+@pytest.mark.parametrize("name", ["none", "eagle", "tree"])
+def test_every_graph_is_captured_at_build_and_replayed(emulated, name):
+    model = tiny_llama(vocab_size=32, hidden_size=32)
+    proposer = proposers(model)[name]
+    decoder = SpeculativeDecoder(model, proposer, max_new_tokens=40)
+    hidden = bool(proposer.hidden_state_layers)
+    graphs = decoder.graphs
+    assert isinstance(graphs, EmulatedGraphs)
+    built = list(graphs.captures)  # the check's bucket (4, with hidden states), then every bucket
+    assert set(built) == {(4, True)} | {(b, hidden) for b in cuda_graphs.QUERY_BUCKETS}
+    prompt = [1, 5, 2, 7, 3]
+    assert decoder.generate(prompt).token_ids == conformance.reference_greedy(model, prompt, 40)
+    eager = SpeculativeDecoder(model, proposers(model)[name], max_new_tokens=40, cuda_graphs=False)
+    sampled = decoder.generate(prompt, temperature=1.0, seed=3).token_ids
+    assert sampled == eager.generate(prompt, temperature=1.0, seed=3).token_ids
+    assert graphs.captures == built  # (nothing captured while generating)
+
+
+def test_a_capture_that_fails_turns_graphs_off(emulated, monkeypatch):
+    model = tiny_llama(vocab_size=32, hidden_size=32, max_position_embeddings=4096)
+    monkeypatch.setattr(EmulatedGraphs, "fail_after", 3)  # at build: the check's, then two buckets
+    with pytest.warns(GraphsWarning, match="capturing failed: RuntimeError: CUDA error: out of memory"):
+        decoder = SpeculativeDecoder(model, NoneProposer.random(target_info(model)), max_new_tokens=8)
+    assert decoder.graphs is None and decoder.graphs_off.startswith("capturing failed")
+
+    monkeypatch.setattr(EmulatedGraphs, "fail_after", 8)  # every graph at build; none for larger buffers
+    decoder = SpeculativeDecoder(model, NoneProposer.random(target_info(model)), max_new_tokens=8)
+    graphs = decoder.graphs
+    assert decoder.generate([1, 2, 3]).token_ids == conformance.reference_greedy(model, [1, 2, 3], 8)
+    prompt = [i % 31 + 1 for i in range(graphs.buffers.capacity)]  # larger buffers: their captures fail
+    with pytest.warns(GraphsWarning, match="capturing failed"):
+        out = decoder.generate(prompt, max_new_tokens=3).token_ids
+    assert out == conformance.reference_greedy(model, prompt, 3)
+    assert decoder.graphs is None and graphs.off.startswith("capturing failed") and decoder.graphs_off == graphs.off
+    assert decoder.generate([1, 2, 3]).token_ids == conformance.reference_greedy(model, [1, 2, 3], 8)
+
+
+def test_a_target_moved_off_the_gpu_turns_graphs_off(emulated, monkeypatch):
+    model = tiny_llama(vocab_size=32, hidden_size=32)
+    decoder = SpeculativeDecoder(model, NoneProposer.random(target_info(model)), max_new_tokens=8)
+    assert decoder.graphs is not None
+    monkeypatch.setattr(cuda_graphs, "on_cuda", lambda model: False)
+    model.to(torch.float64)  # (moved: the weights are other tensors)
+    with pytest.warns(GraphsWarning, match="the target changed since its graphs were made: it is no longer on CUDA"):
+        decoder.generate([1, 2, 3])
+    assert decoder.graphs is None
+
+
+def test_replaced_weights_make_new_buffers_and_graphs(emulated):
+    model = tiny_llama(vocab_size=32, hidden_size=32)
+    decoder = SpeculativeDecoder(model, NoneProposer.random(target_info(model)), max_new_tokens=8)
+    graphs, buffers = decoder.graphs, decoder.graphs.buffers
+    built = len(graphs.captures)
+    model.lm_head.weight.data = model.lm_head.weight.data * 2
+    assert decoder.generate([1, 2, 3]).token_ids == conformance.reference_greedy(model, [1, 2, 3], 8)
+    assert graphs.buffers is not buffers and len(graphs.captures) == built + len(cuda_graphs.QUERY_BUCKETS)
