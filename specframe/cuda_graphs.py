@@ -146,29 +146,29 @@ def static_llama_forward(model: torch.nn.Module, buffers: StaticBuffers, rows: i
     cos = buffers.cos.index_select(0, positions)[None, None]
     sin = buffers.sin.index_select(0, positions)[None, None]
     states = [hidden]
-    for i, layer in enumerate(inner.layers[: config.num_hidden_layers]):
-        attn = layer.self_attn
-        residual = hidden
-        x = layer.input_layernorm(hidden)
-        heads = (1, rows, -1, attn.head_dim)
-        query = attn.q_proj(x).view(heads).transpose(1, 2)
-        key = attn.k_proj(x).view(heads).transpose(1, 2)
-        value = attn.v_proj(x).view(heads).transpose(1, 2)
-        query, key = _rotated(query, cos, sin), _rotated(key, cos, sin)
-        keys, values = buffers.kv[i, 0], buffers.kv[i, 1]
-        keys.index_copy_(2, slots, key)
-        values.index_copy_(2, slots, value)
-        groups = attn.num_key_value_groups
-        if groups > 1:  # (as transformers' repeat_kv: each key/value head serves `groups` query heads in a row)
-            b, h, n, d = keys.shape
-            keys = keys[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
-            values = values[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
-        with attention_kernels(query.device):
+    with attention_kernels(hidden.device):
+        for i, layer in enumerate(inner.layers[: config.num_hidden_layers]):
+            attn = layer.self_attn
+            residual = hidden
+            x = layer.input_layernorm(hidden)
+            heads = (1, rows, -1, attn.head_dim)
+            query = attn.q_proj(x).view(heads).transpose(1, 2)
+            key = attn.k_proj(x).view(heads).transpose(1, 2)
+            value = attn.v_proj(x).view(heads).transpose(1, 2)
+            query, key = _rotated(query, cos, sin), _rotated(key, cos, sin)
+            keys, values = buffers.kv[i, 0], buffers.kv[i, 1]
+            keys.index_copy_(2, slots, key)
+            values.index_copy_(2, slots, value)
+            groups = attn.num_key_value_groups
+            if groups > 1:  # (as transformers' repeat_kv: each key/value head serves `groups` query heads in a row)
+                b, h, n, d = keys.shape
+                keys = keys[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
+                values = values[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
             out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=attn.scaling)
-        hidden = residual + attn.o_proj(out.transpose(1, 2).reshape(1, rows, -1))
-        residual = hidden
-        hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
-        states.append(hidden)
+            hidden = residual + attn.o_proj(out.transpose(1, 2).reshape(1, rows, -1))
+            residual = hidden
+            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+            states.append(hidden)
     hidden = inner.norm(hidden)
     states[-1] = hidden  # (transformers returns the last layer's output after the final norm)
     return LeanOutput(model.lm_head(hidden), tuple(states))

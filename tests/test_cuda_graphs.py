@@ -103,6 +103,7 @@ def test_refusals():
     # graphs are for CUDA: nothing is built (or said) on a CPU, nor when they are off
     assert graphed_target(llama(), enabled=True) == (None, None)
     assert SpeculativeDecoder(llama(), NoneProposer(NoneConfig(), target_info(llama()))).graphs is None
+    assert "CUDA graphs" not in conformance.check_greedy(NoneProposer, "cpu").detail
 
 
 class Uncaptured(GraphedTarget):
@@ -221,6 +222,17 @@ def test_a_verification_past_the_largest_graph_runs_eagerly(static_graphs, monke
     # the 73-token steps ran eagerly (the last steps, with budget for one level only, on the static buffers)
     assert result.stats["proposed_nodes"] >= 72 and all(r <= MAX_QUERY for r in rows)
     assert len(rows) < result.stats["target_forwards"] - 1
+
+
+def test_the_greedy_check_says_whether_graphs_ran(emulated, monkeypatch):
+    cls = get_registry().get("none").cls
+    result = conformance.check_greedy(cls, "cpu")
+    assert result.passed and result.detail.endswith("; verification forwards as CUDA graphs")
+    monkeypatch.setattr(EmulatedGraphs, "fail_after", 0)
+    with pytest.warns(GraphsWarning):
+        result = conformance.check_greedy(cls, "cpu")
+    off = "; CUDA graphs off: capturing failed: RuntimeError: CUDA error: out of memory"
+    assert result.passed and result.detail.endswith(off)
 
 
 @pytest.mark.parametrize("name", ["none", "medusa", "eagle", "union"])
