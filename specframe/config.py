@@ -38,7 +38,7 @@ class TargetConfig:
     # grouped-query attention without copying the cache; same results up to float rounding
     # (specframe/cpu_kernels.py has the numbers). False: PyTorch's and transformers' own kernels.
     fast_cpu_kernels: bool = True
-    # On CUDA, replay the target's verification forwards (1-64 tokens) as CUDA graphs over a static KV cache,
+    # On CUDA, replay the target's verification forwards (1-128 tokens) as CUDA graphs over a static KV cache,
     # one launch instead of hundreds; same results up to float rounding, checked against the eager forward when
     # the decoder is built (docs/gpu.md). Llama-family targets; ignored on CPU. False: eager forwards.
     cuda_graphs: bool = True

@@ -45,7 +45,9 @@ from transformers import DynamicCache
 from specframe.kv_cache import GrowingLayer
 from specframe.lean_forward import LeanOutput, engine_forward, lean_forward_applies
 
-QUERY_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # token counts a graph is captured for; a step takes the smallest fit
+# Token counts a graph is captured for; a step takes the smallest that holds it. Up to 128: on a GPU the default
+# shapes verify ~61-65 tokens (EAGLE-2's 60 nodes, Medusa's 64) and a union of EAGLE and n-gram up to ~81.
+QUERY_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
 MAX_QUERY = QUERY_BUCKETS[-1]  # larger verifications run the eager forward
 CAPACITY_STEP = 1024  # the KV buffers' length is a multiple of this (fewer reallocations, fewer recaptures)
 WARMUP_RUNS = 2  # eager runs on a side stream before a capture (as PyTorch's docs ask: lazy inits happen there)
