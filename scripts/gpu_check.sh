@@ -102,7 +102,7 @@ if [ "$MODEL_OK" = 1 ]; then
             | sed 's/^/    methods: /' | tee -a "$SUMMARY"
     fi
     # --- 6. what the CUDA graphs gave: plain decoding and union again with the eager forwards, against hf in the
-    # same (shorter) run, on the questions the first run began with
+    # same (shorter) run: one question each of mt_bench and translation (docs/gpu.md, step 5)
     if [ -z "${GPU_CHECK_SKIP_EAGER:-}" ]; then
         timeout "${GPU_CHECK_EAGER_S:-110}" "${SF[@]}" bench --proposers none,union --baselines hf \
             --limit 1 --subtasks mt_bench,translation --max-new-tokens "$MAX_NEW" --device "$DEVICE" \

@@ -40,7 +40,7 @@ class TargetConfig:
     fast_cpu_kernels: bool = True
     # On CUDA, replay the target's verification forwards (1-128 tokens) as CUDA graphs over a static KV cache,
     # one launch instead of hundreds; same results up to float rounding, checked against the eager forward when
-    # the decoder is built (docs/gpu.md). Llama-family targets; ignored on CPU. False: eager forwards.
+    # the decoder is built (docs/gpu.md). transformers' LlamaForCausalLM targets; ignored on CPU. False: eager.
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:

@@ -15,9 +15,11 @@ the same memory, so everything that changes between steps must live in fixed buf
 A verification of m tokens replays the graph of the smallest bucket size (`QUERY_BUCKETS`) holding m; the rows
 past m are padding: they see the past and their own slot (finite rows, never NaN) and write keys and values
 past the sequence, which no real row sees and the next step overwrites. Larger verifications (over MAX_QUERY
-tokens) and the prefill run the eager forward on the same cache. Every bucket's graph is captured when the
-decoder is built (`prepare`), and again before the prefill when a generation needs larger buffers; a capture
-that fails turns graphs off (`turn_off`, with a warning) and the steps run the same forward uncaptured.
+tokens) and the prefill run the eager forward on the same cache (or, where such a verification would not fit
+the buffers, on a copy of the usual kind for the rest of that generation: `detached`). Every bucket's graph
+is captured when the decoder is built (`prepare`), and again before the prefill when a generation needs larger
+buffers; a capture that fails turns graphs off (`turn_off`, with a warning) and the steps run the same forward
+uncaptured.
 
 The graphed forward is `static_llama_forward`, written out as transformers' Llama computes it, but attending
 over the whole buffer through PyTorch's SDPA with the mask above and reading rotary cos/sin from a table made
@@ -61,8 +63,18 @@ def graphs_refusal(model: torch.nn.Module) -> str | None:
     """Why `model`'s forwards cannot be graphed here (a sentence), or None when they can: a Llama model that the
     lean forward applies to (eval mode, no hooks or replaced forwards), whose rotary embedding depends on the
     position only (not the dynamic or LongRoPE kinds, which rescale with the sequence length)."""
+    from transformers.models.llama.modeling_llama import LlamaForCausalLM
+
+    from specframe.lean_forward import ATTENTIONS
+
+    if type(model) is not LlamaForCausalLM:
+        return f"it is a {type(model).__name__}; they are written for transformers' LlamaForCausalLM only"
+    if model.training:
+        return "it is in training mode"
+    if model.config._attn_implementation not in ATTENTIONS:
+        return f"its attention implementation {model.config._attn_implementation!r} is not eager or SDPA"
     if not lean_forward_applies(model):
-        return "only a transformers Llama model in eval mode, without hooks or replaced forwards, is graphed"
+        return "it has hooks or replaced modules or forwards, which the graphed forward would skip"
     rope = str(getattr(model.model.rotary_emb, "rope_type", "default"))
     if "dynamic" in rope or rope == "longrope":
         return f"its rotary embedding ({rope}) changes with the sequence length"
@@ -222,14 +234,13 @@ class GraphedTarget:
         if self.off is not None:
             return None
         need = length + MAX_QUERY
+        refusal = graphs_refusal(self.model)  # (a hook added since, say: the graphs would skip it)
+        if refusal is None and self.capture and not on_cuda(self.model):
+            refusal = "it is no longer on CUDA"
+        if refusal is not None:
+            self.turn_off(f"the target changed since its graphs were made: {refusal}")
+            return None
         replaced = self.buffers is not None and self.buffers.weights != weight_addresses(self.model)
-        if replaced:
-            refusal = graphs_refusal(self.model)
-            if refusal is None and self.capture and not on_cuda(self.model):
-                refusal = "it is no longer on CUDA"
-            if refusal is not None:
-                self.turn_off(f"the target changed since its graphs were made: {refusal}")
-                return None
         if self.buffers is None or replaced or self.buffers.capacity < need:
             capacity = -(-need // CAPACITY_STEP) * CAPACITY_STEP
             self.buffers = None  # (the old buffers and graphs freed before the new ones are made)
@@ -241,6 +252,17 @@ class GraphedTarget:
         cache = DynamicCache(config=self.model.config)
         cache.layers = [self.buffers.layer(i) for i in range(len(cache.layers))]
         return cache
+
+    def detached(self, cache: DynamicCache) -> DynamicCache:
+        """A cache of the engine's own kind (`specframe.kv_cache.new_cache`) holding `cache`'s positions, for a
+        verification that would not fit the static buffers (more than MAX_QUERY tokens near their end): the rest
+        of that generation runs eager forwards on it."""
+        from specframe.kv_cache import new_cache
+
+        plain = new_cache(self.model)
+        for mine, theirs in zip(plain.layers, cache.layers, strict=True):
+            mine.update(theirs.keys, theirs.values)  # (copied into buffers of its own)
+        return plain
 
     def prepare(self, output_hidden_states: bool) -> None:
         """Capture every bucket's graph now (at build, or as new buffers are made, before their prefill: not in
@@ -270,13 +292,17 @@ class GraphedTarget:
             try:
                 self.buffers.graphs[key] = self._capture(bucket, output_hidden_states)
             except Exception as e:
-                self.turn_off(f"capturing failed: {type(e).__name__}: {e}")
+                self.turn_off(f"capturing failed: {one_line(e)}")
                 return None
         return self.buffers.graphs[key]
 
     def takes(self, rows: int) -> bool:
         """Whether a forward of `rows` tokens runs here (else the caller runs the eager one)."""
         return 1 <= rows <= MAX_QUERY
+
+    def holds(self, length: int) -> bool:
+        """Whether the static buffers have room for `length` positions (else the caller `detached` its cache)."""
+        return length <= self.buffers.capacity
 
     def forward(
         self,
@@ -447,12 +473,17 @@ def graphed_target(
                     with torch.inference_mode():
                         graphed.prepare(output_hidden_states)
                     differs = graphed.off
-        except Exception as e:  # (a capture that fails: eager forwards, said)
-            differs = f"capturing failed: {type(e).__name__}: {e}"
+        except Exception as e:  # (a capture that fails is caught inside: this is the check's own failure)
+            differs = f"checking them against the eager forward failed: {one_line(e)}"
     if differs is not None:
         warnings.warn(f"CUDA graphs off for this target: {differs}", GraphsWarning, stacklevel=3)
         return None, differs
     return graphed, None
+
+
+def one_line(e: Exception) -> str:
+    """An exception as one line (CUDA errors come with lines of advice)."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def weight_addresses(model: torch.nn.Module) -> tuple[int, ...]:

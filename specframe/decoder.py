@@ -103,7 +103,7 @@ class SpeculativeDecoder:
         # and checked against the eager forward here; None where off or not on CUDA, and where they do not apply
         # or failed the check (then `graphs_off` says why, as a warning does).
         hidden = bool(proposer.hidden_state_layers)
-        self.graphs, self.graphs_off = graphed_target(model, cuda_graphs and self.rope_switch is None, hidden)
+        self.graphs, self.graphs_off = graphed_target(model, cuda_graphs, hidden)
         self.cache = None  # the target's KV cache, during a generate call
         self._one_call = threading.Lock()  # held by the running generate call
         self._caller: int | None = None  # that call's thread
@@ -324,6 +324,7 @@ class SpeculativeDecoder:
             rows_before = 0  # rows of this forward before the root's
             if recompute:  # as the target's own generation does: the whole sequence again, in a fresh cache
                 cache = self.cache = new_cache(model)
+                graphs = None  # (never graphed, LongRoPE targets: `graphs_refusal`; not on this cache in any case)
                 # (built again, not `tokens`: the proposer may have edited state.tokens in place)
                 whole = torch.cat([prompt_ids, torch.tensor(generated, device=self.device)])
                 out = forward(
@@ -342,6 +343,11 @@ class SpeculativeDecoder:
                     check_tree_attention(model)
                     positions = (past + torch.tensor([0, *depths], device=self.device))[None]
                     parents = proposal.parents.tolist()
+                if graphs is not None and not graphs.takes(n + 1) and not graphs.holds(past + n + 1):
+                    # (a verification larger than any graph, too long for the static buffers: this generation
+                    # goes on with eager forwards on a cache of the usual kind)
+                    cache = self.cache = graphs.detached(cache)
+                    graphs = None
                 if graphs is not None and graphs.takes(n + 1):
                     out = graphs.forward(cache, inputs, positions, parents, output_hidden_states=bool(layers))
                 else:

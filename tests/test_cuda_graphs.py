@@ -94,8 +94,21 @@ def test_refusals():
     assert graphs_refusal(llama()) is None
     dynamic = llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     assert "changes with the sequence length" in graphs_refusal(dynamic)
-    training = llama().train()
-    assert "eval mode" in graphs_refusal(training)
+    assert graphs_refusal(llama().train()) == "it is in training mode"
+    assert "attention implementation 'flex_attention'" in graphs_refusal(llama(attn_implementation="flex_attention"))
+    hooked = llama()
+    hooked.model.layers[0].mlp.register_forward_hook(lambda *args: None)
+    assert (
+        graphs_refusal(hooked) == "it has hooks or replaced modules or forwards, which the graphed forward would skip"
+    )
+    from transformers import MistralConfig, MistralForCausalLM
+
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                               num_attention_heads=4, num_key_value_heads=2)).eval()  # fmt: skip
+    assert (
+        graphs_refusal(mistral)
+        == "it is a MistralForCausalLM; they are written for transformers' LlamaForCausalLM only"
+    )
     with pytest.raises(ValueError, match="cannot be graphed: its rotary embedding"):
         GraphedTarget(dynamic, capture=False)
     with pytest.raises(ValueError, match="need a CUDA target; this one is on cpu"):
@@ -111,7 +124,16 @@ class Uncaptured(GraphedTarget):
         super().__init__(model, capture=False)
 
 
-@pytest.mark.parametrize("case", ["applies", "dynamic rope", "differs", "capture fails"])
+class CaptureFails(GraphedTarget):
+    def __init__(self, model):
+        super().__init__(model, capture=False)
+        self.capture = True  # (as on CUDA, where each capture raises)
+
+    def _capture(self, bucket, output_hidden_states):
+        raise RuntimeError("operation not permitted when stream is capturing\nCUDA kernel errors might be reported")
+
+
+@pytest.mark.parametrize("case", ["applies", "dynamic rope", "longrope", "differs", "check fails", "capture fails"])
 def test_graphed_target_on_cuda_says_why_it_is_off(monkeypatch, case):
     """As on a CUDA target (the device test faked, the capture left out): what `graphed_target` returns and says."""
     monkeypatch.setattr(cuda_graphs, "on_cuda", lambda model: True)
@@ -121,12 +143,19 @@ def test_graphed_target_on_cuda_says_why_it_is_off(monkeypatch, case):
         model = llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     elif case == "differs":
         monkeypatch.setattr(Uncaptured, "check", lambda self: "logits differ by 3")
-    elif case == "capture fails":
+    elif case == "longrope":  # (a target the decoder also treats specially: its RoPE switch; still said)
+        half = 4  # head_dim 8 / 2
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * half,
+                "long_factor": [2.0] * half, "original_max_position_embeddings": 128}  # fmt: skip
+        model = llama(rope_parameters=rope, max_position_embeddings=512)
+    elif case == "check fails":
 
         def fails(self, *args):
-            raise RuntimeError("operation not permitted when stream is capturing")
+            raise RuntimeError("shapes do not match")
 
         monkeypatch.setattr(Uncaptured, "forward", fails)
+    elif case == "capture fails":
+        monkeypatch.setattr(cuda_graphs, "GraphedTarget", CaptureFails)
     if case == "applies":
         graphed, why = graphed_target(model, enabled=True)
         assert isinstance(graphed, Uncaptured) and why is None
@@ -137,8 +166,11 @@ def test_graphed_target_on_cuda_says_why_it_is_off(monkeypatch, case):
     assert graphed is None and why in str(said[0].message)
     expected = {
         "dynamic rope": "its rotary embedding (dynamic) changes with the sequence length",
+        "longrope": "its rotary embedding (longrope) changes with the sequence length",
         "differs": "logits differ by 3",
-        "capture fails": "capturing failed: RuntimeError: operation not permitted when stream is capturing",
+        "check fails": "checking them against the eager forward failed: RuntimeError: shapes do not match",
+        "capture fails": "capturing failed: RuntimeError: operation not permitted when stream is capturing CUDA kernel "
+        "errors might be reported",  # (one line)
     }
     assert why == expected[case]
     with pytest.warns(GraphsWarning, match=re.escape(expected[case])):
@@ -273,6 +305,7 @@ class EmulatedGraphs(GraphedTarget):
         super().__init__(model, capture=False)
         self.capture = True
         self.captures = []
+        self.replays = 0
 
     def _capture(self, bucket, output_hidden_states):
         if self.fail_after is not None and len(self.captures) >= self.fail_after:
@@ -292,6 +325,7 @@ class EmulatedGraph:
         self.owner, self.bucket, self.out = owner, bucket, out
 
     def replay(self):
+        self.owner.replays += 1
         new = cuda_graphs.static_llama_forward(self.owner.model, self.owner.buffers, self.bucket)
         self.out.logits.copy_(new.logits)
         for kept, fresh in zip(self.out.hidden_states or (), new.hidden_states, strict=False):
@@ -314,10 +348,13 @@ def test_every_graph_is_captured_at_build_and_replayed(emulated, name):
     hidden = bool(proposer.hidden_state_layers)
     graphs = decoder.graphs
     assert isinstance(graphs, EmulatedGraphs)
-    built = list(graphs.captures)  # the check's bucket (4, with hidden states), then every bucket
-    assert set(built) == {(4, True)} | {(b, hidden) for b in cuda_graphs.QUERY_BUCKETS}
+    built = list(graphs.captures)  # the check's bucket (4, with hidden states), then every other bucket
+    assert sorted(built) == sorted({(4, True)} | {(b, hidden) for b in cuda_graphs.QUERY_BUCKETS})
     prompt = [1, 5, 2, 7, 3]
-    assert decoder.generate(prompt).token_ids == conformance.reference_greedy(model, prompt, 40)
+    replays = graphs.replays
+    result = decoder.generate(prompt)
+    assert result.token_ids == conformance.reference_greedy(model, prompt, 40)
+    assert graphs.replays - replays == result.stats["target_forwards"] - 1  # (every step but the prefill)
     eager = SpeculativeDecoder(model, proposers(model)[name], max_new_tokens=40, cuda_graphs=False)
     sampled = decoder.generate(prompt, temperature=1.0, seed=3).token_ids
     assert sampled == eager.generate(prompt, temperature=1.0, seed=3).token_ids
@@ -363,3 +400,26 @@ def test_replaced_weights_make_new_buffers_and_graphs(emulated):
     model.lm_head.weight.data = model.lm_head.weight.data * 2
     assert decoder.generate([1, 2, 3]).token_ids == conformance.reference_greedy(model, [1, 2, 3], 8)
     assert graphs.buffers is not buffers and len(graphs.captures) == built + len(cuda_graphs.QUERY_BUCKETS)
+
+
+def test_a_hook_added_later_turns_graphs_off(emulated):
+    model = tiny_llama(vocab_size=32, hidden_size=32)
+    decoder = SpeculativeDecoder(model, NoneProposer.random(target_info(model)), max_new_tokens=8)
+    seen = []
+    model.model.layers[1].register_forward_hook(lambda *args: seen.append(1))
+    with pytest.warns(GraphsWarning, match="the target changed since its graphs were made: it has hooks"):
+        out = decoder.generate([1, 2, 3]).token_ids
+    assert decoder.graphs is None and len(seen) == 8  # (the hook ran in every forward: prefill and 7 steps)
+    assert out == conformance.reference_greedy(model, [1, 2, 3], 8)
+
+
+def test_a_verification_too_long_for_the_buffers_goes_on_eagerly(static_graphs):
+    model = tiny_llama(vocab_size=32, hidden_size=32, max_position_embeddings=2048)
+    config = TreeConfig(width=12, depth=2)  # sampled: 157 tokens a verification, more than the buffers' margin
+    prompt = [i % 31 + 1 for i in range(880)]  # 880 + 16 + 128 = 1,024: the buffers' room, no more
+    decoder = SpeculativeDecoder(model, TreeTestProposer.random(target_info(model), config, seed=1))
+    eager = SpeculativeDecoder(model, TreeTestProposer.random(target_info(model), config, seed=1), cuda_graphs=False)
+    got = decoder.generate(prompt, max_new_tokens=16, temperature=1.0, seed=4)
+    assert decoder.graphs.buffers.capacity == 1024 and got.stats["proposed_nodes"] > 156
+    assert got.token_ids == eager.generate(prompt, max_new_tokens=16, temperature=1.0, seed=4).token_ids
+    assert decoder.graphs is not None  # (kept for the next generation)

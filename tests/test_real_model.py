@@ -120,14 +120,13 @@ def test_static_graph_forward_on_the_default_target(decoders, dtype):
     if dtype == "float32":
         graphed = GraphedTarget(model, capture=False)
         assert graphed.check() is None
-        if "eagle" in decoders:
-            eagle = decoders["eagle"]
-            want = eagle.generate(PROMPTS[0], max_new_tokens=32).token_ids
-            eagle.graphs = graphed
-            try:
-                assert eagle.generate(PROMPTS[0], max_new_tokens=32).token_ids == want
-            finally:
-                eagle.graphs = None
+        eagle = decoders["eagle"]  # (shipped: test_shipped_artifacts_are_present_and_accept_tokens)
+        want = eagle.generate(PROMPTS[0], max_new_tokens=32).token_ids
+        eagle.graphs = graphed
+        try:
+            assert eagle.generate(PROMPTS[0], max_new_tokens=32).token_ids == want
+        finally:
+            eagle.graphs = None
     else:
         import copy
 
