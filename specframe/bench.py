@@ -310,6 +310,7 @@ class Method:
     kind: str  # "specframe" or "transformers"
     description: str
     run: Callable[[list[int], int, int], Output]  # (prompt ids, max new tokens, seed) -> Output
+    decoder: Any = None  # specframe's methods: their SpeculativeDecoder
 
 
 class ForwardCounter:
@@ -334,6 +335,16 @@ class ForwardCounter:
             handle.remove()
 
 
+def note_graphs_turned_off(methods: list[Method]) -> None:
+    """Add to a specframe method's description that its CUDA graphs were turned off while it ran (a failed
+    capture for larger buffers, say), which its warning, hidden during the run, would have said."""
+    for method in methods:
+        decoder = method.decoder
+        off = getattr(getattr(decoder, "graphs", None), "off", None) or getattr(decoder, "graphs_off", None)
+        if off and "CUDA graphs off" not in method.description:
+            method.description += f"; CUDA graphs off during the run: {off}"
+
+
 def shape_choices(proposer: Any) -> list[str]:
     """How a proposer (or a union's members) chose its proposal shape on this machine, where it was measured."""
     found = [f"{proposer.name}: {proposer.shape_choice}"] if getattr(proposer, "shape_choice", None) else []
@@ -356,7 +367,7 @@ def specframe_method(name: str, decoder: Any, options: BenchOptions, description
         seconds = time.perf_counter() - t0
         return Output(res.token_ids, res.stats["target_forwards"], seconds, res.stats)
 
-    return Method(name, "specframe", description, run)
+    return Method(name, "specframe", description, run, decoder)
 
 
 def hf_method(
@@ -619,6 +630,7 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
             setup = build(options, log)
             tie = tie_threshold(setup.model, options)
             records, failed, ran = timed_loop(setup, questions, options, log, tqdm)
+            note_graphs_turned_off(setup.methods)
             if options.greedy and any(m.name == REFERENCE for m in setup.methods) and REFERENCE not in failed:
                 check_identity(records, setup, tie)
         run_threads = torch.get_num_threads()

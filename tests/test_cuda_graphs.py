@@ -423,3 +423,22 @@ def test_a_verification_too_long_for_the_buffers_goes_on_eagerly(static_graphs):
     assert decoder.graphs.buffers.capacity == 1024 and got.stats["proposed_nodes"] > 156
     assert got.token_ids == eager.generate(prompt, max_new_tokens=16, temperature=1.0, seed=4).token_ids
     assert decoder.graphs is not None  # (kept for the next generation)
+
+
+def test_the_bench_says_when_graphs_were_turned_off_while_it_ran(emulated, monkeypatch):
+    from specframe import bench
+
+    model = tiny_llama(vocab_size=32, hidden_size=32, max_position_embeddings=4096)
+    monkeypatch.setattr(EmulatedGraphs, "fail_after", 1 + len(cuda_graphs.QUERY_BUCKETS))  # none for new buffers
+    decoder = SpeculativeDecoder(model, NoneProposer.random(target_info(model)), max_new_tokens=3)
+    methods = [bench.Method("none", "specframe", "specframe proposer 'none'", None, decoder)]
+    bench.note_graphs_turned_off(methods)
+    assert methods[0].description == "specframe proposer 'none'"
+    with pytest.warns(GraphsWarning):
+        decoder.generate([i % 31 + 1 for i in range(decoder.graphs.buffers.capacity)])  # larger buffers
+    bench.note_graphs_turned_off(methods)
+    bench.note_graphs_turned_off(methods)  # (said once)
+    assert methods[0].description == (
+        "specframe proposer 'none'; CUDA graphs off during the run: capturing failed: RuntimeError: CUDA error: out "
+        "of memory"
+    )

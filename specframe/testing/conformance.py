@@ -363,12 +363,13 @@ def check_greedy(proposer_cls: type[Proposer], device: str, config: Any = None, 
     accepted = near_ties = 0
 
     def result(passed: bool, detail: str) -> CheckResult:
+        # (on CUDA the decoder verifies through CUDA graphs where it can: the line says whether these checks did)
+        off = decoder.graphs_off or getattr(decoder.graphs, "off", None)
+        graphs = f"; CUDA graphs off: {off}" if off else ""
+        if decoder.graphs is not None and not off:
+            graphs = "; verification forwards as CUDA graphs"
         return CheckResult("greedy", device, passed, detail + graphs, None, time.perf_counter() - t0, dtype)
 
-    # (on CUDA the decoder verifies through CUDA graphs where it can: the line says whether these checks did)
-    graphs = "; verification forwards as CUDA graphs" if decoder.graphs is not None else ""
-    if decoder.graphs_off:
-        graphs = f"; CUDA graphs off: {decoder.graphs_off}"
     for prompt in prompts:
         res = decoder.generate(prompt, max_new_tokens=32, temperature=0.0)
         accepted += res.stats["accepted_tokens"]
