@@ -339,10 +339,9 @@ def note_graphs_turned_off(methods: list[Method]) -> None:
     """Add to a specframe method's description that its CUDA graphs were turned off while it ran (a failed
     capture for larger buffers, say), which its warning, hidden during the run, would have said."""
     for method in methods:
-        decoder = method.decoder
-        off = getattr(getattr(decoder, "graphs", None), "off", None) or getattr(decoder, "graphs_off", None)
-        if off and "CUDA graphs off" not in method.description:
-            method.description += f"; CUDA graphs off during the run: {off}"
+        status = method.decoder.graphs_status() if method.decoder is not None else ""
+        if status.startswith("CUDA graphs off:") and "CUDA graphs off" not in method.description:
+            method.description += "; " + status.replace("off:", "off during the run:", 1)
 
 
 def shape_choices(proposer: Any) -> list[str]:
@@ -516,10 +515,8 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
         )
         about = f"specframe proposer '{name}' (plugin {entry.plugin}, {entry.distribution} {entry.version})"
         about += "".join(f"; {how}" for how in shape_choices(built[name]))
-        if decoder.graphs is not None:
-            about += "; verification forwards as CUDA graphs"
-        elif decoder.graphs_off:  # (the warning that says it is hidden under the progress bar)
-            about += f"; CUDA graphs off: {decoder.graphs_off}"
+        graphs = decoder.graphs_status()  # (the warning that says it is hidden under the progress bar)
+        about += f"; {graphs}" if graphs else ""
         methods.append(specframe_method(name, decoder, options, about))
     encoder = SpeculativeDecoder(model, built.get("none") or proposer("none"), tokenizer=tokenizer, cuda_graphs=False)
 

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from specframe.kv_cache import GrowingLayer
+from specframe.kv_cache import GrowingLayer, new_cache, tree_attention_mask, tree_visibility
 from specframe.lean_forward import LeanOutput, engine_forward, lean_forward_applies
 
 # Token counts a graph is captured for; a step takes the smallest that holds it. Up to 128: on a GPU the default
@@ -92,9 +92,6 @@ class StaticLayer(GrowingLayer):
         self.keys, self.values = key_buffer[..., :0, :], value_buffer[..., :0, :]
         self.dtype, self.device, self.is_initialized = key_buffer.dtype, key_buffer.device, True
 
-    def get_seq_length(self) -> int:
-        return self.keys.shape[-2]
-
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,7 +130,7 @@ class StaticBuffers:
         self.slots = torch.zeros(MAX_QUERY, dtype=torch.long, device=device)  # cache positions written
         self.mask = torch.zeros(1, 1, MAX_QUERY, capacity, dtype=dtype, device=device)
         self.offsets = torch.arange(MAX_QUERY, device=device)
-        self.hidden_minimum = torch.finfo(dtype).min
+        self.mask_minimum = torch.finfo(dtype).min  # (the mask's value for a hidden position)
         # The rotary embedding's cos and sin at every position the buffers can hold: the module's own numbers
         # (elementwise in the position), read by position in the graph instead of computed there.
         probe = torch.zeros(1, 1, attn.head_dim, dtype=dtype, device=device)
@@ -257,8 +254,6 @@ class GraphedTarget:
         """A cache of the engine's own kind (`specframe.kv_cache.new_cache`) holding `cache`'s positions, for a
         verification that would not fit the static buffers (more than MAX_QUERY tokens near their end): the rest
         of that generation runs eager forwards on it."""
-        from specframe.kv_cache import new_cache
-
         plain = new_cache(self.model)
         for mine, theirs in zip(plain.layers, cache.layers, strict=True):
             mine.update(theirs.keys, theirs.values)  # (copied into buffers of its own)
@@ -344,27 +339,23 @@ class GraphedTarget:
         row sees the past and its own slot; nothing sees the positions after the step."""
         buffers = self.buffers
         mask = buffers.mask[0, 0, :bucket]
-        mask.fill_(buffers.hidden_minimum)
+        mask.fill_(buffers.mask_minimum)
         mask[:, :past] = 0
         mask[:rows, past : past + rows] = self._block(rows, parents)
         pad = buffers.offsets[rows:bucket]
         mask[pad, past + pad] = 0
 
     def _block(self, rows: int, parents: Sequence[int] | None) -> torch.Tensor:
-        minimum = self.buffers.hidden_minimum
-        if parents is None:
-            if rows not in self.causal:
-                below = torch.ones(rows, rows, dtype=torch.bool, device=self.device).tril()
-                self.causal[rows] = torch.zeros(rows, rows, dtype=self.buffers.mask.dtype, device=self.device)
-                self.causal[rows].masked_fill_(~below, minimum)
+        """The additive mask among the step's `rows` tokens: a tree's, or a chain's (a tree whose node i has
+        parent i - 1; kept on the device per length)."""
+        if parents is None and rows in self.causal:
             return self.causal[rows]
-        allowed = torch.zeros(rows, rows, dtype=torch.bool)
-        allowed[:, 0] = True  # everything descends from the root
-        for i, parent in enumerate(parents):
-            allowed[i + 1] = allowed[parent + 1]
-            allowed[i + 1, i + 1] = True
-        block = torch.where(allowed, 0.0, minimum).to(self.buffers.mask.dtype)
-        return block.to(self.device, non_blocking=True)
+        allowed = tree_visibility(list(range(-1, rows - 2)) if parents is None else parents)
+        block = torch.where(allowed, 0.0, self.buffers.mask_minimum).to(self.buffers.mask.dtype)
+        block = block.to(self.device, non_blocking=True)
+        if parents is None:
+            self.causal[rows] = block
+        return block
 
     def _capture(self, bucket: int, output_hidden_states: bool) -> tuple[Any, LeanOutput]:
         """A graph of `static_llama_forward` on `bucket` rows, its inputs already written for this step (the warm-up
@@ -399,7 +390,7 @@ class GraphedTarget:
         vocab = self.model.config.vocab_size
         ids = (torch.arange(10, device=self.device)[None] * 7 + 3) % vocab
         with torch.inference_mode():
-            graphed_cache, eager_cache = self.new_cache(10), self._plain_cache()
+            graphed_cache, eager_cache = self.new_cache(10), new_cache(self.model)
             for cache in (graphed_cache, eager_cache):
                 eager(input_ids=ids[:, :3], cache=cache, use_cache=True)
             # (then the first chain token is kept, as after an acceptance of one token: a crop of both caches)
@@ -407,11 +398,8 @@ class GraphedTarget:
             for taken, positions, parents in steps:
                 inputs, positions = ids[:, taken], torch.tensor(positions, device=self.device)
                 got = self.forward(graphed_cache, inputs, positions, parents, True)
-                if parents is None:
-                    mask = None
-                else:
-                    from specframe.kv_cache import tree_attention_mask
-
+                mask = None
+                if parents is not None:
                     past = eager_cache.get_seq_length()
                     mask = tree_attention_mask(list(parents), past, self.buffers.mask.dtype, self.device)
                 want = eager(
@@ -424,11 +412,6 @@ class GraphedTarget:
                 for cache in (graphed_cache, eager_cache):
                     cache.crop(-(len(taken) - 1))
         return None
-
-    def _plain_cache(self) -> DynamicCache:
-        from specframe.kv_cache import new_cache
-
-        return new_cache(self.model)
 
 
 def _differs(got: LeanOutput, want: LeanOutput) -> str | None:

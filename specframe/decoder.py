@@ -108,6 +108,15 @@ class SpeculativeDecoder:
         self._one_call = threading.Lock()  # held by the running generate call
         self._caller: int | None = None  # that call's thread
 
+    def graphs_status(self) -> str:
+        """Whether the verification forwards run as CUDA graphs, in words for reports: "verification forwards as
+        CUDA graphs", "CUDA graphs off: <why>" (refused at build, or turned off since), or "" (off or not on
+        CUDA: nothing to say)."""
+        off = self.graphs_off or getattr(self.graphs, "off", None)
+        if off:
+            return f"CUDA graphs off: {off}"
+        return "verification forwards as CUDA graphs" if self.graphs is not None else ""
+
     def __getstate__(self) -> dict[str, Any]:  # (copies and pickles get a lock of their own, not this one)
         state = {**self.__dict__, "_caller": None}
         del state["_one_call"]

@@ -9,6 +9,8 @@ logits are the same, bit for bit. Rolling back stays a crop of the view.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -107,14 +109,22 @@ def keep_positions(cache: DynamicCache, start: int, keep: list[int], n_new: int)
     cache.crop(-(n_new - len(keep)))
 
 
-def tree_attention_mask(parents: list[int], past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive [1, 1, n + 1, past + n + 1] mask: the root and each node see the past, themselves, ancestors."""
+def tree_visibility(parents: Sequence[int]) -> torch.Tensor:
+    """[n + 1, n + 1] bool (CPU): row r sees column c where c is r or an ancestor of r; row 0 is the root, row
+    i + 1 the node whose parent index is `parents[i]` (-1: the root; parents come before their children)."""
     n = len(parents)
     allowed = torch.zeros(n + 1, n + 1, dtype=torch.bool)
     allowed[:, 0] = True  # everything descends from the root
     for i, parent in enumerate(parents):
         allowed[i + 1] = allowed[parent + 1]
         allowed[i + 1, i + 1] = True
+    return allowed
+
+
+def tree_attention_mask(parents: list[int], past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive [1, 1, n + 1, past + n + 1] mask: the root and each node see the past, themselves, ancestors."""
+    n = len(parents)
+    allowed = tree_visibility(parents)
     mask = torch.zeros(1, 1, n + 1, past + n + 1, dtype=dtype)
     mask[0, 0, :, past:] = torch.where(allowed, 0.0, torch.finfo(dtype).min)
     return mask.to(device)

@@ -364,10 +364,7 @@ def check_greedy(proposer_cls: type[Proposer], device: str, config: Any = None, 
 
     def result(passed: bool, detail: str) -> CheckResult:
         # (on CUDA the decoder verifies through CUDA graphs where it can: the line says whether these checks did)
-        off = decoder.graphs_off or getattr(decoder.graphs, "off", None)
-        graphs = f"; CUDA graphs off: {off}" if off else ""
-        if decoder.graphs is not None and not off:
-            graphs = "; verification forwards as CUDA graphs"
+        graphs = f"; {decoder.graphs_status()}" if decoder.graphs_status() else ""
         return CheckResult("greedy", device, passed, detail + graphs, None, time.perf_counter() - t0, dtype)
 
     for prompt in prompts:
