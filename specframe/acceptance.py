@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from specframe.proposer import Proposal
+from specframe.proposer import Proposal, ProposalStructure
 from specframe.sampling import SamplingParams, sample, sampling_probs
 
 
@@ -29,32 +29,41 @@ class TreeAcceptance:
         proposal: Proposal,
         params: SamplingParams,
         generator: torch.Generator,
+        structure: ProposalStructure | None = None,  # the proposal's tree on the host, where the caller has it
     ) -> tuple[list[int], int]:
         """Return (accepted node indices root-to-leaf, the next token emitted by the target)."""
-        tokens = proposal.tokens.tolist()
+        if structure is None:
+            tokens, parents = proposal.tokens.tolist(), proposal.parents.tolist()
+            deterministic = proposal.deterministic.tolist()
+        else:
+            tokens, parents, deterministic = structure.tokens, structure.parents, structure.deterministic
         children: list[list[int]] = [[] for _ in range(len(tokens) + 1)]  # by row
-        for i, parent in enumerate(proposal.parents.tolist()):
+        for i, parent in enumerate(parents):
             children[parent + 1].append(i)
         if params.greedy:
             return self.greedy(logits, tokens, children)
-        deterministic = proposal.deterministic.tolist()
         path: list[int] = []
         row, parent_row = 0, 0
         while True:
             r = self.target_probs(logits, row, params)
             if not children[row]:
                 return path, self.bonus(logits, row, parent_row, params, generator)
+            # Every child's test is drawn before any is read, each against the residual left by rejecting the ones
+            # before it (what it faces exactly when they were rejected): the host then waits once per row walked,
+            # not once per child tried. (Draws after the accepted child go unused: independent, so harmless.)
+            tests = []
             for c in children[row]:
                 # (q as drawn from: validation lets a row's sum be off by rounding, and torch.multinomial draws
                 # from the row over its sum; the rule must use the same distribution to stay exact)
                 q = None if deterministic[c] else self.normalised(proposal.draft_probs[c].float())
-                if self.accept(r, q, tokens[c], generator):
-                    path.append(c)
-                    row, parent_row = c + 1, row
-                    break
+                tests.append(torch.as_tensor(self.accept(r, q, tokens[c], generator), device=r.device))
                 r = self.residual(r, q, tokens[c])
-            else:
+            hits = torch.stack(tests).tolist()
+            accepted = next((c for c, hit in zip(children[row], hits, strict=True) if hit), None)
+            if accepted is None:
                 return path, sample(r, generator)
+            path.append(accepted)
+            row, parent_row = accepted + 1, row
 
     @staticmethod
     def greedy(logits: torch.Tensor, tokens: list[int], children: list[list[int]]) -> tuple[list[int], int]:
@@ -76,10 +85,11 @@ class TreeAcceptance:
     def target_probs(self, logits: torch.Tensor, row: int, params: SamplingParams) -> torch.Tensor:
         return sampling_probs(logits[row], params)
 
-    def accept(self, r: torch.Tensor, q: torch.Tensor | None, x: int, generator: torch.Generator) -> bool:
+    def accept(self, r: torch.Tensor, q: torch.Tensor | None, x: int, generator: torch.Generator) -> torch.Tensor:
+        """Whether the child with token x is accepted (a bool tensor, read later: no host sync here)."""
         u = torch.rand((), generator=generator, device=r.device, dtype=r.dtype)
         qx = 1.0 if q is None else q[x]
-        return bool(u * qx < r[x])
+        return u * qx < r[x]
 
     def residual(self, r: torch.Tensor, q: torch.Tensor | None, x: int) -> torch.Tensor:
         if q is None:

@@ -312,20 +312,24 @@ class SpeculativeDecoder:
         generated = [first]
         new = 1  # tokens the last step emitted
         done = self._finished(generated, limit, stop, new)
+        # The sequence on the device, extended by each step's tokens right after its acceptance (the GPU has just
+        # been waited for: the upload does not stall it); each proposal gets a copy of its own.
+        sequence = torch.cat([prompt_ids, torch.tensor(generated, device=self.device)])
 
         while not done:
             past = cache.get_seq_length()
-            tokens = torch.cat([prompt_ids, torch.tensor(generated, device=self.device)])
+            tokens = sequence.clone()  # (the proposer's edits of state.tokens stay its own)
             max_depth = limit - len(generated) - 1  # a step emits depth + 1 tokens; limit respects the window
             if self.rope_switch is not None and past < self.rope_switch:  # (no verification across the switch)
                 max_depth = min(max_depth, self.rope_switch - 1 - past)
             recompute = self.recompute_at_switch and past == self.rope_switch  # (then a step without drafts)
             max_depth = 0 if recompute else max_depth
             state = DecodeState(tokens, prompt_ids.numel(), params, generator, max_depth)
-            root = tokens[-1:].clone()  # (the proposer's edits of state.tokens stay its own)
+            root = sequence[-1:]
             t0 = time.perf_counter()
             proposal = self._call(proposer.propose, state)
-            depths = validate_proposal(proposal, self.info.vocab_size, max_depth, self.who, self.device)
+            structure = validate_proposal(proposal, self.info.vocab_size, max_depth, self.who, self.device)
+            depths = structure.depths
             t1 = time.perf_counter()
 
             n = len(proposal)
@@ -351,7 +355,7 @@ class SpeculativeDecoder:
                 else:
                     check_tree_attention(model)
                     positions = (past + torch.tensor([0, *depths], device=self.device))[None]
-                    parents = proposal.parents.tolist()
+                    parents = structure.parents
                 if graphs is not None and not graphs.takes(n + 1) and not graphs.holds(past + n + 1):
                     # (a verification larger than any graph, too long for the static buffers: this generation
                     # goes on with eager forwards on a cache of the usual kind)
@@ -370,15 +374,16 @@ class SpeculativeDecoder:
                         output_hidden_states=bool(layers),
                     )
             stats.target_forwards += 1
-            path, nxt = self.acceptance(out.logits[0], proposal, params, generator)
+            path, nxt = self.acceptance(out.logits[0], proposal, params, generator, structure)
             keep = [0] + [c + 1 for c in path]
             keep_positions(cache, past, keep, n + 1)
-            accepted_tokens = proposal.tokens[path].tolist() if path else []
+            accepted_tokens = [structure.tokens[c] for c in path]
             generated += accepted_tokens + [nxt]
             stats.record(n, max(depths, default=0), len(path), t1 - t0, time.perf_counter() - t1)
             new = len(path) + 1
             done = self._finished(generated, limit, stop, new)
             if not done:
+                sequence = torch.cat([sequence, torch.tensor(accepted_tokens + [nxt], device=self.device)])
                 hidden = pick_hidden(out, layers, rows_before + torch.tensor(keep, device=self.device))
                 self._call(proposer.accepted, Acceptance(path, accepted_tokens, nxt, hidden))
 

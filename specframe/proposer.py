@@ -18,7 +18,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -185,10 +185,20 @@ def saved_shape_applies(meta: dict, device: torch.device, what: str) -> bool:
         raise ModelLoadError(f"shape_tuned_on in {what} must be a device type such as 'cpu', got {tuned!r}") from e
 
 
+class ProposalStructure(NamedTuple):
+    """A proposal's tree on the host, as `validate_proposal` read it (one transfer): what the engine and the
+    acceptance rule read of it, so that neither reads the proposal's tensors again."""
+
+    tokens: list[int]
+    parents: list[int]
+    deterministic: list[bool]
+    depths: list[int]  # each node's depth (children of the root have depth 1)
+
+
 def validate_proposal(
     p: Proposal, vocab_size: int, max_depth: int, who: str, device: torch.device | None = None
-) -> list[int]:
-    """Raise ProposerError naming `who` unless `p` is a well-formed proposal; return its nodes' depths.
+) -> ProposalStructure:
+    """Raise ProposerError naming `who` unless `p` is a well-formed proposal; return its tree as host lists.
     `device`: where the target's logits are (a tensor's `.device`, so "cuda:0", not "cuda"), and so where sampled
     nodes' draft_probs must be."""
 
@@ -209,12 +219,12 @@ def validate_proposal(
     if p.tokens.dtype != torch.long or p.parents.dtype != torch.long or p.deterministic.dtype != torch.bool:
         raise bad("tokens and parents must be int64 and deterministic bool")
     if n == 0:
-        return []
+        return ProposalStructure([], [], [], [])
     # The structure comes to the host in one transfer, then is checked in Python (a sync per check would stall
     # a GPU several times a step; proposals are small).
     structure = torch.cat([p.tokens, p.parents.to(p.tokens.device), p.deterministic.to(p.tokens.device, torch.long)])
     flat = structure.tolist()
-    tokens, parents, deterministic = flat[:n], flat[n : 2 * n], flat[2 * n :]
+    tokens, parents, deterministic = flat[:n], flat[n : 2 * n], [bool(d) for d in flat[2 * n :]]
     if min(tokens) < 0 or max(tokens) >= vocab_size:
         raise bad(f"token id out of range [0, {vocab_size})")
     if any(not -1 <= parent < i for i, parent in enumerate(parents)):
@@ -245,7 +255,7 @@ def validate_proposal(
             raise bad("draft_probs rows do not sum to 1")
         if impossible_token:
             raise bad("a sampled node's token has draft probability 0 in its draft_probs row")
-    return depths
+    return ProposalStructure(tokens, parents, deterministic, depths)
 
 
 _SEEDING = threading.RLock()  # (re-entrant: a build may call another seeded build)

@@ -303,8 +303,8 @@ def test_suite_catches_a_merge_that_mixes_up_members_q(monkeypatch):
 
     real = union_module.merge_proposals
 
-    def broken(proposals, vocab_size, device):
-        m = real(proposals, vocab_size, device)
+    def broken(proposals, vocab_size, device, structures=None):
+        m = real(proposals, vocab_size, device, structures)
         q = m.proposal.draft_probs
         if q is not None and len(proposals) == 2 and len(proposals[0]) == len(proposals[1]):
             m.proposal.draft_probs = q.roll(len(proposals[0]), dims=0)  # member 0's rows <-> member 1's

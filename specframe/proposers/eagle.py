@@ -457,7 +457,6 @@ class EagleProposer(Proposer):
         self.cache: DynamicCache | None = None
         self.committed = 0  # pairs (f_j, t_{j+1}) in the drafter's cache: positions 0 .. committed-1
         self.pending_feats: torch.Tensor | None = None  # real features not yet fed to the drafter
-        self.pending_next: torch.Tensor | None = None  # their next tokens (one short until the root is known)
         self.root_feat: torch.Tensor | None = None  # the drafter's prediction of the root's feature
         self.last_scores: torch.Tensor | None = None  # cumulative log-probability of the last proposal's nodes
 
@@ -566,49 +565,46 @@ class EagleProposer(Proposer):
         self.committed = 0
         self.root_feat = None
         self.pending_feats = feats
-        self.pending_next = prompt[1:].to(self.target.device).long()  # the root completes it at `propose`
 
     @torch.no_grad()
     def accepted(self, result: Acceptance) -> None:
         feats = self._features(result.hidden_states, len(result.accepted_tokens) + 1)  # the root, then each node
-        nxt = torch.tensor(result.accepted_tokens + [result.next_token], device=self.target.device)
         self.pending_feats = torch.cat([self.pending_feats, feats])
-        self.pending_next = torch.cat([self.pending_next, nxt])
 
     # ------------------------------------------------------------------ drafting
 
-    def _mask(self, allowed: torch.Tensor, past: int) -> torch.Tensor:
-        """Additive [1, 1, n, past + n] mask: every query sees the `past` keys, then the new ones by `allowed`."""
-        n = allowed.shape[0]
-        full = torch.ones(n, past + allowed.shape[1], dtype=torch.bool)
-        full[:, past:] = allowed
-        mask = torch.zeros(full.shape, dtype=self.dtype).masked_fill_(~full, torch.finfo(self.dtype).min)
-        return mask[None, None].to(self.target.device)
-
     def _feed(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor):
-        """Append pairs to the drafter's cache; `allowed` [n, cached - committed + n] says which keys past the
-        committed ones (earlier tree pairs, then these) each new pair sees."""
-        assert allowed.shape == (feats.shape[0], self.cache.get_seq_length() - self.committed + feats.shape[0])
-        mask = self._mask(allowed, self.committed)
-        return self.drafter(feats[None], tokens[None], positions[None].to(self.target.device), mask, self.cache)[0]
+        """Append pairs to the drafter's cache; `allowed` [n, cached - committed + n] (on the device) says which keys
+        past the committed ones (earlier tree pairs, then these) each new pair sees."""
+        n = feats.shape[0]
+        assert allowed.shape == (n, self.cache.get_seq_length() - self.committed + n)
+        mask = torch.zeros(n, self.committed + allowed.shape[1], dtype=self.dtype, device=allowed.device)
+        mask[:, self.committed :].masked_fill_(~allowed, torch.finfo(self.dtype).min)  # (additive)
+        return self.drafter(feats[None], tokens[None], positions[None], mask[None, None], self.cache)[0]
 
     @torch.no_grad()
     def propose(self, state: DecodeState) -> Proposal:
         device = state.tokens.device
-        if self.pending_next.numel() == self.pending_feats.shape[0] - 1:  # begin's last pair needs the root
-            self.pending_next = torch.cat([self.pending_next, state.tokens[-1:].to(self.pending_next.device)])
         depth = min(self.depth, state.max_depth)
         if depth <= 0:
             return Proposal.empty(device)
+        if self.pending_feats is None:
+            raise RuntimeError("eagle: propose() before begin()")
         # 1. Commit the real pairs: the last output predicts the root's feature.
         m = self.pending_feats.shape[0]
+        if state.tokens.numel() != self.committed + m + 1:  # (a feature for every position but the root's)
+            raise RuntimeError(
+                f"eagle: {state.tokens.numel()} tokens, but features for {self.committed + m} positions before the root"
+            )
         if m:
+            # Their next tokens: the sequence after each of them (the last one's is the root).
+            following = state.tokens[self.committed + 1 :].to(self.target.device)
             positions = torch.arange(self.committed, self.committed + m, device=self.target.device)
-            out = self._feed(self.pending_feats, self.pending_next, positions, torch.ones(m, m).tril().bool())
+            causal = torch.ones(m, m, dtype=torch.bool, device=self.target.device).tril()
+            out = self._feed(self.pending_feats, following, positions, causal)
             self.committed += m
             self.root_feat = out[-1]
             self.pending_feats = self.pending_feats[:0]
-            self.pending_next = self.pending_next[:0]
         if self.root_feat is None:
             raise RuntimeError("eagle: propose() before begin() or without the prompt's features")
         try:
@@ -623,69 +619,67 @@ class EagleProposer(Proposer):
         )
 
     def _tree(self, root_feat: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """EAGLE-2's tree, built on the drafter's device: (tokens, parents, cumulative log-probabilities) of the
+        kept nodes in topological order (by level, then score). Nothing reaches the host until the end unless a
+        confidence threshold is set (then the number of nodes that reach it, once per level, to stop early and
+        to feed only those). Nodes are numbered as they are made, level by level; ties in score go to the lower
+        number, so a parent (never scored below its children: log-probabilities are <= 0) always comes first."""
         k = min(self.top_k if self.config.tree else 1, self.vocab_ids.numel())
+        threshold = self.min_score > -math.inf
+        device = root_feat.device
         base = self.committed  # position of the root; a node at depth d sits at base + d
-        logp = torch.log_softmax(self.drafter.logits(root_feat), -1)
-        vals, idx = logp.topk(k)
-        # (each level's candidates reach the host in one transfer: a GPU then waits once per level, not per node)
-        root_scores, root_tokens = torch.stack([vals.double(), self.vocab_ids[idx].double()]).tolist()
-        # The best first token always; the others when they reach the threshold (all of them without one).
-        sure = [i for i, v in enumerate(root_scores) if i == 0 or v >= self.min_score]
-        tok: list[int] = [int(root_tokens[i]) for i in sure]
-        parent: list[int] = [-1] * len(sure)
-        score: list[float] = [root_scores[i] for i in sure]
-        level: list[int] = [1] * len(sure)
-        entry: dict[int, int] = {}  # node -> its entry index among the tree pairs fed to the drafter
-        frontier = [i for i in range(len(sure)) if score[i] >= self.min_score]  # not a forced first token
-        pred = {-1: root_feat}  # node -> predicted feature at its position
+        vals, idx = torch.log_softmax(self.drafter.logits(root_feat), -1).topk(k)
+        scores, tokens = [vals.float()], [self.vocab_ids[idx]]  # per level: every node made, numbered in order
+        parents, levels = [torch.full((k,), -1, device=device)], [torch.ones(k, dtype=torch.long, device=device)]
+        # The best first token is always a node; the others only when they reach the threshold.
+        valid = [vals >= self.min_score] if threshold else None
+        if threshold:
+            valid[0][0] = True
+        # The frontier: its nodes' numbers, scores and tokens, the features predicted at their parents, and which
+        # tree pairs already fed (ancestors) each may see, then itself. Only nodes that reach the threshold expand.
+        frontier = torch.arange(k, device=device)
+        f_scores, f_tokens = scores[0], tokens[0]
+        f_feats = root_feat.expand(k, -1)
+        if threshold:
+            live = int((vals >= self.min_score).sum())  # (sorted: they come first)
+            frontier, f_scores, f_tokens, f_feats = frontier[:live], f_scores[:live], f_tokens[:live], f_feats[:live]
+        allowed = torch.eye(frontier.numel(), dtype=torch.bool, device=device)
+        made = k
         for d in range(2, depth + 1):
-            if not frontier:
+            f = frontier.numel()
+            if f == 0:
                 break
             # Feed each frontier node x as the pair (f̂ at its parent, x) at position base + d - 2.
-            fed = len(entry)
-            allowed = torch.zeros(len(frontier), fed + len(frontier), dtype=torch.bool)
-            for i, x in enumerate(frontier):
-                a = parent[x]
-                while a >= 0:
-                    allowed[i, entry[a]] = True
-                    a = parent[a]
-                allowed[i, fed + i] = True
-            feats = torch.stack([pred[parent[x]] for x in frontier])
-            toks = torch.tensor([tok[x] for x in frontier], device=self.target.device)
-            positions = torch.full((len(frontier),), base + d - 2, device=self.target.device)
-            out = self._feed(feats, toks, positions, allowed)
-            for i, x in enumerate(frontier):
-                entry[x] = fed + i
-                pred[x] = out[i]
+            positions = torch.full((f,), base + d - 2, device=device)
+            out = self._feed(f_feats, f_tokens, positions, allowed)
             logp = torch.log_softmax(self.drafter.logits(out), -1)  # [F, K]
-            cand = logp + torch.tensor([score[x] for x in frontier], device=logp.device)[:, None]
-            vals, idx = cand.topk(k, dim=-1)  # each frontier node's k best children
-            child_scores, child_tokens = torch.stack([vals.double(), self.vocab_ids[idx].double()]).tolist()
-            new = []
-            for i, x in enumerate(frontier):
-                for v, j in zip(child_scores[i], map(int, child_tokens[i]), strict=True):
-                    if v < self.min_score:
-                        break  # vals are sorted: the rest are below the threshold too
-                    new.append(len(tok))
-                    tok.append(j)
-                    parent.append(x)
-                    score.append(v)
-                    level.append(d)
-            frontier = sorted(new, key=lambda n: -score[n])[:k]
-        n = len(tok)
-        if self.config.tree and n > self.total_tokens:
-            keep: set[int] = set()
-            for node in sorted(range(n), key=lambda i: (-score[i], level[i], i)):
-                if len(keep) >= self.total_tokens:
-                    break
-                if parent[node] < 0 or parent[node] in keep:
-                    keep.add(node)
-        else:
-            keep = set(range(n))
-        order = sorted(keep, key=lambda i: (level[i], -score[i], i))  # topological: parents are shallower
-        new_index = {old: i for i, old in enumerate(order)}
-        return (
-            torch.tensor([tok[i] for i in order], dtype=torch.long),
-            torch.tensor([new_index[parent[i]] if parent[i] >= 0 else -1 for i in order], dtype=torch.long),
-            torch.tensor([score[i] for i in order]),
-        )
+            vals, idx = (logp + f_scores[:, None]).topk(k, dim=-1)  # each frontier node's k best children
+            scores.append(vals.flatten())
+            tokens.append(self.vocab_ids[idx].flatten())
+            parents.append(frontier.repeat_interleave(k))
+            levels.append(torch.full((f * k,), d, device=device))
+            if threshold:
+                valid.append(scores[-1] >= self.min_score)
+            # The next frontier: the k best children (stably sorted: ties to the lower number), those that reach
+            # the threshold, if one is set.
+            ranked = scores[-1].masked_fill(~valid[-1], -math.inf) if threshold else scores[-1]
+            best = torch.sort(ranked, descending=True, stable=True).indices[:k]
+            if threshold:
+                best = best[: int((ranked[best] > -math.inf).sum())]
+            row = best // k  # each child's parent, as a row of this level's frontier
+            frontier, f_scores, f_tokens, f_feats = made + best, scores[-1][best], tokens[-1][best], out[row]
+            allowed = torch.cat([allowed[row], torch.eye(best.numel(), dtype=torch.bool, device=device)], 1)
+            made += f * k
+        score, token, parent, level = (torch.cat(x) for x in (scores, tokens, parents, levels))
+        # Keep the best total_tokens nodes, a set closed under ancestors (parents sort first, above).
+        keep = torch.sort(
+            score.masked_fill(~torch.cat(valid), -math.inf) if threshold else score, descending=True, stable=True
+        ).indices
+        count = int(torch.cat(valid).sum()) if threshold else made
+        keep = keep[: min(count, self.total_tokens) if self.config.tree else count]
+        order = keep[torch.sort(level[keep], stable=True).indices]  # topological: by level, then score
+        renumber = torch.full((made,), -1, device=device)
+        renumber[order] = torch.arange(order.numel(), device=device)
+        kept_parents = parent[order]
+        new_parents = torch.where(kept_parents >= 0, renumber[kept_parents.clamp_min(0)], -1)
+        return token[order], new_parents, score[order]

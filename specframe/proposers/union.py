@@ -34,7 +34,15 @@ import torch
 from omegaconf import OmegaConf
 
 from specframe.errors import BadInputError, ConfigError, ProposerError
-from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo, validate_proposal
+from specframe.proposer import (
+    Acceptance,
+    DecodeState,
+    Proposal,
+    ProposalStructure,
+    Proposer,
+    TargetInfo,
+    validate_proposal,
+)
 
 # Chosen on held-out training prompts (docs/plugins.md); "ngram" is the separate specframe-ngram plugin.
 DEFAULT_MEMBERS = ("eagle", "ngram")
@@ -106,7 +114,12 @@ class _Merged:
     owners: list[dict[int, int]]
 
 
-def merge_proposals(proposals: list[Proposal], vocab_size: int, device: torch.device | str) -> _Merged:
+def merge_proposals(
+    proposals: list[Proposal],
+    vocab_size: int,
+    device: torch.device | str,
+    structures: list[ProposalStructure] | None = None,  # their trees on the host (validate_proposal's), if known
+) -> _Merged:
     """Hang `proposals` off one root in order; deterministic nodes with the same parent and token are shared."""
     tokens: list[int] = []
     parents: list[int] = []
@@ -116,8 +129,11 @@ def merge_proposals(proposals: list[Proposal], vocab_size: int, device: torch.de
     shared: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged deterministic node
     for m, p in enumerate(proposals):
         where: list[int] = []  # this member's node -> merged node
-        det = p.deterministic.tolist()
-        for i, (tok, par) in enumerate(zip(p.tokens.tolist(), p.parents.tolist(), strict=True)):
+        if structures is None:
+            own_tokens, own_parents, det = p.tokens.tolist(), p.parents.tolist(), p.deterministic.tolist()
+        else:
+            own_tokens, own_parents, det = structures[m].tokens, structures[m].parents, structures[m].deterministic
+        for i, (tok, par) in enumerate(zip(own_tokens, own_parents, strict=True)):
             parent = -1 if par < 0 else where[par]
             node = shared.get((parent, tok)) if det[i] else None
             if node is not None and m in owners[node]:  # only merge across members: a member's own duplicate
@@ -140,12 +156,8 @@ def merge_proposals(proposals: list[Proposal], vocab_size: int, device: torch.de
         q = torch.zeros(n, vocab_size, device=device)
         for node, row in q_rows.items():
             q[node] = row.to(device=device, dtype=q.dtype)
-    proposal = Proposal(
-        torch.tensor(tokens, dtype=torch.long, device=device),
-        torch.tensor(parents, dtype=torch.long, device=device),
-        torch.tensor(deterministic, dtype=torch.bool, device=device),
-        q,
-    )
+    tree = torch.tensor([tokens, parents, deterministic], dtype=torch.long, device=device)  # (one upload)
+    proposal = Proposal(tree[0], tree[1], tree[2].bool(), q)
     return _Merged(proposal, owners)
 
 
@@ -231,14 +243,14 @@ class UnionProposer(Proposer):
             self._call(m, member.begin, prompt, self._hidden(m, hidden_states))
 
     def propose(self, state: DecodeState) -> Proposal:
-        proposals = []
+        proposals, structures = [], []
         for m, member in enumerate(self.members):
             # (each member its own copy of the tokens, as the engine gives a proposer: one member's edits of
             # state.tokens, a breach of the contract, must not mislead the others)
             p = self._call(m, member.propose, replace(state, tokens=state.tokens.clone()))
-            validate_proposal(p, self.target.vocab_size, state.max_depth, self.whos[m])
+            structures.append(validate_proposal(p, self.target.vocab_size, state.max_depth, self.whos[m]))
             proposals.append(p)
-        self.merged = merge_proposals(proposals, self.target.vocab_size, state.tokens.device)
+        self.merged = merge_proposals(proposals, self.target.vocab_size, state.tokens.device, structures)
         return self.merged.proposal
 
     def accepted(self, result: Acceptance) -> None:

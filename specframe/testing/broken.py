@@ -19,7 +19,7 @@ class InvertedRatio(TreeAcceptance):
     def accept(self, r, q, x, generator):
         u = torch.rand((), generator=generator, device=r.device, dtype=r.dtype)
         qx = 1.0 if q is None else q[x]
-        return bool(u * r[x] < qx)
+        return u * r[x] < qx
 
 
 class ResidualNotNormalised(TreeAcceptance):
