@@ -50,6 +50,7 @@ from specframe.lean_forward import LeanOutput, engine_forward, lean_forward_appl
 # Token counts a graph is captured for; a step takes the smallest that holds it. Up to 128: on a GPU the default
 # shapes verify ~61-65 tokens (EAGLE-2's 60 nodes, Medusa's 64) and a union of EAGLE and n-gram up to ~81.
 QUERY_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
+MASK_BLOCKS = 256  # tree shapes whose mask blocks are kept on the device
 MAX_QUERY = QUERY_BUCKETS[-1]  # larger verifications run the eager forward
 CAPACITY_STEP = 1024  # the KV buffers' length is a multiple of this (fewer reallocations, fewer recaptures)
 WARMUP_RUNS = 2  # eager runs on a side stream before a capture (as PyTorch's docs ask: lazy inits happen there)
@@ -219,7 +220,9 @@ class GraphedTarget:
         if capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA target; this one is on {self.device}")
         self.buffers: StaticBuffers | None = None
-        self.causal: dict[int, torch.Tensor] = {}  # rows -> the additive causal block of a chain
+        # Additive blocks among a step's tokens, on the device, by tree shape (a chain of r rows: the key r): a
+        # fixed tree (Medusa's) or a chain then costs no host work and no upload; at most MASK_BLOCKS kept.
+        self.blocks: dict[int | tuple[int, ...], torch.Tensor] = {}
         self.prepared: set[bool] = set()  # output_hidden_states values whose graphs `prepare` captures
         self.off: str | None = None  # why graphs were turned off while in use (then `new_cache` gives None)
 
@@ -241,6 +244,7 @@ class GraphedTarget:
         if self.buffers is None or replaced or self.buffers.capacity < need:
             capacity = -(-need // CAPACITY_STEP) * CAPACITY_STEP
             self.buffers = None  # (the old buffers and graphs freed before the new ones are made)
+            self.blocks.clear()  # (in the old buffers' mask dtype)
             self.buffers = StaticBuffers(self.model, capacity)
             for hidden in sorted(self.prepared):
                 self.prepare(hidden)
@@ -347,14 +351,16 @@ class GraphedTarget:
 
     def _block(self, rows: int, parents: Sequence[int] | None) -> torch.Tensor:
         """The additive mask among the step's `rows` tokens: a tree's, or a chain's (a tree whose node i has
-        parent i - 1; kept on the device per length)."""
-        if parents is None and rows in self.causal:
-            return self.causal[rows]
-        allowed = tree_visibility(list(range(-1, rows - 2)) if parents is None else parents)
-        block = torch.where(allowed, 0.0, self.buffers.mask_minimum).to(self.buffers.mask.dtype)
-        block = block.to(self.device, non_blocking=True)
-        if parents is None:
-            self.causal[rows] = block
+        parent i - 1), kept on the device by shape."""
+        key = rows if parents is None else tuple(parents)
+        block = self.blocks.get(key)
+        if block is None:
+            allowed = tree_visibility(list(range(-1, rows - 2)) if parents is None else parents)
+            block = torch.where(allowed, 0.0, self.buffers.mask_minimum).to(self.buffers.mask.dtype)
+            block = block.to(self.device, non_blocking=True)
+            if len(self.blocks) >= MASK_BLOCKS:  # (dynamic trees seldom repeat: start again)
+                self.blocks.clear()
+            self.blocks[key] = block
         return block
 
     def _capture(self, bucket: int, output_hidden_states: bool) -> tuple[Any, LeanOutput]:

@@ -124,7 +124,7 @@ def tree_visibility(parents: Sequence[int]) -> torch.Tensor:
 def tree_attention_mask(parents: list[int], past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Additive [1, 1, n + 1, past + n + 1] mask: the root and each node see the past, themselves, ancestors."""
     n = len(parents)
-    allowed = tree_visibility(parents)
-    mask = torch.zeros(1, 1, n + 1, past + n + 1, dtype=dtype)
-    mask[0, 0, :, past:] = torch.where(allowed, 0.0, torch.finfo(dtype).min)
-    return mask.to(device)
+    block = torch.where(tree_visibility(parents), 0.0, torch.finfo(dtype).min).to(dtype)
+    mask = torch.zeros(1, 1, n + 1, past + n + 1, dtype=dtype, device=device)  # (only the block is uploaded)
+    mask[0, 0, :, past:] = block.to(device)
+    return mask

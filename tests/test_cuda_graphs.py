@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specframe import cuda_graphs
+from specframe import cuda_graphs, kv_cache
 from specframe import decoder as decoder_module
 from specframe.config import load_config
 from specframe.cuda_graphs import MAX_QUERY, GraphedTarget, GraphsWarning, graphed_target, graphs_refusal
@@ -193,6 +193,22 @@ def test_static_layer_refuses_an_overflow():
     too_long = torch.zeros(1, 2, room + 1, 8)
     with pytest.raises(RuntimeError, match="do not fit its buffers"):
         layer.update(too_long, too_long)
+
+
+def test_mask_blocks_are_made_once_per_tree_shape(monkeypatch):
+    graphed = GraphedTarget(llama(), capture=False)
+    graphed.new_cache(8)
+    tree, other = (-1, -1, 0, 2), (-1, 0, 0, 1)
+    first = graphed._block(5, tree)
+    assert graphed._block(5, tree) is first  # (a fixed tree: no host work, no upload again)
+    assert not torch.equal(graphed._block(5, other), first)
+    assert graphed._block(3, None) is graphed._block(3, None)
+    expected = torch.where(kv_cache.tree_visibility(list(tree)), 0.0, graphed.buffers.mask_minimum)
+    assert torch.equal(first, expected.to(first.dtype))
+    monkeypatch.setattr(cuda_graphs, "MASK_BLOCKS", 3)
+    for n in range(1, 8):  # (bounded: dynamic trees seldom repeat)
+        graphed._block(n + 1, tuple(range(-1, n - 1)))
+    assert len(graphed.blocks) <= 3
 
 
 def proposers(model):
