@@ -51,17 +51,18 @@ class TreeAcceptance:
             # Every child's test is drawn before any is read, each against the residual left by rejecting the ones
             # before it (what it faces exactly when they were rejected): the host then waits once per row walked,
             # not once per child tried. (Draws after the accepted child go unused: independent, so harmless.)
-            tests = []
-            for c in children[row]:
+            tests, kids = [], children[row]
+            for i, c in enumerate(kids):
                 # (q as drawn from: validation lets a row's sum be off by rounding, and torch.multinomial draws
                 # from the row over its sum; the rule must use the same distribution to stay exact)
                 q = None if deterministic[c] else self.normalised(proposal.draft_probs[c].float())
                 tests.append(torch.as_tensor(self.accept(r, q, tokens[c], generator), device=r.device))
-                r = self.residual(r, q, tokens[c])
+                if i < len(kids) - 1:  # (the last child's residual: only when every child is rejected, below)
+                    r = self.residual(r, q, tokens[c])
             hits = torch.stack(tests).tolist()
-            accepted = next((c for c, hit in zip(children[row], hits, strict=True) if hit), None)
+            accepted = next((c for c, hit in zip(kids, hits, strict=True) if hit), None)
             if accepted is None:
-                return path, sample(r, generator)
+                return path, sample(self.residual(r, q, tokens[kids[-1]]), generator)
             path.append(accepted)
             row, parent_row = accepted + 1, row
 

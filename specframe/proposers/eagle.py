@@ -625,14 +625,14 @@ class EagleProposer(Proposer):
         to feed only those). Nodes are numbered as they are made, level by level; ties in score go to the lower
         number, so a parent (never scored below its children: log-probabilities are <= 0) always comes first."""
         k = min(self.top_k if self.config.tree else 1, self.vocab_ids.numel())
-        threshold = self.min_score > -math.inf
+        threshold = self.min_score > -math.inf  # (compared in double, as a Python float: not rounded to float32)
         device = root_feat.device
         base = self.committed  # position of the root; a node at depth d sits at base + d
         vals, idx = torch.log_softmax(self.drafter.logits(root_feat), -1).topk(k)
         scores, tokens = [vals.float()], [self.vocab_ids[idx]]  # per level: every node made, numbered in order
         parents, levels = [torch.full((k,), -1, device=device)], [torch.ones(k, dtype=torch.long, device=device)]
         # The best first token is always a node; the others only when they reach the threshold.
-        valid = [vals >= self.min_score] if threshold else None
+        valid = [vals.double() >= self.min_score] if threshold else None
         if threshold:
             valid[0][0] = True
         # The frontier: its nodes' numbers, scores and tokens, the features predicted at their parents, and which
@@ -641,7 +641,7 @@ class EagleProposer(Proposer):
         f_scores, f_tokens = scores[0], tokens[0]
         f_feats = root_feat.expand(k, -1)
         if threshold:
-            live = int((vals >= self.min_score).sum())  # (sorted: they come first)
+            live = int((vals.double() >= self.min_score).sum())  # (sorted: they come first)
             frontier, f_scores, f_tokens, f_feats = frontier[:live], f_scores[:live], f_tokens[:live], f_feats[:live]
         allowed = torch.eye(frontier.numel(), dtype=torch.bool, device=device)
         made = k
@@ -659,7 +659,7 @@ class EagleProposer(Proposer):
             parents.append(frontier.repeat_interleave(k))
             levels.append(torch.full((f * k,), d, device=device))
             if threshold:
-                valid.append(scores[-1] >= self.min_score)
+                valid.append(scores[-1].double() >= self.min_score)
             # The next frontier: the k best children (stably sorted: ties to the lower number), those that reach
             # the threshold, if one is set.
             ranked = scores[-1].masked_fill(~valid[-1], -math.inf) if threshold else scores[-1]
