@@ -632,8 +632,10 @@ class EagleProposer(Proposer):
         scores, tokens = [vals.float()], [self.vocab_ids[idx]]  # per level: every node made, numbered in order
         parents, levels = [torch.full((k,), -1, device=device)], [torch.ones(k, dtype=torch.long, device=device)]
         # The best first token is always a node; the others only when they reach the threshold.
-        valid = [vals.double() >= self.min_score] if threshold else None
+        reach = valid = None
         if threshold:
+            reach = vals.double() >= self.min_score  # (sorted: those that reach it come first)
+            valid = [reach.clone()]
             valid[0][0] = True
         # The frontier: its nodes' numbers, scores and tokens, the features predicted at their parents, and which
         # tree pairs already fed (ancestors) each may see, then itself. Only nodes that reach the threshold expand.
@@ -641,7 +643,7 @@ class EagleProposer(Proposer):
         f_scores, f_tokens = scores[0], tokens[0]
         f_feats = root_feat.expand(k, -1)
         if threshold:
-            live = int((vals.double() >= self.min_score).sum())  # (sorted: they come first)
+            live = int(reach.sum())
             frontier, f_scores, f_tokens, f_feats = frontier[:live], f_scores[:live], f_tokens[:live], f_feats[:live]
         allowed = torch.eye(frontier.numel(), dtype=torch.bool, device=device)
         made = k
@@ -672,10 +674,11 @@ class EagleProposer(Proposer):
             made += f * k
         score, token, parent, level = (torch.cat(x) for x in (scores, tokens, parents, levels))
         # Keep the best total_tokens nodes, a set closed under ancestors (parents sort first, above).
+        made_valid = torch.cat(valid) if threshold else None
         keep = torch.sort(
-            score.masked_fill(~torch.cat(valid), -math.inf) if threshold else score, descending=True, stable=True
+            score.masked_fill(~made_valid, -math.inf) if threshold else score, descending=True, stable=True
         ).indices
-        count = int(torch.cat(valid).sum()) if threshold else made
+        count = int(made_valid.sum()) if threshold else made
         keep = keep[: min(count, self.total_tokens) if self.config.tree else count]
         order = keep[torch.sort(level[keep], stable=True).indices]  # topological: by level, then score
         renumber = torch.full((made,), -1, device=device)
