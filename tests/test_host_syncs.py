@@ -97,6 +97,18 @@ def test_greedy_steps_read_the_host_twice(name):
     assert sum(sites.values()) <= budget, dict(sites)
 
 
+def test_eagle_with_a_confidence_threshold_reads_once_more_per_level():
+    model = target()
+    config = EagleConfig(depth=5, top_k=4, total_tokens=20, confidence_threshold=0.01)
+    decoder = SpeculativeDecoder(model, EagleProposer.random(target_info(model), config))
+    sites, stats = reads_per_generation(decoder)
+    steps = stats["target_forwards"] - 1
+    # The structure, the argmax and, to stop early, the count of nodes that reach the threshold at each level
+    # drafted (the root's and at most depth - 1 more).
+    assert sum(sites.values()) <= steps * (2 + config.depth), dict(sites)
+    assert sum(sites.values()) > steps * 2, "the threshold's counts were not read: is it applied?"
+
+
 def test_a_union_reads_each_members_proposal_once():
     model = target()
     info = target_info(model)

@@ -588,8 +588,8 @@ class EagleProposer(Proposer):
         depth = min(self.depth, state.max_depth)
         if depth <= 0:
             return Proposal.empty(device)
-        if self.pending_feats is None:
-            raise RuntimeError("eagle: propose() before begin()")
+        if self.pending_feats is None or (self.root_feat is None and self.pending_feats.shape[0] == 0):
+            raise RuntimeError("eagle: propose() before begin() or without the prompt's features")
         # 1. Commit the real pairs: the last output predicts the root's feature.
         m = self.pending_feats.shape[0]
         if state.tokens.numel() != self.committed + m + 1:  # (a feature for every position but the root's)
@@ -605,8 +605,6 @@ class EagleProposer(Proposer):
             self.committed += m
             self.root_feat = out[-1]
             self.pending_feats = self.pending_feats[:0]
-        if self.root_feat is None:
-            raise RuntimeError("eagle: propose() before begin() or without the prompt's features")
         try:
             tokens, parents, scores = self._tree(self.root_feat, depth)
         finally:  # drafted nodes never stay in the cache
@@ -644,6 +642,7 @@ class EagleProposer(Proposer):
         f_feats = root_feat.expand(k, -1)
         if threshold:
             live = int(reach.sum())
+            valid_count = max(live, 1)  # nodes made that reach the threshold, and the forced first one
             frontier, f_scores, f_tokens, f_feats = frontier[:live], f_scores[:live], f_tokens[:live], f_feats[:live]
         allowed = torch.eye(frontier.numel(), dtype=torch.bool, device=device)
         made = k
@@ -666,8 +665,10 @@ class EagleProposer(Proposer):
             # the threshold, if one is set.
             ranked = scores[-1].masked_fill(~valid[-1], -math.inf) if threshold else scores[-1]
             best = torch.sort(ranked, descending=True, stable=True).indices[:k]
-            if threshold:
-                best = best[: int((ranked[best] > -math.inf).sum())]
+            if threshold:  # (the valid children's scores are finite, so they rank first)
+                level_valid = int(valid[-1].sum())
+                valid_count += level_valid
+                best = best[:level_valid]
             row = best // k  # each child's parent, as a row of this level's frontier
             frontier, f_scores, f_tokens, f_feats = made + best, scores[-1][best], tokens[-1][best], out[row]
             allowed = torch.cat([allowed[row], torch.eye(best.numel(), dtype=torch.bool, device=device)], 1)
@@ -678,7 +679,7 @@ class EagleProposer(Proposer):
         keep = torch.sort(
             score.masked_fill(~made_valid, -math.inf) if threshold else score, descending=True, stable=True
         ).indices
-        count = int(made_valid.sum()) if threshold else made
+        count = valid_count if threshold else made
         keep = keep[: min(count, self.total_tokens) if self.config.tree else count]
         order = keep[torch.sort(level[keep], stable=True).indices]  # topological: by level, then score
         renumber = torch.full((made,), -1, device=device)
