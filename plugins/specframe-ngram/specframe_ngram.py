@@ -131,18 +131,25 @@ class NgramProposer(Proposer):
     def __init__(self, config: NgramConfig, target: TargetInfo) -> None:
         super().__init__(config, target)
         self.index = NgramIndex(config.min_ngram, config.max_ngram)
+        self.emitted: list[int] = []  # tokens the last step emitted (from `accepted`), not yet indexed
 
     def begin(self, prompt: torch.Tensor, hidden_states: dict[int, torch.Tensor]) -> None:
         self.index = NgramIndex(self.config.min_ngram, self.config.max_ngram)
         self.index.extend(prompt.tolist())
+        self.emitted = []
 
     def propose(self, state: DecodeState) -> Proposal:
-        # The engine's tokens only ever grow by emitted tokens; index the new ones (the root included).
+        # The engine's tokens only ever grow by emitted tokens; index the new ones (the root included): those
+        # `accepted` gave, already on the host, else (the first step's root) read from the sequence.
         known = len(self.index.seq)
-        if state.tokens.numel() < known:  # a sequence we have not seen begin: start over
+        if known + len(self.emitted) == state.tokens.numel():
+            self.index.extend(self.emitted)
+        elif state.tokens.numel() >= known:
+            self.index.extend(state.tokens[known:].tolist())
+        else:  # a sequence we have not seen begin: start over
             self.index = NgramIndex(self.config.min_ngram, self.config.max_ngram)
-            known = 0
-        self.index.extend(state.tokens[known:].tolist())
+            self.index.extend(state.tokens.tolist())
+        self.emitted = []
 
         cfg, device = self.config, state.tokens.device
         depth = min(cfg.num_speculative_tokens, state.max_depth)
@@ -158,7 +165,8 @@ class NgramProposer(Proposer):
         )
 
     def accepted(self, result: Acceptance) -> None:
-        pass  # the index holds emitted tokens only; the next propose() indexes the newly emitted ones
+        # The tokens this step emitted, to index at the next propose() (which checks they make up the sequence).
+        self.emitted = [*result.accepted_tokens, result.next_token]
 
 
 @hookimpl

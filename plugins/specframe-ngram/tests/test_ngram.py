@@ -3,11 +3,12 @@
 import pytest
 import torch
 from specframe_ngram import NgramConfig, NgramIndex, NgramProposer, build_trie
+from torch.overrides import TorchFunctionMode
 
 from specframe import DecodeState, SamplingParams, SpeculativeDecoder
 from specframe.decoder import target_info
 from specframe.errors import ConfigError
-from specframe.proposer import validate_proposal
+from specframe.proposer import Acceptance, validate_proposal
 from specframe.testing.tiny import tiny_llama
 
 
@@ -72,6 +73,31 @@ def test_index_follows_the_sequence_across_steps():
     assert proposer.propose(state([1, 2, 3, 4, 1, 2, 7, 3])).tokens.tolist() == [4, 1]
     # a shorter, unrelated sequence without begin(): start over rather than use a stale index
     assert proposer.propose(state([6, 6])).tokens.tolist() == [6]
+
+
+class CountTolist(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.Tensor.tolist
+        return func(*args, **(kwargs or {}))
+
+
+def test_emitted_tokens_come_from_accepted_not_from_the_device():
+    proposer = make_proposer(min_ngram=1, max_candidates=1, num_speculative_tokens=2)
+    proposer.begin(torch.tensor([1, 2, 3, 4]), {})
+    proposer.propose(state([1, 2, 3, 4, 1]))  # (the first root: read from the sequence)
+    proposer.accepted(Acceptance([0], [2], 7, {}))
+    with CountTolist() as reads:
+        p = proposer.propose(state([1, 2, 3, 4, 1, 2, 7]))
+    assert reads.count == 0  # (on a GPU each read would wait for the queued kernels)
+    assert proposer.index.seq == [1, 2, 3, 4, 1, 2, 7] and p.tokens.tolist() == []
+    # tokens that do not add up with what accepted() said: read from the sequence after all
+    proposer.accepted(Acceptance([], [], 3, {}))
+    assert proposer.propose(state([1, 2, 3, 4, 1, 2, 7, 5, 3])).tokens.tolist() == [4, 1]
+    assert proposer.index.seq == [1, 2, 3, 4, 1, 2, 7, 5, 3]
 
 
 @pytest.mark.parametrize(
