@@ -7,6 +7,7 @@ exists in the working directory) resolves to the copy shipped inside the install
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from importlib import resources
@@ -116,15 +117,44 @@ def packaged_configs() -> list[str]:
     return sorted(f.name for f in folder.iterdir() if f.name.endswith(".yaml")) if folder.is_dir() else []
 
 
+@functools.cache
+def text_keeping_loader() -> type:
+    """OmegaConf's YAML loader, except that a scalar YAML would read as a boolean or a number stays the text as
+    typed unless it is that value's own spelling (`true`, `False`, `5`, `0.7`, `.inf`; YAML 1.2's booleans, not
+    YAML 1.1's `yes`, `no`, `on`, `off`): `No`, `on`, `1.10`, `0x10`, `01` and `1e3` stay text. A typed field
+    (int, float, bool) converts the text as before (OmegaConf does); a text field (a stop string, a model path)
+    gets exactly what was typed, never `False`, `1.1`, `16` or `1000.0`."""
+    try:  # (OmegaConf's own loader: its float rule, no timestamps, duplicate keys and alias bombs refused)
+        from omegaconf._yaml import get_yaml_loader
+    except ImportError:  # (OmegaConf 2.3)
+        from omegaconf._utils import get_yaml_loader
+
+    class TextKeepingLoader(get_yaml_loader()):
+        pass
+
+    for kind in ("bool", "int", "float"):
+        tag = f"tag:yaml.org,2002:{kind}"
+        construct = TextKeepingLoader.yaml_constructors[tag]
+
+        def keep_text(loader: Any, node: yaml.ScalarNode, construct: Any = construct) -> Any:
+            value = construct(loader, node)
+            # (YAML's own spellings of infinity and NaN too, so that a float field can say it must be finite)
+            own_spelling = str(value) in (node.value, node.value.capitalize())
+            return value if own_spelling or node.value.lower().lstrip("+-") in (".inf", ".nan") else node.value
+
+        TextKeepingLoader.add_constructor(tag, keep_text)
+    return TextKeepingLoader
+
+
 def load_yaml(path: str | Path) -> DictConfig:
     """A YAML config file (or a packaged config by name) holding a mapping; errors name the file."""
     found = find_config(path)
     try:
         with found.open(encoding="utf-8") as f:
-            parsed = yaml.safe_load(f)  # (OmegaConf.load refuses a lone scalar with an OSError of its own words)
+            parsed = yaml.load(f, Loader=text_keeping_loader())  # (text kept as typed: `text_keeping_loader`)
         if parsed is not None and not isinstance(parsed, dict):
             raise ConfigError(f"config file '{path}' must hold a mapping, not {type(parsed).__name__} {parsed!r:.40}")
-        raw = OmegaConf.load(found)
+        raw = OmegaConf.create(parsed if parsed is not None else {})
     except OmegaConfBaseException as e:
         raise ConfigError(f"bad config: {one_line(e)}") from e
     except (yaml.YAMLError, UnicodeDecodeError) as e:  # (OmegaConf passes a file's YAML and encoding errors on)
@@ -144,8 +174,12 @@ def with_overrides(raw: DictConfig, overrides: list[str]) -> DictConfig:
     for item in overrides:
         if not isinstance(item, str) or "=" not in item:
             raise ConfigError(f"override {item!r} is not a 'KEY=VALUE' string")
+        key, text = item.split("=", 1)
         try:
-            raw = OmegaConf.merge(raw, OmegaConf.from_dotlist([item]))
+            # (as OmegaConf.from_dotlist, but the value's text kept as typed where YAML would change it)
+            override = OmegaConf.create()
+            OmegaConf.update(override, key, yaml.load(text, Loader=text_keeping_loader()))
+            raw = OmegaConf.merge(raw, override)
         except OmegaConfBaseException as e:
             raise ConfigError(f"bad config: {one_line(e)}") from e
         except yaml.YAMLError as e:  # (a value is parsed as YAML)
@@ -309,7 +343,7 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
                     raise ConfigError(f"{prefix}.{key}: missing mandatory value (set it with {prefix}.{key}=...)")
                 if key in text_fields and values[key] is None:  # `KEY=` (a shell's KEY="") is the empty string
                     values[key] = ""
-                if key in one_or_many and isinstance(values[key], str):
+                if key in one_or_many and isinstance(values[key], str | int | float):  # (`stop=5`: ["5"])
                     values[key] = [values[key]]
                 if key in list_fields and not isinstance(values[key], ListConfig | None):
                     given = values[key]

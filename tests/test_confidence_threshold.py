@@ -93,11 +93,11 @@ def eagle_cut_sizes(target, threshold):
     """Check the thresholded tree against the full one on every prompt; return the total thresholded size."""
     sizes = []
     for tokens in PROMPTS:
-        full = begun(EagleProposer, target, EagleConfig(depth=4, top_k=3, total_tokens=40), 7, tokens)
+        full = begun(EagleProposer, target, EagleConfig(depth=4, top_k=3, total_tokens=30), 7, tokens)
         cut = begun(
             EagleProposer,
             target,
-            EagleConfig(depth=4, top_k=3, total_tokens=40, confidence_threshold=threshold),
+            EagleConfig(depth=4, top_k=3, total_tokens=30, confidence_threshold=threshold),
             7,
             tokens,
         )

@@ -27,14 +27,44 @@ def test_yaml_then_overrides_with_the_proposer_schema(tmp_path):
 
 
 def test_one_stop_string_needs_no_brackets(tmp_path):
-    # text alone is one stop string (as the Python API's `stop=`), commas and spaces included; a number is not text
+    # text alone is one stop string (as the Python API's `stop=`), commas and spaces included, digits too
     assert load_config(None, ["generation.stop=END"]).generation.stop == ["END"]
+    assert load_config(None, ["generation.stop=5"]).generation.stop == ["5"]
     assert load_config(None, ["generation.stop='a, b'"]).generation.stop == ["a, b"]
     f = tmp_path / "c.yaml"
     f.write_text("generation:\n  stop: '###'\n")
     assert load_config(f).generation.stop == ["###"]
-    with pytest.raises(ConfigError, match=r"generation.stop must be a list, e.g. generation.stop=\[5\]"):
-        load_config(None, ["generation.stop=5"])
+
+
+@pytest.mark.parametrize("typed", ["No", "off", "yes", "True", "Off", "1.50", "0x10", "01", "1e3", "1_000", "+5", ".5"])
+def test_text_stays_as_typed_where_yaml_would_read_a_value(typed, tmp_path):
+    # A stop string or a model path gets exactly the text typed, never YAML's False, 1.5, 16 or 1000.0 written
+    # back as text; in a list, alone, and in a config file alike.
+    assert load_config(None, [f"generation.stop=[{typed}, x]"]).generation.stop == [typed, "x"]
+    assert load_config(None, [f"generation.stop={typed}"]).generation.stop == [typed]
+    assert load_config(None, [f"target.model={typed}"]).target.model == typed
+    f = tmp_path / "c.yaml"
+    f.write_text(f"target:\n  model: {typed}\ngeneration:\n  stop: [{typed}]\n")
+    assert (load_config(f).target.model, load_config(f).generation.stop) == (typed, [typed])
+
+
+def test_typed_fields_still_read_their_values_from_text():
+    cfg = load_config(None, ["sampling.temperature=1e-1", "generation.max_new_tokens=1_000", "sampling.top_p=.5"])
+    assert (cfg.sampling.temperature, cfg.generation.max_new_tokens, cfg.sampling.top_p) == (0.1, 1000, 0.5)
+    assert [
+        load_config(None, ["proposer.name=eagle", f"proposer.tree={v}"]).proposer.tree for v in "no Yes off 1".split()
+    ] == [
+        False,
+        True,
+        False,
+        True,
+    ]
+    # true and false are booleans (as in YAML 1.2), in any case: quote them for text
+    assert load_config(None, ["generation.stop=[true, 'false']"]).generation.stop == ["True", "false"]
+    with pytest.raises(ConfigError, match=r"^sampling.temperature must be a finite number >= 0.*got inf$"):
+        load_config(None, ["sampling.temperature=.inf"])
+    with pytest.raises(ConfigError, match=r"^generation.max_new_tokens: Value '0x10' of type 'str' could not be"):
+        load_config(None, ["generation.max_new_tokens=0x10"])
 
 
 def test_packaged_configs_load_by_name():
@@ -59,7 +89,10 @@ def test_packaged_configs_load_by_name():
         (["proposer.name=draft", "proposer.greedy=maybe"], "proposer.greedy"),
         (["sampling.seed=99999999999999999999999"], r"sampling.seed must be an integer in \[-2\*\*63, 2\*\*64\)"),
         (["sampling.seed=-9223372036854775809"], "sampling.seed must be an integer"),
-        (["generation.stop=5"], r"^generation.stop must be a list, e.g. generation.stop=\[5\], got 5$"),
+        (
+            ["proposer.name=union", "proposer.members=eagle"],
+            r"^proposer.members must be a list, e.g. proposer.members=\[eagle\], got 'eagle'$",
+        ),
         (["generation.stop={a: 1}"], r"^generation.stop must be a list, got \{'a': 1\} \(set a list field whole"),
         (["generation.stop=${oops}"], r"^generation.stop: Interpolation key 'oops' not found"),
         (["proposer.name=medusa", "proposer.tree=0"], r"^proposer.tree must be a list, e.g. proposer.tree=\[0\]"),

@@ -647,6 +647,40 @@ def test_bad_training_options(field, value):
     EagleTrainConfig(self_fed_steps=0, self_fed_weight=0.0)  # no self-fed step: its weight is unused
 
 
+@pytest.mark.parametrize(
+    "given, shape",
+    [
+        (dict(total_tokens=2), (2, 6, 2)),  # depth fitted: a tree of 2 nodes is at most 2 deep
+        (dict(depth=30), (30, 6, 30)),  # total_tokens fitted: at least one node a level
+        (dict(top_k=1), (5, 1, 5)),  # a chain of 5 makes 5 nodes, not the default 24
+        (dict(depth=3, top_k=2, total_tokens=10), (3, 2, 10)),  # 2 + 4 + 4: exactly what it can make
+    ],
+)
+def test_unset_tree_keys_fit_the_set_ones(given, shape):
+    info = target_info(target16())
+    proposer = EagleProposer.random(info, EagleConfig(**given))
+    assert (proposer.depth, proposer.top_k, proposer.total_tokens) == shape
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        (dict(depth=5, top_k=4, total_tokens=2), r"proposer.depth=5 cannot be reached with proposer.total_tokens=2"),
+        (
+            dict(depth=3, top_k=2, total_tokens=11),
+            r"proposer.total_tokens=11 is more than a tree of depth 3 and top_k 2",
+        ),
+        (
+            dict(total_tokens=100000, top_k=50),
+            r"top_k 50 \(in effect 12: the drafter has 12 tokens\) can make \(588 nodes",
+        ),
+    ],
+)
+def test_tree_keys_that_cannot_hold_together_are_refused(given, message):
+    with pytest.raises(ConfigError, match=message):
+        EagleProposer.random(target_info(target16()), EagleConfig(**given))
+
+
 def test_registered_and_configured():
     from specframe.config import load_config
     from specframe.plugins import get_registry

@@ -439,6 +439,8 @@ class EagleProposer(Proposer):
         self.depth = config.depth if config.depth is not None else shape["depth"]
         self.top_k = config.top_k if config.top_k is not None else shape["top_k"]
         self.total_tokens = config.total_tokens if config.total_tokens is not None else shape["total_tokens"]
+        if config.tree:
+            self._fit_tree_shape(config, vocab_ids.numel())
         self.shape_choice: str | None = None  # how the shape was measured on this machine (use_fastest_shape)
         threshold = resolve_confidence_threshold(
             config.confidence_threshold,
@@ -515,6 +517,33 @@ class EagleProposer(Proposer):
         drafter = drafter.to(device=target.device, dtype=dtype).attach(target.model, vocab_ids)
         quantize_proposer(drafter, config.quantize, target.fast_cpu_kernels)
         return cls(config, target, drafter, vocab_ids)
+
+    def _fit_tree_shape(self, config: EagleConfig, vocab: int) -> None:
+        """A tree's keys that were not set (the saved shape's or the device's defaults) fitted to those that were;
+        set ones that cannot hold together refused: a tree of n nodes is at most n levels deep, and depth d with
+        top_k k makes at most k + (d - 1) k^2 nodes (k no more than the drafter's vocabulary)."""
+        if self.depth > self.total_tokens:
+            if config.depth is not None and config.total_tokens is not None:
+                raise ConfigError(
+                    f"proposer.depth={self.depth} cannot be reached with proposer.total_tokens={self.total_tokens}: "
+                    f"a tree of {self.total_tokens} nodes is at most {self.total_tokens} deep (set depth <= "
+                    "total_tokens)"
+                )
+            if config.depth is None:
+                self.depth = self.total_tokens
+            else:
+                self.total_tokens = self.depth
+        k = min(self.top_k, vocab)
+        most = k + (self.depth - 1) * k * k
+        if self.total_tokens > most:
+            if config.total_tokens is not None:
+                raise ConfigError(
+                    f"proposer.total_tokens={self.total_tokens} is more than a tree of depth {self.depth} and top_k "
+                    f"{self.top_k}{f' (in effect {k}: the drafter has {vocab} tokens)' if k < self.top_k else ''} can "
+                    f"make ({most} nodes: top_k, then top_k^2 a level); set total_tokens <= {most}, or a larger depth "
+                    "or top_k"
+                )
+            self.total_tokens = most
 
     def use_fastest_shape(self, candidates: list[ShapeCandidate]) -> ShapeCandidate:
         """Draft the shape (an EagleShape) of `candidates` that is fastest on this machine
