@@ -8,6 +8,7 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
 import yaml
@@ -383,7 +384,7 @@ def merged_options(path: str | None, overrides: list[str]) -> Any:
 
 def cmd_data_distill(args: argparse.Namespace) -> int:
     from specframe.bench import default_benchmark_turns
-    from specframe.data import DEFAULT_PROMPTS, check_tag, distill, read_prompts, shared_data_file
+    from specframe.data import DEFAULT_PROMPTS, check_tag, distill, read_distill, read_prompts, shared_data_file
     from specframe.models import load_model
     from specframe.sampling import check_sampling
 
@@ -397,6 +398,8 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
     # (the benchmark's own questions are never training prompts, whatever file they come in)
     path = args.prompts or shared_data_file(DEFAULT_PROMPTS)
     prompts = read_prompts(path, benchmark_turns=default_benchmark_turns())[: args.limit]
+    if Path(args.out).is_file():  # (before the model loads; distill checks it again, then appends)
+        read_distill(args.out, unfinished_tail=True)
     loaded = load_model(args.target, dtype=args.dtype, device=args.device, quiet=True)
     if loaded.tokenizer is None:
         raise BadInputError(f"target '{args.target}' has no tokenizer: distillation needs one for the chat template")
@@ -412,7 +415,8 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
         seed=args.seed,
         tag=args.tag,
     )
-    print(f"added {added} responses to {args.out}", file=sys.stderr)
+    created = "" if Path(args.out).exists() else f" ('{args.out}' was not created)"
+    print(f"added {added} responses to {args.out}{created}", file=sys.stderr)
     return 0
 
 

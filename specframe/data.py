@@ -3,7 +3,8 @@
 Format (one JSON object per line, UTF-8; every trainer reads it through `read_distill`):
 
     {"id": str, "source": str, "prompt_ids": [int, ...], "response_ids": [int, ...], "finished": bool,
-     "prompt_id": str, "target": {dtype: str}}
+     "prompt_id": str, "target": {dtype: str}, "generation": {"temperature": float, "seed": int | null,
+     "max_new_tokens": int, "dtype": str}}
 
 `prompt_ids` is the chat-templated prompt exactly as specframe feeds it; `response_ids` the target's greedy
 (or sampled) continuation, EOS included when it was reached (`finished`). `id` names the response and
@@ -12,8 +13,10 @@ a second, sampled response to every prompt in the same file) writes `id` = "<pro
 held-out data by `prompt_id`, so all responses to one prompt fall on the same side. `prompt_id` may be
 absent (files written before it existed): it is then `id`. `target` names the model that wrote the row
 (`specframe.fingerprint.data_fingerprint`; absent in files written before 2026-12-05): a file holds one
-target's responses, and a trainer says when its target is not the one that wrote the data. The file is
-appended one batch at a time, so an interrupted run resumes where it stopped: ids already present are skipped.
+target's responses, and a trainer says when its target is not the one that wrote the data. `generation` holds
+the settings the response was made with (the seed only when sampled; absent before 2026-12-05): a pass (the rows
+of one tag) is continued only with its own settings. The file is appended one batch at a time, so an interrupted
+run resumes where it stopped: ids already present are skipped.
 Spec-Bench is for measurement only; prompts that look like Spec-Bench questions are refused.
 """
 
@@ -54,14 +57,18 @@ class DistillExample:
     finished: bool
     prompt_id: str = ""  # the prompt this responds to ("" in the constructor: the same as `id`)
     target: dict[str, str] | None = None  # the `data_fingerprint` of the model that wrote it (None: not recorded)
+    generation: dict | None = None  # the settings it was made with (None: not recorded)
 
     def __post_init__(self) -> None:
         self.prompt_id = self.prompt_id or self.id
 
 
-def read_jsonl(path: str | Path, what: str, hint: str = "") -> Iterator[tuple[int, dict]]:
+def read_jsonl(
+    path: str | Path, what: str, hint: str = "", unfinished_tail: bool = False
+) -> Iterator[tuple[int, dict]]:
     """(line number, object) for each non-blank line; a missing file or bad JSON is a BadInputError naming
-    `what` (e.g. "prompts file"), the file and the line."""
+    `what` (e.g. "prompts file"), the file and the line. With `unfinished_tail`, a last line that has no line
+    end and is not JSON (an interrupted write) is skipped."""
     p = Path(path)
     if not p.is_file():
         raise BadInputError(f"{what} '{path}' does not exist{hint}")
@@ -72,6 +79,8 @@ def read_jsonl(path: str | Path, what: str, hint: str = "") -> Iterator[tuple[in
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
+                if unfinished_tail and not line.endswith("\n"):
+                    return
                 raise BadInputError(f"{what} '{path}' line {number}: not JSON ({e})") from e
             if not isinstance(row, dict):
                 raise BadInputError(f"{what} '{path}' line {number}: not a JSON object")
@@ -114,11 +123,14 @@ def read_prompts(path: str | Path, benchmark_turns: Iterable[str] = ()) -> list[
     return rows
 
 
-def read_distill(path: str | Path) -> list[DistillExample]:
+def read_distill(path: str | Path, unfinished_tail: bool = False) -> list[DistillExample]:
+    """The rows of a distillation data file (`unfinished_tail`: as `read_jsonl`'s)."""
     out = []
     line_of: dict[str, int] = {}
     repeated = " (a further response to a prompt needs its own id: `distill --tag`)"
-    for number, row in read_jsonl(path, "distillation data", " (make it with `specframe data distill`)"):
+    for number, row in read_jsonl(
+        path, "distillation data", " (make it with `specframe data distill`)", unfinished_tail
+    ):
         try:
             example = DistillExample(
                 str(row["id"]),
@@ -128,11 +140,14 @@ def read_distill(path: str | Path) -> list[DistillExample]:
                 bool(row.get("finished", False)),
                 str(row.get("prompt_id", "")),
                 row.get("target"),
+                row.get("generation"),
             )
         except KeyError as e:
             raise BadInputError(f"distillation data '{path}' line {number}: missing {e}") from e
         if not isinstance(row.get("finished", False), bool):  # ("false" is a true string)
             raise BadInputError(f"distillation data '{path}' line {number}: finished must be true or false")
+        if example.generation is not None and not isinstance(example.generation, dict):
+            raise BadInputError(f"distillation data '{path}' line {number}: generation must be an object")
         written_by = example.target
         if written_by is not None and not (
             isinstance(written_by, dict) and written_by and all(isinstance(v, str) for v in written_by.values())
@@ -188,6 +203,11 @@ def response_id(prompt_id: str, tag: str) -> str:
     return f"{prompt_id}#{tag}" if tag else prompt_id
 
 
+def tag_of(example: DistillExample) -> str:
+    """The tag of the pass that wrote `example` ("" for an untagged one)."""
+    return example.id.removeprefix(example.prompt_id + "#") if example.id != example.prompt_id else ""
+
+
 def batches(items: list, size: int) -> Iterator[list]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
@@ -226,6 +246,7 @@ def distill(
     out = Path(out_path)
     check_output_path(out, "--out", folder=False)
     if out.exists():
+        read_distill(out, unfinished_tail=True)  # (a file that is not distillation data is refused untouched)
         end_unfinished_line(out, quiet)
     written_by = data_fingerprint(model)
     existing = read_distill(out) if out.exists() else []
@@ -234,6 +255,21 @@ def distill(
         raise BadInputError(
             f"--out '{out}' holds responses written by another target (e.g. '{other.id}'): distil this target's "
             "into another file"
+        )
+    settings = {
+        "temperature": float(temperature),
+        "seed": seed if temperature > 0 else None,
+        "max_new_tokens": max_new_tokens,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+    }
+    pass_rows = (e for e in existing if e.generation is not None and tag_of(e) == tag)
+    earlier = next((e for e in pass_rows if e.generation != settings), None)
+    if earlier is not None:  # (the pass would mix responses made two ways under one tag)
+        differ = [k for k in settings if earlier.generation.get(k) != settings[k]]
+        what = ", ".join(f"{k} {earlier.generation.get(k)} (now {settings[k]})" for k in differ)
+        raise BadInputError(
+            f"--out '{out}' holds the {'pass tagged ' + repr(tag) if tag else 'untagged pass'} made with {what} "
+            f"(e.g. '{earlier.id}'): continue it with the same settings, or start another with --tag"
         )
     done = {e.id for e in existing}
     # Prompts must leave room for a response in the target's context window, as `specframe generate` requires.
@@ -256,6 +292,13 @@ def distill(
         if longest < max_prompt_tokens:
             limit = f"{longest} tokens (the target's context window is {window})"
         print(f"skipping {too_long} prompts longer than {limit}", file=sys.stderr)
+    answered = len(prompts) - len(todo) - too_long
+    if not todo and answered and not quiet:
+        print(
+            f"every prompt ({answered}) already has a response{f' tagged {tag!r}' if tag else ''} in '{out}'; a "
+            "further response to each needs another --tag",
+            file=sys.stderr,
+        )
     if not todo:
         return 0
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -300,6 +343,7 @@ def distill(
                     "finished": finished,
                     "prompt_id": prompt_id,
                     "target": written_by,
+                    "generation": settings,
                 }
                 f.write(json.dumps(row) + "\n")
             f.flush()

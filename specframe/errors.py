@@ -88,6 +88,10 @@ class ModelLoadError(BadInputError):
     """A model, tokenizer or adapter could not be loaded from what the user named."""
 
 
+class TrainingError(SpecframeError):
+    """Training that cannot go on (a loss that is not finite): exit status 1, nothing more saved."""
+
+
 class ProposerError(SpecframeError):
     """A proposer (built-in or plugin) raised or returned a malformed proposal."""
 

@@ -114,7 +114,8 @@ def check_fingerprint(saved: Any, model: torch.nn.Module, what: str, adapter: bo
 def read_artifact(folder: Path, kind: str, what: str) -> tuple[dict[str, Any], Any, dict[str, torch.Tensor]]:
     """(metadata, listed vocabulary, tensors) of a trained artifact's folder: `{kind}_config.json`,
     `{kind}_vocab.json` (JSON, checked by `check_vocab_ids` once the target is known to fit) and
-    `model.safetensors`. ModelLoadError naming `what` when a file is missing or corrupt."""
+    `model.safetensors`. ModelLoadError naming `what` when a file is missing or corrupt, or a weight is not
+    finite."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -128,6 +129,9 @@ def read_artifact(folder: Path, kind: str, what: str) -> tuple[dict[str, Any], A
         raise ModelLoadError(f"{what} is incomplete or corrupt: {type(e).__name__}: {e}") from e
     if not isinstance(meta, dict):
         raise ModelLoadError(f"{what} is incomplete or corrupt: {kind}_config.json holds no JSON object")
+    broken = next((k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
+    if broken is not None:  # (a run that diverged, or a damaged file: it would draft nothing, or garbage)
+        raise ModelLoadError(f"{what}: model.safetensors holds values that are not finite (in {broken!r})")
     return meta, listed, tensors
 
 

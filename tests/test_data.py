@@ -281,3 +281,31 @@ def test_shared_data_is_found_from_the_working_directory_first(tmp_path, monkeyp
     assert shared_data_file("x.jsonl").resolve() == (tmp_path / "shared" / "data" / "x.jsonl").resolve()
     # neither there nor next to this checkout: the working directory's path, which the error then names
     assert shared_data_file("absent.jsonl") == tmp_path / "proj" / ".." / "shared" / "data" / "absent.jsonl"
+
+
+def test_a_file_that_is_not_distillation_data_is_refused_untouched(tokenizer, tmp_path):
+    model = tiny_llama(vocab_size=8, seed=0)
+    for text in ("my notes\nimportant last line", '{"id": "1", "prompt": "hi"}'):  # (no line end at the end)
+        out = tmp_path / "notes.txt"
+        out.write_text(text)
+        with pytest.raises(BadInputError, match="distillation data"):
+            run(model, tokenizer, out)
+        assert out.read_text() == text
+
+
+def test_a_pass_is_continued_only_with_its_own_settings(tokenizer, tmp_path, capsys):
+    model = tiny_llama(vocab_size=8, seed=0)
+    out = tmp_path / "d.jsonl"
+    distill(model, tokenizer, PROMPTS[:6], out, max_new_tokens=4, temperature=1.5, seed=3, tag="s2", quiet=True)
+    assert {r.generation["temperature"] for r in read_distill(out)} == {1.5}
+    with pytest.raises(BadInputError, match=r"pass tagged 's2' made with temperature 1.5 \(now 0.0\), seed 3"):
+        run(model, tokenizer, out, tag="s2")  # (greedy, under the sampled pass's tag)
+    with pytest.raises(BadInputError, match=r"max_new_tokens 4 \(now 16\)"):
+        distill(model, tokenizer, PROMPTS, out, max_new_tokens=16, temperature=1.5, seed=3, tag="s2", quiet=True)
+    assert run(model, tokenizer, out, temperature=1.5, seed=3, tag="s2") == 6  # the same settings: resumed
+    assert run(model, tokenizer, out) == 12  # an untagged pass of its own
+    with pytest.raises(BadInputError, match=r"untagged pass made with temperature 0.0 \(now 1.5\).*another with --tag"):
+        run(model, tokenizer, out, temperature=1.5, seed=4)  # (a sampled pass needs a tag of its own)
+    capsys.readouterr()
+    assert distill(model, tokenizer, PROMPTS, out, max_new_tokens=4, batch_size=5) == 0
+    assert "every prompt (12) already has a response in" in capsys.readouterr().err

@@ -630,6 +630,8 @@ def test_tree_options_for_a_chain_are_refused_not_ignored(field):
         ("heldout_fraction", 1.0),
         ("noise", -0.1),
         ("lr", 0),
+        ("lr", float("inf")),  # (it would train to NaN weights)
+        ("noise", float("nan")),
         ("self_fed_steps", -1),
         ("self_fed_steps", True),
         ("self_fed_steps", 1.5),

@@ -8,12 +8,12 @@ import torch
 from specframe import SpeculativeDecoder
 from specframe.data import read_distill
 from specframe.decoder import target_info
-from specframe.errors import ConfigError, ModelLoadError
+from specframe.errors import ConfigError, ModelLoadError, TrainingError
 from specframe.proposers.draft import DraftConfig, DraftProposer
 from specframe.shared_draft import as_full_vocab_model, load_shared_draft
 from specframe.testing.conformance import reference_greedy
 from specframe.testing.tiny import tiny_llama, write_distill_data
-from specframe.training.common import split_heldout
+from specframe.training.common import optimizer_step, split_heldout
 from specframe.training.draft import DraftTrainConfig, train_draft
 
 
@@ -262,6 +262,16 @@ def test_resume_continues_after_the_last_epoch(trained, tmp_path):
     assert [h["epoch"] for h in metrics["history"]] == [0, 1, 2, 3, 4]
 
 
+def test_a_loss_that_is_not_finite_stops_training_before_it_reaches_the_weights():
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([weight], lr=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(TrainingError, match=f"training diverged: the loss is {bad}"):
+            optimizer_step((weight * bad).sum(), {"w": weight}, optimizer, schedule, None)
+        assert weight.tolist() == [1.0, 1.0, 1.0] and weight.grad is None
+
+
 def test_resume_without_a_checkpoint_is_refused(trained, tmp_path):
     target, cfg, _ = trained
     typo = DraftTrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "drfat"), "features_cache": str(tmp_path / "f")})
@@ -455,6 +465,17 @@ def test_init_from_refuses_what_it_cannot_continue(trained, tmp_path):
         train_draft(DraftTrainConfig(**{**base, "init_from": cfg.out}), other, None, log=lambda m: None)
     with pytest.raises(ConfigError, match="train.init_from and train.init_layers"):
         DraftTrainConfig(init_from=cfg.out, init_layers=[0, 1])
+    # Another split would report prompts the start was trained on as held out (it had seed 0, fraction 0.2).
+    for change, message in (
+        ({"seed": 1}, "seed=0, this run has train.seed=1"),
+        ({"heldout_fraction": 0.3}, "heldout_fraction=0.2, .* or less"),
+    ):
+        with pytest.raises(ConfigError, match=f"train.init_from '.*' was trained with {message}"):
+            train_draft(DraftTrainConfig(**{**base, "init_from": cfg.out, **change}), target, None, log=lambda m: None)
+    logs = []  # (a smaller fraction holds out a subset of its held-out prompts)
+    train_draft(
+        DraftTrainConfig(**{**base, "init_from": cfg.out, "heldout_fraction": 0.1}), target, None, log=logs.append
+    )
 
 
 @pytest.mark.parametrize(
@@ -468,6 +489,7 @@ def test_init_from_refuses_what_it_cannot_continue(trained, tmp_path):
         (lambda d: edit_meta(d, lambda m: m.pop("llama_config")), "incomplete or corrupt: KeyError"),
         (lambda d: edit_meta(d, lambda m: m["llama_config"].update(num_hidden_layers="x")), "must be an integer"),
         (lambda d: truncate(d / "model.safetensors"), "incomplete or corrupt: SafetensorError"),
+        (lambda d: poison(d / "model.safetensors"), "holds values that are not finite \\(in 'model.norm.weight'\\)"),
     ],
 )
 def test_a_damaged_draft_folder_is_named(trained, tmp_path, damage, message):
@@ -493,6 +515,14 @@ def test_a_damaged_draft_config_is_named_by_the_proposer(trained, tmp_path, text
     (tmp_path / "d" / "draft_config.json").write_text(text)
     with pytest.raises(ModelLoadError, match=f"draft '{tmp_path / 'd'}' is incomplete or corrupt: .*{message}"):
         DraftProposer.from_config(DraftConfig(model=str(tmp_path / "d")), target_info(target))
+
+
+def poison(weights):  # (as a run that diverged would have saved them)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(weights)
+    tensors["model.norm.weight"][0] = float("nan")
+    save_file(tensors, weights)
 
 
 def edit_meta(folder, change):

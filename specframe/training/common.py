@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -14,7 +15,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from specframe.data import DistillExample
-from specframe.errors import BadInputError, ConfigError, ModelLoadError, check_field_types, check_output_path
+from specframe.errors import (
+    BadInputError,
+    ConfigError,
+    ModelLoadError,
+    TrainingError,
+    check_field_types,
+    check_output_path,
+)
 
 ARTIFACT_KINDS = ("draft", "medusa", "eagle")  # a trained artifact's folder holds `<kind>_config.json`
 
@@ -54,8 +62,8 @@ class TrainRunConfig:
             value = getattr(self, key)
             if value < 1:  # (an integer: checked first)
                 raise ConfigError(f"train.{key} must be >= 1, got {value}")
-        if not self.lr > 0:
-            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"train.lr must be a finite number > 0, got {self.lr}")
         if not 0 < self.heldout_fraction < 1:
             raise ConfigError(f"train.heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
         if not str(self.out).strip():
@@ -336,6 +344,32 @@ def choose_vocab(examples, size: int, vocab_size: int, always: list[int]) -> tor
     return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
+def check_same_split(cfg: TrainRunConfig) -> None:
+    """A run that starts from a trained artifact (init_from / init_heads) must hold out the prompts it held out:
+    the split is a hash of (seed, prompt id) against heldout_fraction, and with another seed or a larger fraction
+    some prompts the start was trained on would be reported as held out. (Artifacts that do not record them are
+    not checked.)"""
+    start = getattr(cfg, "init_from", "") or getattr(cfg, "init_heads", "") or ""
+    found = (Path(start) / f"{k}_config.json" for k in ARTIFACT_KINDS) if start else iter(())
+    config = next((f for f in found if f.is_file()), None)
+    if config is None:
+        return  # (a missing or foreign start is the trainer's own error to name)
+    try:
+        trained = json.loads(config.read_text()).get("train_config") or {}
+    except (OSError, ValueError, AttributeError):
+        return  # (likewise: a damaged start is named when it is loaded)
+    option = "train.init_from" if getattr(cfg, "init_from", "") else "train.init_heads"
+    seed, fraction = trained.get("seed", cfg.seed), trained.get("heldout_fraction", cfg.heldout_fraction)
+    # (a smaller fraction with the same seed holds out a subset of the start's held-out prompts: allowed)
+    if seed != cfg.seed or (isinstance(fraction, float | int) and cfg.heldout_fraction > fraction):
+        key, value = ("seed", seed) if seed != cfg.seed else ("heldout_fraction", fraction)
+        raise ConfigError(
+            f"{option} '{start}' was trained with {key}={value}, this run has train.{key}={getattr(cfg, key)}: "
+            "its held-out prompts (a hash of seed and prompt id) would include prompts the start was trained on; "
+            f"set train.{key}={value}{' or less' if key == 'heldout_fraction' else ''}"
+        )
+
+
 def start_run(cfg: TrainRunConfig, target: torch.nn.Module, tokenizer, log=print) -> tuple[list, list, torch.Tensor]:
     """Seed, read the data, split it (by id) and choose the reduced vocabulary: (train, held-out, vocab_ids).
     `log` is told when the data was written by another model or the vocabulary asked for is the whole one."""
@@ -347,6 +381,7 @@ def start_run(cfg: TrainRunConfig, target: torch.nn.Module, tokenizer, log=print
             f"training needs a decoder-only target laid out like Llama (a `.model` body and an LM head); "
             f"{type(target).__name__} is not"
         )
+    check_same_split(cfg)
     torch.manual_seed(cfg.seed)
     examples = read_distill(cfg.data)
     if not examples:
@@ -390,10 +425,15 @@ def optimizer_step(
 ) -> float:
     """Backward, clip the gradient norm to 1, step the optimizer and the schedule; return the running
     (exponentially smoothed) loss for the progress bar."""
+    value = loss.item()
+    if not math.isfinite(value):  # (the weights are not updated with it: the last checkpoint stays as it was)
+        raise TrainingError(
+            f"training diverged: the loss is {value} (a learning rate too high, or data that overflows); nothing "
+            "more is saved: lower train.lr, and resume from the last checkpoint or start again"
+        )
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
     optimizer.step()
     schedule.step()
-    value = loss.item()
     return value if running is None else decay * running + (1 - decay) * value

@@ -25,6 +25,7 @@ predicted features for one and two steps: draft levels 2 and 3, whatever `self_f
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -85,8 +86,8 @@ class EagleTrainConfig(TrainRunConfig):
         if self.max_length < 3:
             raise ConfigError(f"train.max_length must be >= 3, got {self.max_length}")
         for key in ("noise", "feature_weight", "token_weight", "self_fed_weight"):
-            if not getattr(self, key) >= 0:
-                raise ConfigError(f"train.{key} must be >= 0, got {getattr(self, key)}")
+            if not (getattr(self, key) >= 0 and math.isfinite(getattr(self, key))):
+                raise ConfigError(f"train.{key} must be a finite number >= 0, got {getattr(self, key)}")
         if not is_count(self.self_fed_steps, minimum=0) or self.self_fed_steps > self.max_length - 2:
             raise ConfigError(
                 f"train.self_fed_steps must be an integer from 0 to max_length - 2 = {self.max_length - 2}, "

@@ -92,8 +92,8 @@ class MedusaTrainConfig(TrainRunConfig):
             raise ConfigError(f"train.stage must be 1 (Medusa-1) or 2 (Medusa-2), got {self.stage}")
         if not 0 < self.head_decay <= 1:
             raise ConfigError(f"train.head_decay must be in (0, 1], got {self.head_decay}")
-        if not self.keep_weight >= 0:
-            raise ConfigError(f"train.keep_weight must be >= 0, got {self.keep_weight}")
+        if not (self.keep_weight >= 0 and math.isfinite(self.keep_weight)):
+            raise ConfigError(f"train.keep_weight must be a finite number >= 0, got {self.keep_weight}")
         if not self.lora_modules or not all(isinstance(m, str) and m for m in self.lora_modules):
             raise ConfigError(f"train.lora_modules must name at least one module, got {list(self.lora_modules)}")
 
