@@ -30,7 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     g = sub.add_parser("generate", help="generate text with a proposer")
-    g.add_argument("--proposer", help="proposer name (proposer.name)")
+    g.add_argument(
+        "--proposer",
+        help="proposer name (proposer.name); without it and a --config that names one: none, plain decoding",
+    )
     g.add_argument("--prompt", help="prompt text; read from standard input when absent")
     g.add_argument("--target", help="target model (target.model)")
     g.add_argument("--max-new-tokens", type=int, help="generation.max_new_tokens")
@@ -426,6 +429,8 @@ RENDER_TAKES = {"render", "out", "results_doc", "debug", "run", "command"}  # (a
 def cmd_bench(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from omegaconf import OmegaConf
+
     from specframe.bench import BenchOptions, main_table, render, run_bench
     from specframe.config import load_yaml, structured
 
@@ -452,7 +457,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         flags["progress"] = False
     # The file through OmegaConf (validated, interpolated); the flags, typed by argparse, as given (a path with
     # "${" in it stays text); overrides: the file's, then the command line's.
-    options = structured(BenchOptions, load_yaml(args.config) if given.get("config") else None, "bench")
+    from_file = load_yaml(args.config) if given.get("config") else None
+    given_sections = (from_file or {}).get
+    sections = [k for k in ("target", "proposer", "sampling", "generation") if OmegaConf.is_dict(given_sections(k))]
+    if sections:  # (a `specframe generate` config: its sections are no bench options)
+        raise BadInputError(
+            f"--config {args.config} is a `specframe generate` config (it has {', '.join(sections)}): bench takes "
+            "its own options (e.g. bench-cpu.yaml: proposers, baselines, limit, max_new_tokens, ...; a proposer's "
+            "options as overrides, e.g. eagle.depth=6)"
+        )
+    options = structured(BenchOptions, from_file, "bench")
     overrides = [*options.overrides, *key_values(flags.pop("overrides", []))]
     options = dataclasses.replace(options, **flags, overrides=overrides)
     doc = run_bench(options)

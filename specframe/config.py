@@ -189,6 +189,11 @@ def with_overrides(raw: DictConfig, overrides: list[str]) -> DictConfig:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> SpecframeConfig:
     """Merge defaults, an optional YAML file and `KEY=VALUE` overrides into a validated SpecframeConfig."""
+    if path is not None and not isinstance(path, str | Path):
+        raise ConfigError(
+            f"load_config takes a YAML file's path (or None) and a list of 'KEY=VALUE' overrides, got a "
+            f"{type(path).__name__} for the path (e.g. load_config(None, ['proposer.name=eagle']))"
+        )
     from_file = load_yaml(path) if path else OmegaConf.create({})
     raw = with_overrides(from_file, overrides or [])
     try:

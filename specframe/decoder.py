@@ -130,9 +130,15 @@ class SpeculativeDecoder:
     @classmethod
     def from_config(cls, cfg: Any) -> SpeculativeDecoder:
         """Build from a `SpecframeConfig` (see `specframe.config.load_config`): load the target, build the proposer."""
+        from specframe.config import SpecframeConfig
         from specframe.models import load_target
         from specframe.plugins import get_registry
 
+        if not isinstance(cfg, SpecframeConfig):
+            raise BadInputError(
+                f"SpeculativeDecoder.from_config takes a SpecframeConfig, got a {type(cfg).__name__}: make one with "
+                "specframe.config.load_config(path, ['proposer.name=eagle', ...])"
+            )
         t = cfg.target
         loaded = load_target(t)
         entry = get_registry().get(cfg.proposer_name)

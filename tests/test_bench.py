@@ -377,6 +377,8 @@ def test_a_config_file_sets_options_and_flags_win(tiny_dirs, questions, tmp_path
     (tmp_path / "bad.yaml").write_text("limits: 3\n")
     code, _, err = run_cli("bench", "--config", str(tmp_path / "bad.yaml"))
     assert code == 2 and "bench.limits" in err, err
+    code, _, err = run_cli("bench", "--config", "eagle.yaml")  # (a packaged `generate` config)
+    assert code == 2 and "--config eagle.yaml is a `specframe generate` config (it has target, proposer" in err, err
 
 
 @pytest.mark.parametrize(
@@ -397,8 +399,14 @@ def test_a_config_file_sets_options_and_flags_win(tiny_dirs, questions, tmp_path
         (["--proposers", "none", "--top-p", "0"], "--top-p must be a number in (0, 1]"),
         (["--proposers", "medusa", "--baselines", ""], "nothing to run: every method was skipped"),
         # an artifact named on the command line that cannot load ends the run (other methods would have run)
-        (["--proposers", "none,draft", "draft.model=/nonexistent/draft"], "draft: model path '/nonexistent/draft'"),
-        (["--proposers", "none", "--baselines", "hf,hf-assisted", "draft.model=/no/d"], "draft: model path '/no/d'"),
+        (
+            ["--proposers", "none,draft", "draft.model=/nonexistent/draft"],
+            "draft: draft.model (the draft model): model path '/nonexistent/draft'",
+        ),
+        (
+            ["--proposers", "none", "--baselines", "hf,hf-assisted", "draft.model=/no/d"],
+            "draft: draft.model (the draft model): model path '/no/d'",
+        ),
         (["--proposers", "none,union", "union.options.eagle.model=/no/e"], "union: union member 'eagle'"),
         (["--proposers", "none,draft", "draft.num_speculatve_tokens=3"], "draft.num_speculatve_tokens: Key"),
         (["--proposers", "none,draft", "draft.num_speculative_tokens=abc"], "draft.num_speculative_tokens: Value"),

@@ -188,6 +188,12 @@ def test_missing_model_path(capsys, tmp_path):
     assert code == 2 and "does not exist" in err
 
 
+def test_a_missing_draft_model_is_named_as_the_draft(capsys, tiny_dirs, tmp_path):
+    missing = f"proposer.model={tmp_path / 'nowhere'}"
+    code, _, err = run(capsys, *gen_args(tiny_dirs, "--proposer", "draft", missing, "--prompt", "a"))
+    assert code == 2 and f"error: proposer.model (the draft model): model path '{tmp_path / 'nowhere'}' does not" in err
+
+
 def test_debug_shows_traceback(capsys, tiny_dirs):
     code, _, err = run(capsys, "--debug", *gen_args(tiny_dirs, "--proposer", "nope", "--prompt", "a"))
     assert code == 2 and "Traceback" in err

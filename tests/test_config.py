@@ -2,7 +2,7 @@ import pytest
 
 from specframe import load_config
 from specframe.config import GenerationConfig, SamplingConfig, TargetConfig, packaged_configs, to_yaml
-from specframe.errors import ConfigError
+from specframe.errors import BadInputError, ConfigError
 from specframe.proposers.draft import DraftConfig
 from specframe.proposers.eagle import EagleConfig
 from specframe.proposers.medusa import MedusaConfig
@@ -274,3 +274,12 @@ def test_interpolations_cross_sections_and_reach_defaults(tmp_path):
         load_config(path)
     with pytest.raises(ConfigError, match="^unknown config key 'foo'"):  # (before its interpolation is tried)
         load_config(None, ["foo=${bar}"])
+
+
+def test_the_python_api_says_what_it_takes():
+    from specframe import SpeculativeDecoder
+
+    with pytest.raises(BadInputError, match="from_config takes a SpecframeConfig, got a dict: make one with"):
+        SpeculativeDecoder.from_config({"proposer": {"name": "none"}})
+    with pytest.raises(ConfigError, match="load_config takes a YAML file's path .* got a dict for the path"):
+        load_config({"a": 1})

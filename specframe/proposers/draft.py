@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from specframe.cpu_kernels import use_fast_cpu_kernels
-from specframe.errors import BadInputError, ConfigError, check_field_types, is_count
+from specframe.errors import BadInputError, ConfigError, ModelLoadError, check_field_types, is_count
 from specframe.kv_cache import new_cache
 from specframe.lean_forward import engine_forward
 from specframe.models import check_proposer_dtype, check_proposer_quantize, proposer_dtype, quantize_proposer
@@ -132,7 +132,10 @@ class DraftProposer(Proposer):
             applies = saved_shape_applies(meta, target.device, f"{path}/draft_config.json")
             gamma = saved_gamma(meta, path) if applies else None
             return cls(config, target, model, vocab_ids=vocab_ids, saved_gamma=gamma, saved_threshold=threshold)
-        loaded = load_model(path, dtype=dtype, device=str(target.device), quiet=True, fast_cpu_kernels=False)
+        try:
+            loaded = load_model(path, dtype=dtype, device=str(target.device), quiet=True, fast_cpu_kernels=False)
+        except ModelLoadError as e:  # (say which model: the draft, not the target)
+            raise ModelLoadError(f"proposer.model (the draft model): {e}") from e
         return cls(config, target, on_target_kernels(loaded.model, config, target), loaded.tokenizer)
 
     @classmethod
