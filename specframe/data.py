@@ -70,6 +70,8 @@ def read_jsonl(
     `what` (e.g. "prompts file"), the file and the line. With `unfinished_tail`, a last line that has no line
     end and is not JSON (an interrupted write) is skipped."""
     p = Path(path)
+    if p.is_dir():
+        raise BadInputError(f"{what} '{path}' is a folder, not a file{hint}")
     if not p.is_file():
         raise BadInputError(f"{what} '{path}' does not exist{hint}")
     with p.open(encoding="utf-8") as f:

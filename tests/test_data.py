@@ -309,3 +309,12 @@ def test_a_pass_is_continued_only_with_its_own_settings(tokenizer, tmp_path, cap
     capsys.readouterr()
     assert distill(model, tokenizer, PROMPTS, out, max_new_tokens=4, batch_size=5) == 0
     assert "every prompt (12) already has a response in" in capsys.readouterr().err
+
+
+def test_a_folder_given_as_a_data_file_is_named_as_one(tmp_path):
+    from specframe.data import read_prompts
+
+    with pytest.raises(BadInputError, match=f"distillation data '{tmp_path}' is a folder, not a file"):
+        read_distill(tmp_path)
+    with pytest.raises(BadInputError, match=f"prompts file '{tmp_path}' is a folder, not a file"):
+        read_prompts(tmp_path)

@@ -132,3 +132,28 @@ def test_resume_on_another_target_is_refused(tmp_path, name):
     logs.clear()
     run(0, resume=True, log=logs.append)  # (its own target resumes, and wrote the data)
     assert not any("another model" in m for m in logs) and any("resumed" in m for m in logs), logs
+
+
+@pytest.mark.parametrize("killed", ["after the old checkpoint moved aside", "while the new one was written"])
+def test_a_run_killed_while_saving_a_checkpoint_keeps_a_whole_one(tmp_path, killed):
+    import shutil
+
+    from specframe.training.common import recovered, save_checkpoint
+
+    weight = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW([weight])
+    ckpt = tmp_path / "checkpoint"
+    save_checkpoint(ckpt, {"w": weight}, optimizer, {"epoch": 1})
+    save_checkpoint(ckpt.with_name("next"), {"w": weight + 1}, optimizer, {"epoch": 2})
+    # What save_checkpoint of epoch 2 leaves when killed between its steps:
+    ckpt.rename(ckpt.with_name("checkpoint.old"))  # the old one moved aside...
+    shutil.move(ckpt.with_name("next"), ckpt.with_name("checkpoint.tmp"))  # ...the new one whole, not yet in place
+    if killed == "while the new one was written":
+        ckpt.with_name("checkpoint.old").rename(ckpt)
+        (ckpt.with_name("checkpoint.tmp") / "state.json").unlink()  # (written last)
+    epoch = 2 if killed == "after the old checkpoint moved aside" else 1
+    assert (recovered(ckpt) / "state.json").read_text().count(f'"epoch": {epoch}') == 1
+    assert load_file(ckpt / "model.safetensors")["w"].tolist() == [epoch - 1.0] * 2
+    assert not ckpt.with_name("checkpoint.old").exists()
+    save_checkpoint(ckpt, {"w": weight}, optimizer, {"epoch": 3})  # (a cut save's leftovers are replaced)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]

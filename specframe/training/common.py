@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,8 +145,12 @@ def on_device(tensors: tuple[torch.Tensor, ...], device: torch.device) -> tuple[
 def save_checkpoint(
     folder: Path, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, state: dict
 ) -> None:
-    """Weights and optimizer moments as safetensors (never pickle), progress as JSON; written atomically."""
+    """Weights and optimizer moments as safetensors (never pickle), progress as JSON. Written whole into
+    `<folder>.tmp` (state.json last), then swapped in by renames: a run killed at any point leaves a whole
+    checkpoint, the new or the old one, which `recovered` puts back in place."""
     tmp = folder.with_name(folder.name + ".tmp")
+    if tmp.exists():  # (a save that was cut short: never mixed with this one's files)
+        shutil.rmtree(tmp)
     tmp.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous().cpu() for k, v in params.items()}, tmp / "model.safetensors")
     moments = {}
@@ -154,11 +159,26 @@ def save_checkpoint(
             moments[f"{i}.{k}"] = v.detach().reshape(-1).contiguous().cpu() if v.dim() == 0 else v.detach().cpu()
     save_file(moments, tmp / "optim.safetensors")
     (tmp / "state.json").write_text(json.dumps(state, indent=2))
+    old = folder.with_name(folder.name + ".old")
     if folder.exists():
-        for f in folder.iterdir():
-            f.unlink()
-        folder.rmdir()
+        folder.rename(old)
     tmp.rename(folder)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def recovered(folder: Path) -> Path:
+    """`folder`, a checkpoint's, after putting back what a run killed while `save_checkpoint` swapped folders
+    left: the new checkpoint when it was written whole (its state.json is written last), else the old one."""
+    tmp, old = folder.with_name(folder.name + ".tmp"), folder.with_name(folder.name + ".old")
+    if not folder.exists():
+        if (tmp / "state.json").is_file():
+            tmp.rename(folder)
+        elif old.exists():
+            old.rename(folder)
+    if old.exists() and folder.exists():
+        shutil.rmtree(old)
+    return folder
 
 
 def check_checkpoint_params(folder: Path, named_params: dict[str, torch.Tensor]) -> None:
@@ -236,7 +256,6 @@ def resuming_from(
         return False
     if not (ckpt / "state.json").is_file():  # (a mistyped `out` never silently starts a new run)
         raise ConfigError(f"--resume: no checkpoint in {ckpt} (train without --resume to start a new run)")
-    check_checkpoint_params(ckpt, named_params)
     state = json.loads((ckpt / "state.json").read_text())
     saved = state.get("run")
     again = "resume with the same data and options, or train into a new out folder"
@@ -252,6 +271,7 @@ def resuming_from(
                     f"the checkpoint in {ckpt} was trained with train.{k}={old[k]!r}, not {new[k]!r}: {again} "
                     f"(a resume may change only {', '.join(sorted(RESUME_MAY_CHANGE))})"
                 )
+    check_checkpoint_params(ckpt, named_params)  # (after the options: a changed one is named as such)
     done = state.get("epoch", 0)
     if epochs is not None and epochs < done:
         raise ConfigError(

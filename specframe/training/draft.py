@@ -30,6 +30,7 @@ from specframe.training.common import (
     make_batches,
     on_device,
     optimizer_step,
+    recovered,
     resume_from,
     resuming_from,
     run_identity,
@@ -155,7 +156,7 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
     pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
     # The teacher: the target's cached features (one bfloat16 pass shared with the Medusa and EAGLE trainers)
     # through its LM-head rows for the draft's vocabulary, computed per batch (never stored as log-probs).
-    ckpt = out / "checkpoint"
+    ckpt = recovered(out / "checkpoint")
     run = run_identity(cfg, train_ex, held_ex, vocab_ids, target_fingerprint(target))
     resuming = resuming_from(ckpt, params, resume, run, cfg.epochs)  # (refused before the features)
     train_feats, held_feats = split_features(cfg, target, train_ex, held_ex)

@@ -249,6 +249,7 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
 
     from specframe.proposers.eagle import build_drafter, save_drafter
     from specframe.training.common import (
+        recovered,
         resume_from,
         resuming_from,
         run_identity,
@@ -263,7 +264,7 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
     train_ex, held_ex, vocab_ids = start_run(cfg, target, tokenizer, log)
     if cfg.init_from:  # (loaded and checked before the features are extracted)
         drafter, vocab_ids = initial_drafter(cfg, target)
-    ckpt = out / "checkpoint"  # (its layers checked before the features are extracted too)
+    ckpt = recovered(out / "checkpoint")  # (its layers checked before the features are extracted too)
     if resume and (ckpt / "state.json").is_file():
         state = json.loads((ckpt / "state.json").read_text())
         saved = state.get("fuse_layers", [])

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from specframe.training.common import (
     TrainRunConfig,
     on_device,
     optimizer_step,
+    recovered,
     resume_from,
     resuming_from,
     run_identity,
@@ -285,7 +287,7 @@ def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     from specframe.training.features import split_features
 
     params = dict(heads.named_parameters())
-    ckpt = Path(cfg.out) / "checkpoint"
+    ckpt = recovered(Path(cfg.out) / "checkpoint")
     run = run_identity(cfg, train_ex, held_ex, vocab_ids, target_fingerprint(target))
     resuming = resuming_from(ckpt, params, resume, run, cfg.epochs)  # (refused before the features)
     train_feats, held_feats = split_features(cfg, target, train_ex, held_ex)
@@ -356,7 +358,9 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     target.requires_grad_(False)
     base_fingerprint = target_fingerprint(target)  # (before PEFT wraps its modules)
     try:
-        model = get_peft_model(target, lora)
+        with warnings.catch_warnings():  # (PEFT reads a property transformers deprecated: not the user's to act on)
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            model = get_peft_model(target, lora)
     except ValueError as e:  # (PEFT's words for modules the target does not have)
         raise ConfigError(f"train.lora_modules {list(cfg.lora_modules)}: {' '.join(str(e).split())}") from e
     base = model.get_base_model()
@@ -367,7 +371,7 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     seqs = to_sequences(train_ex, cfg.max_length)
     batches = make_batches(seqs, cfg.batch_size, cfg.seed)
     out = Path(cfg.out)
-    ckpt = out / "checkpoint"
+    ckpt = recovered(out / "checkpoint")
     run = run_identity(cfg, train_ex, held_ex, vocab_ids, base_fingerprint)
     try:
         resuming = resuming_from(ckpt, params, resume, run, cfg.epochs)
