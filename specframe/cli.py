@@ -254,16 +254,29 @@ _UNPARSED = object()
 
 
 def _parsed(text: str) -> Any:
-    """An override's value `text` as OmegaConf reads it (YAML); `_UNPARSED` when it is not YAML."""
+    """An override's value `text` as the config reads it (YAML, text kept as typed: `text_keeping_loader`);
+    `_UNPARSED` when it is not YAML."""
+    from specframe.config import text_keeping_loader
+
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=text_keeping_loader())
     except yaml.YAMLError:
         return _UNPARSED
 
 
 def _same_value(parsed: Any, value: Any) -> bool:
-    """Whether an override's parsed value is the flag's `value`."""
-    return parsed == value and type(parsed) is not bool
+    """Whether an override's parsed value gives the flag's `value` in its field (a text field takes a number's
+    spelling, a number field converts text: `target.model=12`, `sampling.temperature=1e-1`)."""
+    if type(parsed) is bool or parsed is None:
+        return False
+    if isinstance(value, str):
+        return parsed == value or (isinstance(parsed, int | float) and str(parsed) == value)
+    if isinstance(parsed, str):
+        try:
+            return float(parsed) == value
+        except ValueError:
+            return False
+    return parsed == value
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -328,13 +341,15 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
-    from specframe.config import models_named, structured
+    from specframe.config import models_named, structured, with_overrides
     from specframe.plugins import get_registry
     from specframe.testing.conformance import run_suite, suite_devices_and_dtypes
 
     entry = get_registry().get(args.proposer)
     # (built here even without overrides: a field with no default is then named, as generate names it)
-    values = OmegaConf.from_dotlist([o.removeprefix("proposer.") for o in key_values(args.overrides, "proposer.")])
+    values = with_overrides(
+        OmegaConf.create(), [o.removeprefix("proposer.") for o in key_values(args.overrides, "proposer.")]
+    )
     config = structured(entry.cls.config_class, values, "proposer")
     named = models_named(config)  # (the suite builds every proposer with random weights on tiny targets)
     if named:

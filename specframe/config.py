@@ -8,6 +8,7 @@ exists in the working directory) resolves to the copy shipped inside the install
 from __future__ import annotations
 
 import functools
+import os
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from importlib import resources
@@ -122,8 +123,10 @@ def text_keeping_loader() -> type:
     """OmegaConf's YAML loader, except that a scalar YAML would read as a boolean or a number stays the text as
     typed unless it is that value's own spelling (`true`, `False`, `5`, `0.7`, `.inf`; YAML 1.2's booleans, not
     YAML 1.1's `yes`, `no`, `on`, `off`): `No`, `on`, `1.10`, `0x10`, `01` and `1e3` stay text. A typed field
-    (int, float, bool) converts the text as before (OmegaConf does); a text field (a stop string, a model path)
-    gets exactly what was typed, never `False`, `1.1`, `16` or `1000.0`."""
+    converts the text (OmegaConf does): a bool field `yes`, `off`; a float field `1e3`, `1.10`; an int field
+    decimal text (`1_000`, `+5`, `010`: 10, not YAML 1.1's octal 8), refusing `0x10` or `1:00`. A text field (a stop
+    string, a model path) gets exactly what was typed, never `False`, `1.1`, `16` or `1000.0`. A field typed `Any`
+    (e.g. in a plugin's config) gets the text too: type a plugin's fields."""
     try:  # (OmegaConf's own loader: its float rule, no timestamps, duplicate keys and alias bombs refused)
         from omegaconf._yaml import get_yaml_loader
     except ImportError:  # (OmegaConf 2.3)
@@ -174,7 +177,10 @@ def with_overrides(raw: DictConfig, overrides: list[str]) -> DictConfig:
     for item in overrides:
         if not isinstance(item, str) or "=" not in item:
             raise ConfigError(f"override {item!r} is not a 'KEY=VALUE' string")
-        key, text = item.split("=", 1)
+        parts = re.split(r"(?<!\\)=", item, maxsplit=1)  # (the first `=` not escaped: `a\=b=1` sets "a=b")
+        if len(parts) != 2:
+            raise ConfigError(f"override {item!r} is not a 'KEY=VALUE' string (its only '=' is escaped)")
+        key, text = parts
         try:
             # (as OmegaConf.from_dotlist, but the value's text kept as typed where YAML would change it)
             override = OmegaConf.create()
@@ -189,7 +195,7 @@ def with_overrides(raw: DictConfig, overrides: list[str]) -> DictConfig:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> SpecframeConfig:
     """Merge defaults, an optional YAML file and `KEY=VALUE` overrides into a validated SpecframeConfig."""
-    if path is not None and not isinstance(path, str | Path):
+    if path is not None and not isinstance(path, str | os.PathLike):
         raise ConfigError(
             f"load_config takes a YAML file's path (or None) and a list of 'KEY=VALUE' overrides, got a "
             f"{type(path).__name__} for the path (e.g. load_config(None, ['proposer.name=eagle']))"

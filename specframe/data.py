@@ -297,8 +297,8 @@ def distill(
     answered = len(prompts) - len(todo) - too_long
     if not todo and answered and not quiet:
         print(
-            f"every prompt ({answered}) already has a response{f' tagged {tag!r}' if tag else ''} in '{out}'; a "
-            "further response to each needs another --tag",
+            f"every prompt that fits ({answered}) already has a response{f' tagged {tag!r}' if tag else ''} in "
+            f"'{out}'; a further response to each needs another --tag",
             file=sys.stderr,
         )
     if not todo:

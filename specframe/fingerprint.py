@@ -129,7 +129,8 @@ def read_artifact(folder: Path, kind: str, what: str) -> tuple[dict[str, Any], A
         raise ModelLoadError(f"{what} is incomplete or corrupt: {type(e).__name__}: {e}") from e
     if not isinstance(meta, dict):
         raise ModelLoadError(f"{what} is incomplete or corrupt: {kind}_config.json holds no JSON object")
-    broken = next((k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
+    checked = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # (isfinite has no float8 kernels)
+    broken = next((k for k, t in tensors.items() if t.dtype in checked and not torch.isfinite(t).all()), None)
     if broken is not None:  # (a run that diverged, or a damaged file: it would draft nothing, or garbage)
         raise ModelLoadError(f"{what}: model.safetensors holds values that are not finite (in {broken!r})")
     return meta, listed, tensors

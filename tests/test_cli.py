@@ -367,5 +367,18 @@ def test_generate_flags_are_taken_as_typed_and_may_not_contradict_an_override(ca
         assert code == 2 and out == "" and message in err, (override, err)
     code, out, err = run(capsys, *gen_args(tiny_dirs, "--prompt", "a", "--temperature", "0", "sampling={seed: 3}"))
     assert code == 0 and out
+    # The same value, spelled as the config reads it (text kept as typed, numbers converted): not a contradiction.
+    same = [
+        "--temperature",
+        "0.1",
+        "sampling.temperature=1e-1",
+        "--max-new-tokens",
+        "3",
+        "generation.max_new_tokens=03",
+    ]
+    code, out, err = run(capsys, *gen_args(tiny_dirs, "--prompt", "a", *same))
+    assert code == 0 and out, err
+    code, out, err = run(capsys, "generate", "--target", "1.10", "target.model=1.10", "--prompt", "a")
+    assert code == 2 and "model path '1.10' does not exist" in err, err  # (not "set target.model differently")
     code, out, err = run(capsys, *gen_args(tiny_dirs, "--prompt", "a", "generation.max_new_tokens=6", "--json"))
     assert code == 0 and 1 <= len(json.loads(out)["token_ids"]) <= 6

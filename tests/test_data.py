@@ -308,7 +308,7 @@ def test_a_pass_is_continued_only_with_its_own_settings(tokenizer, tmp_path, cap
         run(model, tokenizer, out, temperature=1.5, seed=4)  # (a sampled pass needs a tag of its own)
     capsys.readouterr()
     assert distill(model, tokenizer, PROMPTS, out, max_new_tokens=4, batch_size=5) == 0
-    assert "every prompt (12) already has a response in" in capsys.readouterr().err
+    assert "every prompt that fits (12) already has a response in" in capsys.readouterr().err
 
 
 def test_a_folder_given_as_a_data_file_is_named_as_one(tmp_path):

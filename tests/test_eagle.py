@@ -656,6 +656,9 @@ def test_bad_training_options(field, value):
         (dict(depth=30), (30, 6, 30)),  # total_tokens fitted: at least one node a level
         (dict(top_k=1), (5, 1, 5)),  # a chain of 5 makes 5 nodes, not the default 24
         (dict(depth=3, top_k=2, total_tokens=10), (3, 2, 10)),  # 2 + 4 + 4: exactly what it can make
+        (dict(total_tokens=200), (7, 6, 200)),  # depth fitted up: 6 + 5 * 36 >= 200 > 6 + 4 * 36
+        (dict(top_k=1, total_tokens=10), (10, 1, 10)),  # a chain of 10
+        (dict(depth=2, total_tokens=100), (2, 10, 100)),  # top_k fitted up: 10 + 100 >= 100 > 9 + 81
     ],
 )
 def test_unset_tree_keys_fit_the_set_ones(given, shape):
@@ -673,9 +676,13 @@ def test_unset_tree_keys_fit_the_set_ones(given, shape):
             r"proposer.total_tokens=11 is more than a tree of depth 3 and top_k 2",
         ),
         (
-            dict(total_tokens=100000, top_k=50),
+            dict(depth=5, total_tokens=1000, top_k=50),
             r"top_k 50 \(in effect 12: the drafter has 12 tokens\) can make \(588 nodes",
         ),
+        (
+            dict(depth=2, total_tokens=1000),
+            r"depth 2 and top_k 12 can make \(156 nodes",
+        ),  # (top_k: at most the vocabulary)
     ],
 )
 def test_tree_keys_that_cannot_hold_together_are_refused(given, message):

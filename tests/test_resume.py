@@ -134,6 +134,17 @@ def test_resume_on_another_target_is_refused(tmp_path, name):
     assert not any("another model" in m for m in logs) and any("resumed" in m for m in logs), logs
 
 
+def test_a_run_killed_during_its_first_checkpoint_leaves_none(tmp_path):
+    from specframe.training.common import recovered, save_checkpoint
+
+    weight = torch.nn.Parameter(torch.zeros(2))
+    ckpt = tmp_path / "checkpoint"
+    save_checkpoint(ckpt, {"w": weight}, torch.optim.AdamW([weight]), {"epoch": 1})
+    tmp = ckpt.rename(ckpt.with_name("checkpoint.tmp"))
+    (tmp / "state.json").rename(tmp / "state.json.part")  # (killed before its state was whole)
+    assert not recovered(ckpt).exists()  # (a resume then says there is no checkpoint; a new run starts)
+
+
 @pytest.mark.parametrize("killed", ["after the old checkpoint moved aside", "while the new one was written"])
 def test_a_run_killed_while_saving_a_checkpoint_keeps_a_whole_one(tmp_path, killed):
     import shutil

@@ -522,6 +522,11 @@ class EagleProposer(Proposer):
         """A tree's keys that were not set (the saved shape's or the device's defaults) fitted to those that were;
         set ones that cannot hold together refused: a tree of n nodes is at most n levels deep, and depth d with
         top_k k makes at most k + (d - 1) k^2 nodes (k no more than the drafter's vocabulary)."""
+
+        def most(depth: int, top_k: int) -> int:
+            k = min(top_k, vocab)
+            return k + (depth - 1) * k * k
+
         if self.depth > self.total_tokens:
             if config.depth is not None and config.total_tokens is not None:
                 raise ConfigError(
@@ -533,17 +538,24 @@ class EagleProposer(Proposer):
                 self.depth = self.total_tokens
             else:
                 self.total_tokens = self.depth
-        k = min(self.top_k, vocab)
-        most = k + (self.depth - 1) * k * k
-        if self.total_tokens > most:
-            if config.total_tokens is not None:
-                raise ConfigError(
-                    f"proposer.total_tokens={self.total_tokens} is more than a tree of depth {self.depth} and top_k "
-                    f"{self.top_k}{f' (in effect {k}: the drafter has {vocab} tokens)' if k < self.top_k else ''} can "
-                    f"make ({most} nodes: top_k, then top_k^2 a level); set total_tokens <= {most}, or a larger depth "
-                    "or top_k"
-                )
-            self.total_tokens = most
+        if self.total_tokens <= most(self.depth, self.top_k):
+            return
+        if config.total_tokens is None:  # (the default node count: as many as the set keys make)
+            self.total_tokens = most(self.depth, self.top_k)
+        elif config.depth is None:  # (deeper, to hold the nodes asked for)
+            while most(self.depth, self.top_k) < self.total_tokens and self.depth < self.total_tokens:
+                self.depth += 1
+        elif config.top_k is None:  # (wider, as far as the vocabulary allows)
+            while most(self.depth, self.top_k) < self.total_tokens and self.top_k < vocab:
+                self.top_k += 1
+        if self.total_tokens > most(self.depth, self.top_k):
+            k = min(self.top_k, vocab)
+            raise ConfigError(
+                f"proposer.total_tokens={self.total_tokens} is more than a tree of depth {self.depth} and top_k "
+                f"{self.top_k}{f' (in effect {k}: the drafter has {vocab} tokens)' if k < self.top_k else ''} can "
+                f"make ({most(self.depth, self.top_k)} nodes: top_k, then top_k^2 a level); set total_tokens <= "
+                f"{most(self.depth, self.top_k)}, or a larger depth or top_k"
+            )
 
     def use_fastest_shape(self, candidates: list[ShapeCandidate]) -> ShapeCandidate:
         """Draft the shape (an EagleShape) of `candidates` that is fastest on this machine

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
 from collections import Counter
@@ -158,7 +159,8 @@ def save_checkpoint(
         for k, v in st.items():
             moments[f"{i}.{k}"] = v.detach().reshape(-1).contiguous().cpu() if v.dim() == 0 else v.detach().cpu()
     save_file(moments, tmp / "optim.safetensors")
-    (tmp / "state.json").write_text(json.dumps(state, indent=2))
+    (tmp / "state.json.part").write_text(json.dumps(state, indent=2))
+    os.replace(tmp / "state.json.part", tmp / "state.json")  # (so a state.json is always a whole one)
     old = folder.with_name(folder.name + ".old")
     if folder.exists():
         folder.rename(old)
@@ -169,7 +171,8 @@ def save_checkpoint(
 
 def recovered(folder: Path) -> Path:
     """`folder`, a checkpoint's, after putting back what a run killed while `save_checkpoint` swapped folders
-    left: the new checkpoint when it was written whole (its state.json is written last), else the old one."""
+    left: the new checkpoint when it was written whole (its state.json, written last and whole by a rename, is
+    there), else the old one. (Against a killed process; the files are not synced to disk.)"""
     tmp, old = folder.with_name(folder.name + ".tmp"), folder.with_name(folder.name + ".old")
     if not folder.exists():
         if (tmp / "state.json").is_file():
@@ -445,15 +448,17 @@ def optimizer_step(
 ) -> float:
     """Backward, clip the gradient norm to 1, step the optimizer and the schedule; return the running
     (exponentially smoothed) loss for the progress bar."""
-    value = loss.item()
-    if not math.isfinite(value):  # (the weights are not updated with it: the last checkpoint stays as it was)
-        raise TrainingError(
-            f"training diverged: the loss is {value} (a learning rate too high, or data that overflows); nothing "
-            "more is saved: lower train.lr, and resume from the last checkpoint or start again"
-        )
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
+    norm = torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
+    value, norm_value = torch.stack([loss.detach().float(), norm.float()]).tolist()  # (one read of the device)
+    if not (math.isfinite(value) and math.isfinite(norm_value)):  # (before the step: the weights stay as they were)
+        optimizer.zero_grad(set_to_none=True)
+        what = f"the loss is {value}" if not math.isfinite(value) else f"the gradient's norm is {norm_value}"
+        raise TrainingError(
+            f"training diverged: {what} (a learning rate too high, or data that overflows); nothing more is "
+            "saved: lower train.lr, and resume from the last checkpoint or start again"
+        )
     optimizer.step()
     schedule.step()
     return value if running is None else decay * running + (1 - decay) * value
