@@ -16,7 +16,8 @@ from its candidate shapes: each one's speed relative to plain decoding is estima
 with the accepted length from the artifact's held-out statistics and both costs in units of a one-token target
 forward, timed here (`measure_step_costs`, ~1.8 s for SmolLM2-135M, once per target, thread count and
 machine: a CPU target's timings are kept on disk for later processes, `specframe.measurements`, so that a
-shape chosen from them alone (Medusa's) stays the same from one process to the next; `relative_cost` for a
+shape chosen from them alone (Medusa's) stays the same from one process to the next (unless a one-token forward
+timed now takes less than half the kept time: then they were timed on a busy machine, and are timed again); `relative_cost` for a
 drafter's forward, ~0.1 s, in each process, against the kept one-token time, so EAGLE's choice can still move
 where two shapes are close).
 """
@@ -38,6 +39,8 @@ from specframe.errors import ModelLoadError, is_number
 CONTEXT = 128  # cached tokens before the timed forwards (a short prompt)
 MAX_VERIFY_TOKENS = 4  # timed forwards cover 1..this many tokens (on a CPU, more never paid on either machine)
 REPEATS = 5  # timed calls per token count, alternating between counts; the fastest counts (busy time only adds)
+CHECKS = 3  # timed one-token forwards that check kept timings before they are used
+KEPT_SLOWER_AT = 2.0  # kept timings this many times slower than a one-token forward now: timed again
 SHAPE_CHOICES = ("saved", "measured")  # values of an artifact's `shape_choice`
 _COSTS = "_specframe_step_costs"  # attribute of a timed model: {thread count: StepCosts}
 
@@ -73,12 +76,12 @@ class ShapeCandidate:
     drafter_forwards: int = 0  # sequential drafter forwards per step (each timed by the proposer)
 
 
-def _time_min(calls: dict[Any, Callable[[], Any]], timer: Callable[[], float]) -> dict[Any, float]:
-    """Fastest of REPEATS timed calls of each, the calls alternating, after one untimed warm-up call of each."""
+def _time_min(calls: dict[Any, Callable[[], Any]], timer: Callable[[], float], repeats: int = REPEATS) -> dict:
+    """Fastest of `repeats` timed calls of each, the calls alternating, after one untimed warm-up call of each."""
     for call in calls.values():
         call()
     best = {k: float("inf") for k in calls}
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         for k, call in calls.items():
             t0 = timer()
             call()
@@ -88,10 +91,8 @@ def _time_min(calls: dict[Any, Callable[[], Any]], timer: Callable[[], float]) -
 
 def measure_step_costs(model: torch.nn.Module, timer: Callable[[], float] = time.perf_counter) -> StepCosts:
     """Time `model` (a causal LM, as the decoder calls it) on forwards over 1..MAX_VERIFY_TOKENS tokens after
-    CONTEXT cached ones; once per model and thread count (kept on the model)."""
-    from specframe.kv_cache import new_cache
-    from specframe.lean_forward import engine_forward
-
+    CONTEXT cached ones; once per model and thread count (kept on the model, and for a CPU target on disk, checked
+    by a few one-token forwards before use)."""
     memo = model.__dict__.setdefault(_COSTS, {})
     threads = torch.get_num_threads()
     if threads in memo:
@@ -99,12 +100,29 @@ def measure_step_costs(model: torch.nn.Module, timer: Callable[[], float] = time
     device = next(model.parameters()).device
     name = _kept_name(model, threads) if device.type == "cpu" else None
     kept = _costs_from(measurements.stored(STEP_COSTS_KEPT, _SOURCES).get(name)) if name else None
-    if kept is not None:
+    # Kept timings are used while a one-token forward timed now is not much faster than they say: busy time only
+    # adds, so kept ones more than KEPT_SLOWER_AT times slower were timed on a busy machine, and are timed again.
+    if kept is not None and kept.one_token_s <= KEPT_SLOWER_AT * _forward_times(model, (1,), timer, CHECKS)[1]:
         memo[threads] = kept
         return kept
-    vocab = model.config.vocab_size
+    times = _forward_times(model, range(1, MAX_VERIFY_TOKENS + 1), timer, REPEATS)
+    one = max(times[1], 1e-9)
+    memo[threads] = costs = StepCosts(one, tuple(times[n] / one for n in range(1, MAX_VERIFY_TOKENS + 1)))
+    if name:
+        today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+        kept = {"one_token_s": one, "relative": list(costs.relative), "timed_on": today}
+        measurements.store(STEP_COSTS_KEPT, _SOURCES, name, kept)
+    return costs
+
+
+def _forward_times(model: torch.nn.Module, counts: Sequence[int], timer: Callable[[], float], repeats: int) -> dict:
+    """Seconds of `model`'s forward over each of `counts` tokens after CONTEXT cached ones (`_time_min`)."""
+    from specframe.kv_cache import new_cache
+    from specframe.lean_forward import engine_forward
+
+    device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(vocab, (1, CONTEXT + MAX_VERIFY_TOKENS), generator=gen).to(device)
+    ids = torch.randint(model.config.vocab_size, (1, CONTEXT + max(counts)), generator=gen).to(device)
     cache = new_cache(model)
     run_model = engine_forward(model)  # (as the decoder runs it)
     with torch.no_grad():
@@ -119,14 +137,7 @@ def measure_step_costs(model: torch.nn.Module, timer: Callable[[], float] = time
 
             return call
 
-        times = _time_min({n: forward(n) for n in range(1, MAX_VERIFY_TOKENS + 1)}, timer)
-    one = max(times[1], 1e-9)
-    memo[threads] = costs = StepCosts(one, tuple(times[n] / one for n in range(1, MAX_VERIFY_TOKENS + 1)))
-    if name:
-        today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
-        kept = {"one_token_s": one, "relative": list(costs.relative), "timed_on": today}
-        measurements.store(STEP_COSTS_KEPT, _SOURCES, name, kept)
-    return costs
+        return _time_min({n: forward(n) for n in counts}, timer, repeats)
 
 
 STEP_COSTS_KEPT = "step_costs"  # the kind of measurement kept on disk for later processes (CPU targets only)
