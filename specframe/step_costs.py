@@ -17,9 +17,9 @@ with the accepted length from the artifact's held-out statistics and both costs 
 forward, timed here (`measure_step_costs`, ~1.8 s for SmolLM2-135M, once per target, thread count and
 machine: a CPU target's timings are kept on disk for later processes, `specframe.measurements`, so that a
 shape chosen from them alone (Medusa's) stays the same from one process to the next (unless a one-token forward
-timed now takes less than half the kept time: then they were timed on a busy machine, and are timed again); `relative_cost` for a
-drafter's forward, ~0.1 s, in each process, against the kept one-token time, so EAGLE's choice can still move
-where two shapes are close).
+timed now takes less than half the kept time: then they were timed on a busy machine, and are timed again);
+`relative_cost` for a drafter's forward, ~0.1 s, in each process, against the kept one-token time, so EAGLE's
+choice can still move where two shapes are close).
 """
 
 from __future__ import annotations
