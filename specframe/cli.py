@@ -227,11 +227,13 @@ def literal(value: Any) -> str:
 def generate_overrides(args: argparse.Namespace) -> list[str]:
     """Dotlist overrides: KEY=VALUE arguments, then the explicit flags as typed (which win). A flag and an
     override that set one key to different values are refused: which one the user meant is not known."""
+    from specframe.config import split_override
+
     key_values(args.overrides)
     flags = {key: getattr(args, flag[2:].replace("-", "_")) for key, flag in GENERATE_FLAGS.items()}
     flags = {key: value for key, value in flags.items() if value is not None}
     for item in args.overrides:
-        key, value = (part.strip() for part in item.split("=", 1))
+        key, value = (part.strip() for part in split_override(item))
         parsed = _parsed(value)
         for flag_key, flag_value in flags.items():
             flag = f"{GENERATE_FLAGS[flag_key]} {flag_value}"

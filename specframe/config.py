@@ -167,6 +167,15 @@ def load_yaml(path: str | Path) -> DictConfig:
     return raw
 
 
+def split_override(item: str) -> tuple[str, str]:
+    """A `KEY=VALUE` override's key and value text, split at the first `=` that is not escaped (`a\\=b=1` sets
+    the key "a=b", as OmegaConf reads it)."""
+    parts = re.split(r"(?<!\\)=", item, maxsplit=1)
+    if len(parts) != 2:
+        raise ConfigError(f"override {item!r} is not a 'KEY=VALUE' string (its only '=' is escaped)")
+    return parts[0], parts[1]
+
+
 def with_overrides(raw: DictConfig, overrides: list[str]) -> DictConfig:
     """`raw` with KEY=VALUE overrides merged in, one at a time, so that an error names the override."""
     if not isinstance(overrides, list | tuple):
@@ -177,10 +186,7 @@ def with_overrides(raw: DictConfig, overrides: list[str]) -> DictConfig:
     for item in overrides:
         if not isinstance(item, str) or "=" not in item:
             raise ConfigError(f"override {item!r} is not a 'KEY=VALUE' string")
-        parts = re.split(r"(?<!\\)=", item, maxsplit=1)  # (the first `=` not escaped: `a\=b=1` sets "a=b")
-        if len(parts) != 2:
-            raise ConfigError(f"override {item!r} is not a 'KEY=VALUE' string (its only '=' is escaped)")
-        key, text = parts
+        key, text = split_override(item)
         try:
             # (as OmegaConf.from_dotlist, but the value's text kept as typed where YAML would change it)
             override = OmegaConf.create()

@@ -76,7 +76,7 @@ class TrainRunConfig:
                 check_output_path(self.features_cache, "train.features_cache", folder=True)
         except BadInputError as e:
             raise ConfigError(str(e)) from None
-        other = next((k for k in ARTIFACT_KINDS if (Path(self.out) / f"{k}_config.json").is_file()), None)
+        other = artifact_kind(self.out)
         if other is not None and other != self.artifact:
             raise ConfigError(
                 f"train.out '{self.out}' holds a trained {other} artifact ({other}_config.json): training a "
@@ -367,18 +367,22 @@ def choose_vocab(examples, size: int, vocab_size: int, always: list[int]) -> tor
     return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
+def artifact_kind(folder: str | Path) -> str | None:
+    """The kind of trained artifact `folder` holds (one of ARTIFACT_KINDS, by its `<kind>_config.json`), or None."""
+    return next((k for k in ARTIFACT_KINDS if (Path(folder) / f"{k}_config.json").is_file()), None)
+
+
 def check_same_split(cfg: TrainRunConfig) -> None:
     """A run that starts from a trained artifact (init_from / init_heads) must hold out the prompts it held out:
     the split is a hash of (seed, prompt id) against heldout_fraction, and with another seed or a larger fraction
     some prompts the start was trained on would be reported as held out. (Artifacts that do not record them are
     not checked.)"""
     start = getattr(cfg, "init_from", "") or getattr(cfg, "init_heads", "") or ""
-    found = (Path(start) / f"{k}_config.json" for k in ARTIFACT_KINDS) if start else iter(())
-    config = next((f for f in found if f.is_file()), None)
-    if config is None:
+    kind = artifact_kind(start) if start else None
+    if kind is None:
         return  # (a missing or foreign start is the trainer's own error to name)
     try:
-        trained = json.loads(config.read_text()).get("train_config") or {}
+        trained = json.loads((Path(start) / f"{kind}_config.json").read_text()).get("train_config") or {}
     except (OSError, ValueError, AttributeError):
         return  # (likewise: a damaged start is named when it is loaded)
     option = "train.init_from" if getattr(cfg, "init_from", "") else "train.init_heads"
