@@ -247,11 +247,12 @@ def distill(
         )
     out = Path(out_path)
     check_output_path(out, "--out", folder=False)
+    # (read before the unfinished last line is mended, so a file that is not distillation data is refused
+    # untouched; the rows are the same after it: a whole last row is read, a cut one skipped and then removed)
+    existing = read_distill(out, unfinished_tail=True) if out.exists() else []
     if out.exists():
-        read_distill(out, unfinished_tail=True)  # (a file that is not distillation data is refused untouched)
         end_unfinished_line(out, quiet)
     written_by = data_fingerprint(model)
-    existing = read_distill(out) if out.exists() else []
     other = next((e for e in existing if e.target is not None and not same_data_target(e.target, written_by)), None)
     if other is not None:  # (its ids would be skipped as answered: one file would hold two targets' responses)
         raise BadInputError(
