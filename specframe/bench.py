@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from specframe.config import split_override
 from specframe.data import read_jsonl, shared_data_file
 from specframe.errors import BadInputError, brief, check_output_path, is_count
 
@@ -225,9 +226,9 @@ def split_overrides(overrides: list[str], proposers: Iterable[str]) -> tuple[lis
     shared: list[str] = []
     own: dict[str, list[str]] = {}
     for item in overrides:
-        key, sep, value = item.partition("=")
+        key, value = split_override(item) if "=" in item else (item, None)
         head, dot, rest = key.partition(".")
-        if not sep or not dot or not rest:
+        if value is None or not dot or not rest:
             raise BadInputError(f"override '{item}' is not KEY=VALUE with KEY = target.<key> or <proposer>.<key>")
         if head == "target":
             shared.append(item)

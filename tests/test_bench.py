@@ -705,3 +705,15 @@ def test_hf_assisted_runs_target_and_assistant_on_the_stock_kernels(monkeypatch)
     assert seen == [[(False, "sdpa"), (False, "sdpa")]]
     assert fast_kernels_on(target) and fast_kernels_on(draft_model) and "forward" in draft_model.lm_head.__dict__
     assert draft_model.config._attn_implementation == "specframe_sdpa"
+
+
+def test_overrides_go_to_the_target_or_their_proposer():
+    from specframe.bench import split_overrides
+
+    shared, own = split_overrides(["target.dtype=float32", "eagle.depth=2", r"eagle.a\=b=x=1"], ["eagle", "none"])
+    assert shared == ["target.dtype=float32"]
+    assert own == {"eagle": ["proposer.depth=2", r"proposer.a\=b=x=1"]}  # split at the first unescaped '='
+    for item, named in (("eagle.depth", "not KEY=VALUE"), ("depth=2", "not KEY=VALUE"),
+                        ("medusa.depth=2", "'medusa' is neither 'target' nor a proposer of this run")):  # fmt: skip
+        with pytest.raises(BadInputError, match=named):
+            split_overrides([item], ["eagle"])

@@ -168,3 +168,21 @@ def test_a_run_killed_while_saving_a_checkpoint_keeps_a_whole_one(tmp_path, kill
     assert not ckpt.with_name("checkpoint.old").exists()
     save_checkpoint(ckpt, {"w": weight}, optimizer, {"epoch": 3})  # (a cut save's leftovers are replaced)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
+
+
+def test_a_checkpoint_is_on_disk_before_it_is_renamed_into_place(tmp_path, monkeypatch):
+    import os
+
+    from specframe.training import common
+
+    events = []
+    monkeypatch.setattr(common.os, "fsync", lambda fd: events.append(("sync", os.readlink(f"/proc/self/fd/{fd}"))))
+    real_replace = os.replace
+    monkeypatch.setattr(common.os, "replace", lambda a, b: (events.append(("replace", str(b))), real_replace(a, b)))
+    weight = torch.nn.Parameter(torch.zeros(2))
+    common.save_checkpoint(tmp_path / "checkpoint", {"w": weight}, torch.optim.AdamW([weight]), {"epoch": 1})
+    tmp = str(tmp_path / "checkpoint.tmp")
+    renamed = events.index(("replace", f"{tmp}/state.json"))
+    synced = {path for kind, path in events[:renamed] if kind == "sync"}
+    assert synced == {f"{tmp}/model.safetensors", f"{tmp}/optim.safetensors", f"{tmp}/state.json.part"}, events
+    assert ("sync", str(tmp_path)) in events[renamed:]  # (the folders' renames too)

@@ -160,19 +160,32 @@ def save_checkpoint(
             moments[f"{i}.{k}"] = v.detach().reshape(-1).contiguous().cpu() if v.dim() == 0 else v.detach().cpu()
     save_file(moments, tmp / "optim.safetensors")
     (tmp / "state.json.part").write_text(json.dumps(state, indent=2))
+    for name in ("model.safetensors", "optim.safetensors", "state.json.part"):
+        _sync(tmp / name)  # (on disk before the renames that make them the checkpoint: a power cut too)
     os.replace(tmp / "state.json.part", tmp / "state.json")  # (so a state.json is always a whole one)
+    _sync(tmp)
     old = folder.with_name(folder.name + ".old")
     if folder.exists():
         folder.rename(old)
     tmp.rename(folder)
+    _sync(folder.parent)
     if old.exists():
         shutil.rmtree(old)
+
+
+def _sync(path: Path) -> None:
+    """Flush a file's (or a folder's entries') writes to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def recovered(folder: Path) -> Path:
     """`folder`, a checkpoint's, after putting back what a run killed while `save_checkpoint` swapped folders
     left: the new checkpoint when it was written whole (its state.json, written last and whole by a rename, is
-    there), else the old one. (Against a killed process; the files are not synced to disk.)"""
+    there), else the old one. (The files and renames are synced to disk, so this holds after a power cut too.)"""
     tmp, old = folder.with_name(folder.name + ".tmp"), folder.with_name(folder.name + ".old")
     if not folder.exists():
         if (tmp / "state.json").is_file():
