@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from specframe.config import split_override
+from specframe.config import flag_overrides, split_override
 from specframe.data import read_jsonl, shared_data_file
 from specframe.errors import BadInputError, brief, check_output_path, is_count
 
@@ -57,6 +57,7 @@ SUBTASKS: dict[str, tuple[str, ...]] = {
 SUBTASK_OF = {category: subtask for subtask, categories in SUBTASKS.items() for category in categories}
 BASELINES = ("hf", "hf-assisted", "hf-pld")
 DEFAULT_PROPOSERS = ("none", "draft", "medusa", "eagle", "ngram", "union")
+DEFAULT_PLUGINS = {"ngram": "specframe-ngram"}  # default proposers that a plugin of this repository registers
 REFERENCE = "hf"  # greedy reference and the first speedup denominator
 ENGINE_BASELINE = "none"  # the second speedup denominator; also gives the plain decode step's cost
 QUESTIONS = "spec_bench/question.jsonl"  # under ../shared/data
@@ -145,9 +146,17 @@ class BenchOptions:
         if not seed_ok:  # (each question's seed adds 10 x its id + the turn: it must stay a generator's seed)
             raise BadInputError(f"--seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         registry = get_registry()
-        unknown = [p for p in self.proposers if p not in registry.proposers]
-        if unknown:  # (a typo or a plugin that is not installed: said before the target loads, not skipped)
-            raise BadInputError(f"unknown proposer '{unknown[0]}'; installed: {', '.join(registry.names())}")
+        for name in self.proposers:  # (a typo or a plugin that is not installed: said before the target loads)
+            try:
+                registry.get(name)
+            except BadInputError as e:
+                plugin = DEFAULT_PLUGINS.get(name) if name not in registry.contested else None
+                if plugin is None:
+                    raise
+                raise BadInputError(
+                    f"{e}. '{name}' comes from the {plugin} plugin (plugins/{plugin} in specframe's repository: "
+                    f"pip install ./plugins/{plugin}); or leave it out of --proposers"
+                ) from None
         for name, value in (
             ("limit", self.limit),
             ("max-new-tokens", self.max_new_tokens),
@@ -169,7 +178,16 @@ class BenchOptions:
             check_sampling(self.temperature, self.top_k, self.top_p, prefix="--")
         except ConfigError as e:  # name the flag as typed: --top-p, not --top_p
             raise BadInputError(str(e).replace("top_p", "top-p").replace("top_k", "top-k")) from None
-        split_overrides(self.overrides, self.override_heads())
+        shared, _ = split_overrides(self.overrides, self.override_heads())
+        flag_overrides(self.target_flags(), shared)  # (a flag and an override that disagree: refused)
+
+    def target_flags(self) -> dict[str, tuple[str, str | None]]:
+        """{config key: (flag, value)} of the target flags (values None when not set)."""
+        return {
+            "target.model": ("--target", self.target),
+            "target.dtype": ("--dtype", self.dtype),
+            "target.device": ("--device", self.device),
+        }
 
     def override_heads(self) -> list[str]:
         """Proposers that `<proposer>.<key>=...` may name: those run, and `draft` when hf-assisted borrows it."""
@@ -260,15 +278,18 @@ def read_questions(path: str | Path, subtasks: list[str], limit: int | None = No
     hint = " (give --questions PATH of Spec-Bench's question.jsonl)"
     seen: dict[int, int] = {}  # question id -> line (results, seeds and identity are keyed by the id)
     for number, row in read_jsonl(p, "questions file", hint):
-        try:
-            q = Question(
-                int(row["question_id"]),
-                SUBTASK_OF.get(row["category"], ""),
-                row["category"],
-                [str(t) for t in row["turns"]],
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise BadInputError(f"questions file '{p}' line {number}: not a Spec-Bench question ({e})") from e
+        where = f"questions file '{p}' line {number}"
+        missing = [key for key in ("question_id", "category", "turns") if key not in row]
+        if missing:
+            raise BadInputError(f"{where}: not a Spec-Bench question (no {', '.join(missing)})")
+        qid, category, turns = row["question_id"], row["category"], row["turns"]
+        if not isinstance(qid, int) or isinstance(qid, bool):
+            raise BadInputError(f"{where}: question_id must be an integer, got {qid!r}")
+        if not isinstance(category, str):
+            raise BadInputError(f"{where}: category must be a string, got {category!r}")
+        if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
+            raise BadInputError(f"{where}: turns must be a list of strings, got {turns!r:.80}")
+        q = Question(qid, SUBTASK_OF.get(category, ""), category, turns)
         if not q.turns:
             raise BadInputError(f"questions file '{p}' line {number}: question {q.question_id} has no turns")
         if q.question_id in seen:
@@ -468,8 +489,7 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
     from specframe.plugins import get_registry
 
     shared, own = split_overrides(options.overrides, options.override_heads())
-    flags = {"target.model": options.target, "target.dtype": options.dtype, "target.device": options.device}
-    shared = shared + [f"{k}={v}" for k, v in flags.items() if v is not None]
+    shared = shared + flag_overrides(options.target_flags(), shared)
     cfg = load_config(overrides=["proposer.name=none", *shared])
     registry = get_registry()
 
@@ -771,6 +791,14 @@ def timed_loop(
     questions that ran."""
     methods = list(setup.methods)
     failed: dict[str, str] = {}
+    for q in questions:  # a first turn longer than the context window: said now, not after the ones before it ran
+        try:
+            conversation_ids(setup.encoder, q.turns[:1], [])
+        except BadInputError as e:
+            raise BadInputError(
+                f"question {q.question_id} ({q.subtask}): {e} (leave it out of --questions, or give a target with "
+                "a longer context window)"
+            ) from e
     warm = setup.encoder.encode(WARMUP_PROMPT).tolist()
     for m in list(methods):
         try:
@@ -808,8 +836,8 @@ def timed_loop(
                         answers.append(setup.tokenizer.decode(out.token_ids, skip_special_tokens=True).strip())
                         records.append(record(m, q, turn, ids, out))
                         bar.update(1)
-                except BadInputError:
-                    raise  # e.g. a prompt longer than the context window: the user's to fix
+                except BadInputError as e:  # e.g. a later turn longer than the context window: the user's to fix
+                    raise BadInputError(f"question {q.question_id} turn {turn + 1}, {m.name}: {e}") from e
                 except Exception as e:
                     failed[m.name] = (
                         f"failed on question {q.question_id}: {type(e).__name__}: {' '.join(str(e).split())}"
@@ -1299,17 +1327,18 @@ def write_plots(doc: dict[str, Any], out: Path) -> list[Path]:
 def results_page(doc: dict[str, Any], path: str = "docs/results.md") -> str:
     """The results page (docs/results.md; docs/results-gpu.md for the GPU check's run): the run's Markdown with
     how it was made; regenerated by the command it names."""
+    in_docs = Path(path).parent.name == "docs"  # (beside docs/gpu.md: a relative link to it works)
     head = [
         "# Results" + (" on a GPU" if "gpu" in doc["machine"] else ""),
         "",
         f"<!-- Generated by `specframe bench ... --results-doc {path}`; do not edit by hand. -->",
         "",
-        "The latest benchmark numbers on this machine. Regenerate this page with the command below plus "
-        f"`--results-doc {path}` (which rewrites this file); plots and per-turn records are in the run's "
-        "`--out` folder (`bench.json`, `speedup.png`, `accepted_lengths.png`; a local folder, not in the "
+        "The latest benchmark numbers on this machine. Regenerate this page with the command below (with "
+        f"`--results-doc {path}` where it lacks one: it rewrites this file); plots and per-turn records are in the "
+        "run's `--out` folder (`bench.json`, `speedup.png`, `accepted_lengths.png`; a local folder, not in the "
         f"repository), and `specframe bench --render <out>/bench.json --results-doc {path}` re-makes "
         "this page from them without generating anything. The GPU check (conformance suite and benchmark on "
-        "CUDA) and its results: [gpu.md](gpu.md).",
+        "CUDA) and its results: " + ("[gpu.md](gpu.md)." if in_docs else "docs/gpu.md in specframe's repository."),
         "",
     ]
     return "\n".join(head + [markdown(doc, plots=False)])

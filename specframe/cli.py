@@ -11,8 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-import yaml
-
 from specframe.errors import BadInputError, brief, check_output_path
 
 
@@ -49,12 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(run=cmd_generate)
 
     p = sub.add_parser("plugins", help="list installed proposers")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object: proposers and plugin failures")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     p.set_defaults(run=cmd_plugins)
 
     c = sub.add_parser("check", help="run the exactness conformance suite on a proposer (tiny random models)")
-    c.add_argument("--proposer", required=True, help="proposer name")
+    c.add_argument("--proposer", help="proposer name (default: the --config file's proposer.name)")
+    c.add_argument(
+        "--config",
+        help="a `specframe generate` YAML config (or a packaged one's name): its proposer section's options are "
+        "checked; KEY=VALUE overrides win",
+    )
     c.add_argument("--device", action="append", help="device(s) to check; default: cpu and cuda if present")
     c.add_argument(
         "--dtype",
@@ -68,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip the power checks (broken rules that must be caught: they test the suite itself)",
     )
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--json", action="store_true", help="print the report as one JSON object")
     c.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="proposer options, e.g. proposer.max_ngram=2")
     c.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     c.set_defaults(run=cmd_check)
@@ -81,7 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--config", default=None, help="YAML of training options (e.g. the packaged train-eagle.yaml); KEY=VALUE win"
     )
-    t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="training options (see docs), e.g. epochs=4")
+    t.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="training options (docs/training.md): data=FILE (default runs/distill/smollm2-135m-instruct.jsonl), "
+        "out=FOLDER (default runs/out), epochs=N, ...",
+    )
     t.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     t.set_defaults(run=cmd_train)
 
@@ -94,13 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--out", required=True, help="output JSONL (appended; existing ids are skipped)")
     dist.add_argument("--target", default="smollm2-135m-instruct", help="target model")
     dist.add_argument("--dtype", default="bfloat16", help="target dtype for generation (bfloat16 is ~2x faster on CPU)")
-    dist.add_argument("--device", default="auto")
-    dist.add_argument("--limit", type=int, default=None, help="use the first N prompts")
-    dist.add_argument("--batch-size", type=int, default=32)
-    dist.add_argument("--max-new-tokens", type=int, default=128)
-    dist.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer prompts")
-    dist.add_argument("--temperature", type=float, default=0.0, help="0 = greedy responses")
-    dist.add_argument("--seed", type=int, default=0)
+    dist.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N (default auto)")
+    dist.add_argument("--limit", type=int, default=None, help="use the first N prompts (default: all)")
+    dist.add_argument("--batch-size", type=int, default=32, help="sequences generated at once (default 32)")
+    dist.add_argument("--max-new-tokens", type=int, default=128, help="longest response (default 128)")
+    dist.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer prompts (default 384)")
+    dist.add_argument("--temperature", type=float, default=0.0, help="0 = greedy responses (default 0)")
+    dist.add_argument("--seed", type=int, default=0, help="sampling seed, with --temperature > 0 (default 0)")
     dist.add_argument(
         "--tag",
         default="",
@@ -138,13 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--max-new-tokens", type=int, help="default 128")
     b.add_argument("--target", help="target model (target.model)")
-    b.add_argument("--dtype", help="target.dtype")
-    b.add_argument("--device", help="target.device")
+    b.add_argument("--dtype", help="target.dtype: auto, float32, bfloat16, float16 (default auto)")
+    b.add_argument("--device", help="target.device: auto, cpu, cuda, cuda:N (default auto)")
     b.add_argument("--temperature", type=float, help="0 = greedy (Spec-Bench); > 0 = sampling")
-    b.add_argument("--top-p", type=float)
-    b.add_argument("--top-k", type=int)
-    b.add_argument("--seed", type=int, help="base seed; each (question, turn) derives its own")
-    b.add_argument("--pld-tokens", type=int, help="hf-pld's prompt_lookup_num_tokens")
+    b.add_argument("--top-p", type=float, help="nucleus sampling, with --temperature > 0 (default 1 = off)")
+    b.add_argument("--top-k", type=int, help="top-k sampling, with --temperature > 0 (default 0 = off)")
+    b.add_argument("--seed", type=int, help="base seed; each (question, turn) derives its own (default 0)")
+    b.add_argument("--pld-tokens", type=int, help="hf-pld's prompt_lookup_num_tokens (default 10)")
     b.add_argument(
         "--tie-threshold",
         type=float,
@@ -152,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 1e-3; for a 16-bit target at least its dtype's eps)",
     )
     b.add_argument("--out", help="output folder: bench.json, bench.md, *.png (default runs/bench)")
-    b.add_argument("--results-doc", help="also write this Markdown results page (docs/results.md)")
+    b.add_argument("--results-doc", help="also write this Markdown results page, e.g. docs/results.md (default: none)")
     b.add_argument("--threads", type=int, help="torch threads for the run (default: torch's)")
     b.add_argument(
         "--time-limit",
@@ -189,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     pull.set_defaults(run=cmd_models_pull)
     lst = msub.add_parser("list", help="aliases and where they are cached")
-    lst.add_argument("--json", action="store_true")
+    lst.add_argument("--json", action="store_true", help="print one JSON list of the aliases")
     lst.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     lst.set_defaults(run=cmd_models_list)
     return parser
@@ -214,71 +223,14 @@ GENERATE_FLAGS = {  # the config key each `generate` flag sets, and the flag
 }
 
 
-def literal(value: Any) -> str:
-    """`value` as a dotlist value that OmegaConf reads back as exactly it: a string YAML-quoted and with its
-    interpolations escaped (a path may hold ' #', ': ' or '${'), a number as it prints."""
-    from specframe.config import escape_interpolations
-
-    if not isinstance(value, str):
-        return str(value)
-    return "'" + escape_interpolations(value).replace("'", "''") + "'"
-
-
 def generate_overrides(args: argparse.Namespace) -> list[str]:
     """Dotlist overrides: KEY=VALUE arguments, then the explicit flags as typed (which win). A flag and an
     override that set one key to different values are refused: which one the user meant is not known."""
-    from specframe.config import split_override
+    from specframe.config import flag_overrides
 
     key_values(args.overrides)
-    flags = {key: getattr(args, flag[2:].replace("-", "_")) for key, flag in GENERATE_FLAGS.items()}
-    flags = {key: value for key, value in flags.items() if value is not None}
-    for item in args.overrides:
-        key, value = (part.strip() for part in split_override(item))
-        parsed = _parsed(value)
-        for flag_key, flag_value in flags.items():
-            flag = f"{GENERATE_FLAGS[flag_key]} {flag_value}"
-            if flag_key == key:
-                if not _same_value(parsed, flag_value):
-                    raise BadInputError(f"{flag} and the override {item} set {key} differently: give one of them")
-            elif flag_key.startswith(key + "."):  # the override sets a whole section the flag sets a key of
-                if not isinstance(parsed, dict):
-                    raise BadInputError(
-                        f"the override {item} sets {key} to something that is not a mapping of its keys, and "
-                        f"{flag} sets {flag_key} in it: give {key}'s keys one at a time ({flag_key}=...)"
-                    )
-                inner = flag_key[len(key) + 1 :]
-                if inner in parsed and not _same_value(parsed[inner], flag_value):
-                    raise BadInputError(f"{flag} and the override {item} set {flag_key} differently: give one of them")
-    return list(args.overrides) + [f"{k}={literal(v)}" for k, v in flags.items()]
-
-
-_UNPARSED = object()
-
-
-def _parsed(text: str) -> Any:
-    """An override's value `text` as the config reads it (YAML, text kept as typed: `text_keeping_loader`);
-    `_UNPARSED` when it is not YAML."""
-    from specframe.config import text_keeping_loader
-
-    try:
-        return yaml.load(text, Loader=text_keeping_loader())
-    except yaml.YAMLError:
-        return _UNPARSED
-
-
-def _same_value(parsed: Any, value: Any) -> bool:
-    """Whether an override's parsed value gives the flag's `value` in its field (a text field takes a number's
-    spelling, a number field converts text: `target.model=12`, `sampling.temperature=1e-1`)."""
-    if type(parsed) is bool or parsed is None:
-        return False
-    if isinstance(value, str):
-        return parsed == value or (isinstance(parsed, int | float) and str(parsed) == value)
-    if isinstance(parsed, str):
-        try:
-            return float(parsed) == value
-        except ValueError:
-            return False
-    return parsed == value
+    flags = {key: (flag, getattr(args, flag[2:].replace("-", "_"))) for key, flag in GENERATE_FLAGS.items()}
+    return list(args.overrides) + flag_overrides(flags, args.overrides)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -343,15 +295,27 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
-    from specframe.config import models_named, structured, with_overrides
+    from specframe.config import load_yaml, models_named, structured, with_overrides
     from specframe.plugins import get_registry
     from specframe.testing.conformance import run_suite, suite_devices_and_dtypes
 
-    entry = get_registry().get(args.proposer)
+    options = OmegaConf.create()
+    name = args.proposer
+    if args.config:
+        section = load_yaml(args.config).get("proposer")
+        if section is not None and not OmegaConf.is_dict(section):
+            raise BadInputError(f"--config {args.config}: its proposer section is not a mapping of options")
+        options = OmegaConf.create(OmegaConf.to_container(section or OmegaConf.create(), resolve=False))
+        named = options.pop("name", None)
+        if name is None:
+            name = named
+        elif named is not None and named != name:
+            raise BadInputError(f"--proposer {name} and --config {args.config}'s proposer.name {named} differ")
+    if name is None:
+        raise BadInputError("give --proposer NAME (or a --config file whose proposer section names one)")
+    entry = get_registry().get(name)
     # (built here even without overrides: a field with no default is then named, as generate names it)
-    values = with_overrides(
-        OmegaConf.create(), [o.removeprefix("proposer.") for o in key_values(args.overrides, "proposer.")]
-    )
+    values = with_overrides(options, [o.removeprefix("proposer.") for o in key_values(args.overrides, "proposer.")])
     config = structured(entry.cls.config_class, values, "proposer")
     named = models_named(config)  # (the suite builds every proposer with random weights on tiny targets)
     if named:
@@ -371,6 +335,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         log=None if args.json else lambda line: print(line, flush=True),
         dtypes=args.dtype,
         power=False if args.no_power else None,
+        debug=getattr(args, "debug", False),
     )
     print(json.dumps(report.as_dict()) if args.json else report.totals())
     return 0 if report.passed else 1
@@ -440,7 +405,7 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
     return 0
 
 
-RENDER_TAKES = {"render", "out", "results_doc", "debug", "run", "command"}  # (argparse's own keys included)
+RENDER_TAKES = {"render", "out", "results_doc", "debug", "no_progress", "run", "command"}  # (argparse's keys too)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

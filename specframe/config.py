@@ -19,7 +19,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from specframe.errors import ConfigError, check_field_types
+from specframe.errors import BadInputError, ConfigError, SpecframeError, check_field_types
 from specframe.sampling import check_sampling, check_seed
 
 
@@ -176,6 +176,66 @@ def split_override(item: str) -> tuple[str, str]:
     return parts[0], parts[1]
 
 
+def literal(value: Any) -> str:
+    """`value` as a dotlist value that OmegaConf reads back as exactly it: a string YAML-quoted and with its
+    interpolations escaped (a path may hold ' #', ': ' or '${'), a number as it prints."""
+    if not isinstance(value, str):
+        return str(value)
+    return "'" + escape_interpolations(value).replace("'", "''") + "'"
+
+
+def flag_overrides(flags: dict[str, tuple[str, Any]], overrides: list[str]) -> list[str]:
+    """The dotlist overrides that command-line flags make, {config key: (flag as typed, value or None when not
+    given)}, after checking them against the KEY=VALUE `overrides`: a flag and an override that set one key
+    to different values are refused (which one the user meant is not known)."""
+    given = {key: (flag, value) for key, (flag, value) in flags.items() if value is not None}
+    for item in overrides:
+        key, value = (part.strip() for part in split_override(item))
+        parsed = _parsed(value)
+        for flag_key, (flag_name, flag_value) in given.items():
+            flag = f"{flag_name} {flag_value}"
+            if flag_key == key:
+                if not _same_value(parsed, flag_value):
+                    raise BadInputError(f"{flag} and the override {item} set {key} differently: give one of them")
+            elif flag_key.startswith(key + "."):  # the override sets a whole section the flag sets a key of
+                if not isinstance(parsed, dict):
+                    raise BadInputError(
+                        f"the override {item} sets {key} to something that is not a mapping of its keys, and "
+                        f"{flag} sets {flag_key} in it: give {key}'s keys one at a time ({flag_key}=...)"
+                    )
+                inner = flag_key[len(key) + 1 :]
+                if inner in parsed and not _same_value(parsed[inner], flag_value):
+                    raise BadInputError(f"{flag} and the override {item} set {flag_key} differently: give one of them")
+    return [f"{key}={literal(value)}" for key, (_, value) in given.items()]
+
+
+_UNPARSED = object()
+
+
+def _parsed(text: str) -> Any:
+    """An override's value `text` as the config reads it (YAML, text kept as typed: `text_keeping_loader`);
+    `_UNPARSED` when it is not YAML."""
+    try:
+        return yaml.load(text, Loader=text_keeping_loader())
+    except yaml.YAMLError:
+        return _UNPARSED
+
+
+def _same_value(parsed: Any, value: Any) -> bool:
+    """Whether an override's parsed value gives the flag's `value` in its field (a text field takes a number's
+    spelling, a number field converts text: `target.model=12`, `sampling.temperature=1e-1`)."""
+    if type(parsed) is bool or parsed is None:
+        return False
+    if isinstance(value, str):
+        return parsed == value or (isinstance(parsed, int | float) and str(parsed) == value)
+    if isinstance(parsed, str):
+        try:
+            return float(parsed) == value
+        except ValueError:
+            return False
+    return parsed == value
+
+
 def with_overrides(raw: DictConfig, overrides: list[str]) -> DictConfig:
     """`raw` with KEY=VALUE overrides merged in, one at a time, so that an error names the override."""
     if not isinstance(overrides, list | tuple):
@@ -292,7 +352,7 @@ def _escaped(value: Any) -> Any:
         return escape_interpolations(value)
     if isinstance(value, dict):
         return {k: _escaped(v) for k, v in value.items()}
-    if isinstance(value, list):
+    if isinstance(value, list | tuple):  # (a tuple default as a list: the form every list field is read in)
         return [_escaped(v) for v in value]
     return value
 
@@ -349,6 +409,7 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
                 raise ConfigError(f"{prefix} must be a mapping, got {values!r}")
             schema_fields = fields(schema) if is_dataclass(schema) else ()
             text_fields = {f.name for f in schema_fields if f.type in ("str", str)}
+            flag_fields = {f.name for f in schema_fields if f.type in ("bool", bool, "bool | None")}
             one_or_many = {f.name for f in schema_fields if f.metadata.get("one_or_many")}  # text alone: a list of one
             list_fields = {
                 f.name
@@ -358,6 +419,8 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
             for key in values:
                 if OmegaConf.is_missing(values, key):  # `???` in YAML: the user must set it
                     raise ConfigError(f"{prefix}.{key}: missing mandatory value (set it with {prefix}.{key}=...)")
+                if key in flag_fields and type(values[key]) in (int, float) and values[key] not in (0, 1):
+                    raise ConfigError(f"{prefix}.{key} must be true or false, got {values[key]!r}")  # (not "true")
                 if key in text_fields and values[key] is None:  # `KEY=` (a shell's KEY="") is the empty string
                     values[key] = ""
                 if key in one_or_many and isinstance(values[key], str | int | float):  # (`stop=5`: ["5"])
@@ -381,8 +444,10 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
         key = getattr(e, "full_key", None) or ""
         where = key if key == prefix or key.startswith(prefix + ".") else f"{prefix}.{key}" if key else prefix
         raise ConfigError(f"{where}: {one_line(e)}") from e
-    except (TypeError, ValueError) as e:  # e.g. a plugin's __post_init__ raising these instead of ConfigError
-        raise ConfigError(f"{prefix}: {type(e).__name__}: {one_line(e)}") from e
+    except SpecframeError:
+        raise
+    except Exception as e:  # e.g. a plugin's __post_init__ raising ValueError or asserting instead of ConfigError
+        raise ConfigError(f"{prefix} ({schema.__name__}): {type(e).__name__}: {one_line(e)}") from e
 
 
 def one_line(e: Exception) -> str:

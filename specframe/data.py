@@ -72,10 +72,19 @@ def read_jsonl(
     p = Path(path)
     if p.is_dir():
         raise BadInputError(f"{what} '{path}' is a folder, not a file{hint}")
-    if not p.is_file():
+    if not p.exists():
         raise BadInputError(f"{what} '{path}' does not exist{hint}")
-    with p.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    if not p.is_file():
+        raise BadInputError(f"{what} '{path}' is not a regular file{hint}")
+    with p.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                if unfinished_tail and not raw.endswith(b"\n"):  # (a write cut inside a character)
+                    return
+                where = f"{what} '{path}' line {number}"
+                raise BadInputError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from e
             if not line.strip():
                 continue
             try:

@@ -167,9 +167,12 @@ class SpeculativeDecoder:
     def encode(self, prompt: Prompt, raw: bool = False) -> torch.Tensor:
         """Token ids of `prompt`: ids verbatim; strings and message lists through the chat template."""
         if isinstance(prompt, torch.Tensor):
+            if prompt.dim() == 2 and prompt.shape[0] == 1:  # (a batch of one, as a tokenizer's return_tensors="pt")
+                prompt = prompt[0]
             if prompt.dim() != 1:
                 raise BadInputError(
-                    f"a tensor prompt must be a 1-D tensor of token ids, got shape {tuple(prompt.shape)}"
+                    f"a tensor prompt must be a 1-D tensor of token ids (or [1, N]: one prompt per call), got shape "
+                    f"{tuple(prompt.shape)}"
                 )
             if prompt.dtype not in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64):
                 raise BadInputError(f"a tensor prompt must hold integer token ids, got dtype {prompt.dtype}")
@@ -182,6 +185,11 @@ class SpeculativeDecoder:
             if isinstance(prompt, str) and not prompt.strip():
                 raise BadInputError("the prompt is empty")
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            if isinstance(prompt, list) and prompt and all(isinstance(m, str) for m in prompt):
+                raise BadInputError(
+                    f"generate takes one prompt per call, got a list of {len(prompt)} strings (batches are not "
+                    "supported: call generate once per prompt)"
+                )
             if isinstance(prompt, list) and not all(isinstance(m, dict) and "content" in m for m in prompt):
                 raise BadInputError("a list prompt must hold token ids (int) or messages ({'role', 'content'})")
             for m in messages:
@@ -571,12 +579,13 @@ class Counter:
         self.propose_time = 0.0
         self.verify_time = 0.0
         self.last_accepted = 0  # draft tokens accepted by the latest step
+        self.last_depth = 0  # tree depth the latest step proposed
 
     def record(self, nodes: int, depth: int, accepted: int, propose_s: float, verify_s: float) -> None:
         self.proposed_tokens += depth
         self.proposed_nodes += nodes
         self.accepted_tokens += accepted
-        self.last_accepted = accepted
+        self.last_accepted, self.last_depth = accepted, depth
         for counts, k in ((self.proposed_by_position, depth), (self.accepted_by_position, accepted)):
             counts.extend([0] * (k - len(counts)))
             for d in range(k):
@@ -585,11 +594,22 @@ class Counter:
         self.verify_time += verify_s
 
     def keep_accepted(self, kept: int) -> None:
-        """The output keeps only `kept` (possibly <= 0) tokens of the latest step's accepted draft tokens."""
-        for d in range(max(kept, 0), self.last_accepted):
+        """The output keeps only `kept` (possibly <= 0) tokens of the latest step's accepted draft tokens: the draft
+        positions past them, which the output never reached, count as neither accepted nor proposed (else a stop
+        string or EOS inside an accepted run would show as rejections)."""
+        kept = max(kept, 0)
+        for d in range(kept, self.last_accepted):
             self.accepted_by_position[d] -= 1
             self.accepted_tokens -= 1
-        self.last_accepted = min(self.last_accepted, max(kept, 0))
+        if kept < self.last_accepted:  # (only a cut block: a rejected position before the cut was reached)
+            for d in range(kept, self.last_depth):
+                self.proposed_by_position[d] -= 1
+                self.proposed_tokens -= 1
+            while self.proposed_by_position and self.proposed_by_position[-1] == 0:  # (depths no step reached)
+                self.proposed_by_position.pop()
+            del self.accepted_by_position[len(self.proposed_by_position) :]
+            self.last_depth = kept
+        self.last_accepted = min(self.last_accepted, kept)
 
     def as_dict(self, new_tokens: int, wall: float, finish_reason: str) -> dict[str, Any]:
         return {

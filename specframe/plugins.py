@@ -107,6 +107,11 @@ def check_proposer_class(cls: type, plugin: str) -> None:
         raise PluginError(f"plugin '{plugin}': {cls.__name__}.name must be an identifier string, got {name!r}")
     if not dataclasses.is_dataclass(getattr(cls, "config_class", None)):
         raise PluginError(f"plugin '{plugin}': {cls.__name__}.config_class must be a dataclass")
+    if any(f.name == "name" for f in dataclasses.fields(cls.config_class)):  # (`proposer.name` picks the proposer)
+        raise PluginError(
+            f"plugin '{plugin}': {cls.config_class.__name__} has a field called 'name', which a config cannot set "
+            "(proposer.name picks the proposer): rename the field"
+        )
     if getattr(cls, "train_config_class", None) is not None and not callable(getattr(cls, "train", None)):
         raise PluginError(f"plugin '{plugin}': {cls.__name__} sets train_config_class but has no train()")
     if getattr(cls, "__abstractmethods__", None):

@@ -216,8 +216,13 @@ def validate_proposal(
             f"tokens, parents and deterministic must be 1-D of one length, got shapes "
             f"{tuple(p.tokens.shape)}, {tuple(p.parents.shape)}, {tuple(p.deterministic.shape)}"
         )
-    if p.tokens.dtype != torch.long or p.parents.dtype != torch.long or p.deterministic.dtype != torch.bool:
-        raise bad("tokens and parents must be int64 and deterministic bool")
+    wrong = [
+        f"{fname} is {getattr(p, fname).dtype}, not {want}"
+        for fname, want in (("tokens", torch.long), ("parents", torch.long), ("deterministic", torch.bool))
+        if getattr(p, fname).dtype != want
+    ]
+    if wrong:
+        raise bad("tokens and parents must be int64 and deterministic bool: " + ", ".join(wrong))
     if n == 0:
         return ProposalStructure([], [], [], [])
     # The structure comes to the host in one transfer, then is checked in Python (a sync per check would stall
@@ -225,10 +230,14 @@ def validate_proposal(
     structure = torch.cat([p.tokens, p.parents.to(p.tokens.device), p.deterministic.to(p.tokens.device, torch.long)])
     flat = structure.tolist()
     tokens, parents, deterministic = flat[:n], flat[n : 2 * n], [bool(d) for d in flat[2 * n :]]
-    if min(tokens) < 0 or max(tokens) >= vocab_size:
-        raise bad(f"token id out of range [0, {vocab_size})")
-    if any(not -1 <= parent < i for i, parent in enumerate(parents)):
-        raise bad("each parent must be -1 (the root) or an earlier node's index")
+    outside = next((i for i, t in enumerate(tokens) if not 0 <= t < vocab_size), None)
+    if outside is not None:
+        raise bad(f"node {outside}'s token id {tokens[outside]} is out of range [0, {vocab_size})")
+    orphan = next((i for i, parent in enumerate(parents) if not -1 <= parent < i), None)
+    if orphan is not None:
+        raise bad(
+            f"node {orphan}'s parent is {parents[orphan]}: each parent must be -1 (the root) or an earlier node's index"
+        )
     depths: list[int] = []
     for parent in parents:
         depths.append(1 if parent < 0 else depths[parent] + 1)
@@ -249,12 +258,20 @@ def validate_proposal(
         impossible = rows.gather(1, p.tokens.to(q.device)[:, None])[:, 0] <= 0
         flags = torch.stack([(broken & sampled).any(), (unnormalised & sampled).any(), (impossible & sampled).any()])
         broken_rows, unnormalised_rows, impossible_token = flags.tolist()
+        # (said with the first offending node: only now, on the way to an error, is more read from the device)
         if broken_rows:
-            raise bad("draft_probs has negative or non-finite entries")
+            node = int((broken & sampled).nonzero()[0, 0])
+            raise bad(f"draft_probs has negative or non-finite entries (node {node}'s row)")
         if unnormalised_rows:
-            raise bad("draft_probs rows do not sum to 1")
+            node = int((unnormalised & sampled).nonzero()[0, 0])
+            total = float(rows[node].sum())
+            short = q.is_floating_point() and q.element_size() < 4
+            coarse = f"; it is {q.dtype}: give float32 probabilities" if short else ""
+            raise bad(f"draft_probs rows do not sum to 1 (node {node}'s sums to {total:.6g}{coarse})")
         if impossible_token:
-            raise bad("a sampled node's token has draft probability 0 in its draft_probs row")
+            node = int((impossible & sampled).nonzero()[0, 0])
+            raise bad(f"node {node}'s token {tokens[node]} has draft probability 0 in its draft_probs row (a sampled "
+                      "token must be drawn from its row)")  # fmt: skip
     return ProposalStructure(tokens, parents, deterministic, depths)
 
 

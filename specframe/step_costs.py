@@ -18,8 +18,8 @@ forward, timed here (`measure_step_costs`, ~1.8 s for SmolLM2-135M, once per tar
 machine: a CPU target's timings are kept on disk for later processes, `specframe.measurements`, so that a
 shape chosen from them alone (Medusa's) stays the same from one process to the next (unless a one-token forward
 timed now takes less than half the kept time: then they were timed on a busy machine, and are timed again);
-`relative_cost` for a drafter's forward, ~0.1 s, in each process, against the kept one-token time, so EAGLE's
-choice can still move where two shapes are close).
+`relative_cost` for a drafter's forward, ~0.2 s, in each process, against one-token target forwards timed in
+turn with it (a busy moment then slows both alike), so EAGLE's choice can still move where two shapes are close).
 """
 
 from __future__ import annotations
@@ -117,6 +117,11 @@ def measure_step_costs(model: torch.nn.Module, timer: Callable[[], float] = time
 
 def _forward_times(model: torch.nn.Module, counts: Sequence[int], timer: Callable[[], float], repeats: int) -> dict:
     """Seconds of `model`'s forward over each of `counts` tokens after CONTEXT cached ones (`_time_min`)."""
+    return _time_min(_forward_calls(model, counts), timer, repeats)
+
+
+def _forward_calls(model: torch.nn.Module, counts: Sequence[int]) -> dict[int, Callable[[], None]]:
+    """{n: a call of `model`'s forward over n tokens after CONTEXT cached ones (each call crops them again)}."""
     from specframe.kv_cache import new_cache
     from specframe.lean_forward import engine_forward
 
@@ -128,16 +133,17 @@ def _forward_times(model: torch.nn.Module, counts: Sequence[int], timer: Callabl
     with torch.no_grad():
         run_model(input_ids=ids[:, :CONTEXT], cache=cache, use_cache=True, logits_to_keep=1)
 
-        def forward(n: int) -> Callable[[], None]:
-            def call() -> None:
-                run_model(input_ids=ids[:, CONTEXT : CONTEXT + n], cache=cache, use_cache=True)
-                cache.crop(-n)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+    def forward(n: int) -> Callable[[], None]:
+        @torch.no_grad()
+        def call() -> None:
+            run_model(input_ids=ids[:, CONTEXT : CONTEXT + n], cache=cache, use_cache=True)
+            cache.crop(-n)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
 
-            return call
+        return call
 
-        return _time_min({n: forward(n) for n in counts}, timer, repeats)
+    return {n: forward(n) for n in counts}
 
 
 STEP_COSTS_KEPT = "step_costs"  # the kind of measurement kept on disk for later processes (CPU targets only)
@@ -196,9 +202,20 @@ def _number(value: Any, low: float, high: float) -> bool:
     return is_number(value) and low <= value <= high
 
 
-def relative_cost(call: Callable[[], Any], costs: StepCosts, timer: Callable[[], float] = time.perf_counter) -> float:
-    """`call`'s time (fastest of REPEATS after a warm-up) in one-token forwards of the target timed in `costs`."""
-    return _time_min({0: call}, timer)[0] / costs.one_token_s
+def relative_cost(
+    call: Callable[[], Any],
+    costs: StepCosts,
+    timer: Callable[[], float] = time.perf_counter,
+    model: torch.nn.Module | None = None,
+) -> float:
+    """`call`'s time (fastest of REPEATS after a warm-up) in one-token forwards of the target: with `model` (the
+    target), forwards timed now, alternating with the calls, so that a busy moment slows both alike (against
+    `costs`' kept time, one would make a drafter step look several times dearer than it is); else the time in
+    `costs`."""
+    if model is None:
+        return _time_min({0: call}, timer)[0] / costs.one_token_s
+    times = _time_min({"call": call, "target": _forward_calls(model, (1,))[1]}, timer)
+    return times["call"] / max(times["target"], 1e-9)
 
 
 def fastest_shape(candidates: Sequence[ShapeCandidate], costs: StepCosts, drafter_cost: float = 0.0) -> ShapeCandidate:

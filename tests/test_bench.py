@@ -4,6 +4,7 @@ import contextlib
 import io
 import itertools
 import json
+import re
 import types
 
 import pytest
@@ -412,6 +413,9 @@ def test_a_config_file_sets_options_and_flags_win(tiny_dirs, questions, tmp_path
         (["--proposers", "none,draft", "draft.num_speculative_tokens=abc"], "draft.num_speculative_tokens: Value"),
         (["--proposers", "none,union", "union.options.ngram.bogus=1"], "union.options.ngram.bogus"),
         (["--seed", str(10**23), "--temperature", "1"], "--seed must be an integer in [-2**63, 2**63)"),
+        # a flag and an override that disagree (before: the flag won silently; the record held both)
+        (["--proposers", "none", "--dtype", "float32", "target.dtype=bfloat16"], "--dtype float32 and the override"),
+        (["--proposers", "none", "target.model=/elsewhere"], "and the override target.model=/elsewhere set target"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tiny_dirs, questions, tmp_path, extra, message):
@@ -516,6 +520,21 @@ def test_bad_question_file_names_the_line(tiny_dirs, tmp_path):
     bad.write_text(json.dumps(QUESTIONS[0]) + "\n{not json\n")
     code, _, err = run_cli(*bench_args(tiny_dirs, bad, tmp_path / "out"))
     assert code == 2 and "line 2" in err
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [({"turns": "What is AI?"}, "turns must be a list of strings, got 'What is AI?'"),  # (was 11 one-letter turns)
+     ({"turns": ["a", None]}, "turns must be a list of strings"),
+     ({"question_id": True}, "question_id must be an integer, got True"),
+     ({"question_id": "7"}, "question_id must be an integer"),
+     ({"category": 3}, "category must be a string")],
+)  # fmt: skip
+def test_a_question_s_fields_must_have_their_types(tmp_path, change, message):
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps(QUESTIONS[0]) + "\n" + json.dumps({**QUESTIONS[0], "question_id": 99, **change}))
+    with pytest.raises(BadInputError, match=rf"q.jsonl' line 2: {re.escape(message)}"):
+        bench.read_questions(path, ["mt_bench"])
 
 
 # ------------------------------------------------------------------------------------------------ the maths
@@ -717,3 +736,31 @@ def test_overrides_go_to_the_target_or_their_proposer():
                         ("medusa.depth=2", "'medusa' is neither 'target' nor a proposer of this run")):  # fmt: skip
         with pytest.raises(BadInputError, match=named):
             split_overrides([item], ["eagle"])
+
+
+def test_a_proposer_two_plugins_register_or_a_missing_default_plugin_is_named(monkeypatch):
+    from specframe import plugins
+
+    registry = plugins.build_registry()
+    registry.contested["echo"] = "plugin 'a' (a-dist) and plugin 'b' (b-dist)"
+    registry.proposers.pop("ngram", None)  # (as without the specframe-ngram plugin)
+    registry.contested.pop("ngram", None)
+    monkeypatch.setattr(plugins, "_registry", registry)
+    cases = (
+        (["none", "echo"], "proposer 'echo' is registered by two plugins"),  # (was "unknown proposer")
+        (list(bench.DEFAULT_PROPOSERS), "'ngram' comes from the specframe-ngram plugin"),
+    )
+    for proposers, message in cases:
+        with pytest.raises(BadInputError, match=message):
+            bench.BenchOptions(proposers=proposers, out="/tmp/unused-bench-out").validate()
+
+
+def test_a_prompt_past_the_context_window_is_named_before_any_question_runs(tiny_dirs, tmp_path):
+    path = tmp_path / "q.jsonl"
+    rows = [QUESTIONS[0], {"question_id": 7, "category": "writing", "turns": ["a b c d e f g h"]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["bench", "--target", str(tiny_dirs["short"]), "--questions", str(path), "--subtasks", "mt_bench"]
+    code, _, err = run_cli(*args, "--proposers", "none", "--baselines", "", "--out", str(tmp_path / "out"))
+    # (before: question 81 ran, then "the prompt has 8 tokens", with no question named)
+    assert code == 2 and "question 7 (mt_bench): the prompt has 8 tokens; the target's context window is 8" in err, err
+    assert not (tmp_path / "out").exists()

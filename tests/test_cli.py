@@ -382,3 +382,20 @@ def test_generate_flags_are_taken_as_typed_and_may_not_contradict_an_override(ca
     assert code == 2 and "model path '1.10' does not exist" in err, err  # (not "set target.model differently")
     code, out, err = run(capsys, *gen_args(tiny_dirs, "--prompt", "a", "generation.max_new_tokens=6", "--json"))
     assert code == 0 and 1 <= len(json.loads(out)["token_ids"]) <= 6
+
+
+def test_check_takes_a_generate_config_s_proposer_section(capsys, tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("proposer:\n  name: draft\n  num_speculative_tokens: 1\n")
+    code, out, _ = run(capsys, "check", "--config", str(config), "--quick", "--device", "cpu", "--json")
+    assert code == 0 and json.loads(out)["proposer"] == "draft"
+    config.write_text("proposer:\n  name: draft\n  num_speculative_tokens: 0\n")  # (its options are checked)
+    code, _, err = run(capsys, "check", "--config", str(config), "--quick")
+    assert code == 2 and "proposer.num_speculative_tokens" in err
+    for args, message in ((["--proposer", "eagle"], "--proposer eagle and --config"), ([], None)):
+        code, _, err = run(
+            capsys, "check", "--config", str(config), *args, "--quick", "proposer.num_speculative_tokens=1"
+        )
+        assert (code == 2 and message in err) if message else code == 0, err
+    code, _, err = run(capsys, "check", "--quick")
+    assert code == 2 and "give --proposer NAME" in err

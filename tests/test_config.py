@@ -59,6 +59,9 @@ def test_typed_fields_still_read_their_values_from_text():
         False,
         True,
     ]
+    for number in ("2", "-1", "0.5"):  # (OmegaConf would read any of them as true)
+        with pytest.raises(ConfigError, match=f"^proposer.tree must be true or false, got {number}$"):
+            load_config(None, ["proposer.name=eagle", f"proposer.tree={number}"])
     # true and false are booleans (as in YAML 1.2), in any case: quote them for text
     assert load_config(None, ["generation.stop=[true, 'false']"]).generation.stop == ["True", "false"]
     with pytest.raises(ConfigError, match=r"^sampling.temperature must be a finite number >= 0.*got inf$"):

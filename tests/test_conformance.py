@@ -189,7 +189,7 @@ def test_a_sampling_check_below_alpha_is_sampled_again_on_fresh_seeds(monkeypatc
     draws = draws.split(",")
     seeds = []
 
-    def fake_counts(decoder, case, n, seed=0):
+    def fake_counts(decoder, case, n, seed=0, drafts=None):
         seeds.append(seed)
         counts = torch.full((conformance.SAMPLING_VOCAB**conformance.CONTINUATION,), n // 512)
         if draws[len(seeds) - 1] == "bad":
@@ -293,6 +293,36 @@ def test_a_proposer_that_raises_fails_its_checks_and_the_suite_goes_on():
     assert "proposer 'draft' failed to build its random-weight instance: KeyError: 'boom in random()'" in (
         report.results[0].detail
     )
+
+
+class NeverDrafts(DraftProposer):
+    def propose(self, state):
+        from specframe import Proposal
+
+        return Proposal.empty()
+
+
+def test_a_proposer_that_drafts_nothing_fails_a_drafts_line_and_none_does_not():
+    # (before: every check passed, having verified nothing the proposer proposes)
+    report = conformance.run_suite(NeverDrafts, devices=["cpu"], quick=True, power=False)
+    assert [(r.check, r.passed) for r in report.results] == [
+        ("greedy", True), ("rollback", True), ("isolation", True), ("drafts", False)
+    ]  # fmt: skip
+    assert "drafted no token in greedy" in report.results[-1].detail and not report.passed
+    assert "quick: sampling exactness NOT checked" in report.totals()
+    from specframe.proposers.none import NoneProposer
+
+    assert conformance.run_suite(NoneProposer, devices=["cpu"], quick=True, power=False).passed
+    with pytest.raises(AssertionError, match="drafted no token"):
+        ProposerConformance.test_greedy_identical_to_target(types.SimpleNamespace(
+            proposer_class=NeverDrafts, proposer_config=None), "cpu")  # fmt: skip
+
+
+def test_debug_gives_the_traceback_of_what_a_check_raised():
+    lines = []
+    conformance.run_suite(RaisingDraft, devices=["cpu"], quick=True, power=False, log=lines.append, debug=True)
+    trace = lines[1]
+    assert trace.startswith("Traceback (most recent call last):") and "in propose\n    raise RuntimeError" in trace
 
 
 def test_a_registered_plugin_s_failure_names_the_plugin():

@@ -318,3 +318,16 @@ def test_a_folder_given_as_a_data_file_is_named_as_one(tmp_path):
         read_distill(tmp_path)
     with pytest.raises(BadInputError, match=f"prompts file '{tmp_path}' is a folder, not a file"):
         read_prompts(tmp_path)
+
+
+def test_a_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    from specframe.data import read_jsonl
+
+    path = tmp_path / "q.jsonl"
+    path.write_bytes(b'{"a": 1}\n\xff\xfe{}\n')
+    with pytest.raises(BadInputError, match=r"questions file '.*q.jsonl' line 2: not UTF-8 text"):
+        list(read_jsonl(path, "questions file"))  # (before: Python's UnicodeDecodeError, exit 1, no file named)
+    path.write_bytes('{"a": 1}\n{"b": "é'.encode()[:-1])  # (a write cut inside a character)
+    assert list(read_jsonl(path, "data", unfinished_tail=True)) == [(1, {"a": 1})]
+    with pytest.raises(BadInputError, match="is not a regular file"):
+        list(read_jsonl("/dev/null", "questions file"))

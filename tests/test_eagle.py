@@ -677,7 +677,7 @@ def test_unset_tree_keys_fit_the_set_ones(given, shape):
         ),
         (
             dict(depth=5, total_tokens=1000, top_k=50),
-            r"top_k 50 \(in effect 12: the drafter has 12 tokens\) can make \(588 nodes",
+            r"proposer.top_k=50 is more than the drafter's vocabulary of 12 tokens: set top_k <= 12",
         ),
         (
             dict(depth=2, total_tokens=1000),
@@ -790,7 +790,7 @@ def test_a_drafter_may_have_its_cpu_shape_measured_on_the_machine(trained, tmp_p
     expected = {3: (three, "3-node tree over 2 levels"), 1: ((1, 1, 1), "chain of 1"), 2: ((2, 1, 2), "chain of 2")}
     for relative, nodes in (((1.0, 1.0, 1.0, 1.0), 3), ((1.0, 1.0, 9.0, 9.0), 1), ((1.0, 1.0, 1.05, 9.0), 2)):
         monkeypatch.setattr(eagle, "measure_step_costs", lambda model, r=relative: StepCosts(0.01, r))
-        monkeypatch.setattr(eagle, "relative_cost", lambda call, costs: call() or 0.0)  # (the step runs)
+        monkeypatch.setattr(eagle, "relative_cost", lambda call, costs, model: call() or 0.0)  # (the step runs)
         p = EagleProposer.from_config(config, info)
         shape, described = expected[nodes]
         assert (p.depth, p.top_k, p.total_tokens) == shape and p.shape_choice.startswith(described), relative

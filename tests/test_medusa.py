@@ -57,6 +57,9 @@ def test_random_heads_refuse_tree_nodes_instead_of_ignoring_it():
     with pytest.raises(ConfigError, match="random heads lack: give proposer.tree instead"):
         MedusaProposer.random(info, MedusaConfig(tree_nodes=4))
     assert MedusaProposer.random(info, MedusaConfig(tree=[[0], [1], [0, 0]])).tree == [(0,), (1,), (0, 0)]
+    # a given tree that the target's vocabulary cannot hold is refused (before: cut down to [[0]] and checked so)
+    with pytest.raises(ConfigError, match=r"proposer.tree: the choice \[9\] asks for the candidate of rank 9"):
+        MedusaProposer.random(info, MedusaConfig(tree=[[0], [9], [9, 0]]))
 
 
 def test_tree_nodes_are_ordered_parents_first_and_cut_at_max_depth():

@@ -227,3 +227,60 @@ def test_require_proposers_skips_naming_only_the_missing_ones():
     require_proposers("none", "eagle")  # built in: no skip
     with pytest.raises(pytest.skip.Exception, match=r"not registered: no-such-proposer \("):
         require_proposers("none", "no-such-proposer")
+
+
+def test_a_plugin_config_field_with_a_tuple_default_loads(monkeypatch):
+    from specframe.config import load_config
+
+    @dataclass
+    class WidthsConfig:
+        widths: tuple[int, ...] = (1, 2)
+
+    class Widths(Echo):
+        name = "widths"
+        config_class = WidthsConfig
+
+    registry = build_registry()
+    registry.add(Widths, "widths-plugin", "acme-specframe", "1")
+    monkeypatch.setattr(plugins_mod, "_registry", registry)
+    # (before: "proposer.widths must be a list, e.g. proposer.widths=[(1, 2)], got (1, 2)" unless set by hand)
+    assert load_config(overrides=["proposer.name=widths"]).proposer.widths == (1, 2)
+    assert load_config(overrides=["proposer.name=widths", "proposer.widths=[3]"]).proposer.widths == (3,)
+
+
+@pytest.mark.parametrize("error", [AssertionError, KeyError, ValueError])
+def test_a_plugin_config_check_that_raises_is_a_config_error_naming_its_class(monkeypatch, error):
+    from specframe.config import load_config
+    from specframe.errors import ConfigError
+
+    @dataclass
+    class CheckedConfig:
+        k: int = 1
+
+        def __post_init__(self):
+            if self.k < 1:
+                raise error("k must be positive")
+
+    class Checked(Echo):
+        name = "checked"
+        config_class = CheckedConfig
+
+    registry = build_registry()
+    registry.add(Checked, "checked-plugin", "acme-specframe", "1")
+    monkeypatch.setattr(plugins_mod, "_registry", registry)
+    # (before, an assert or KeyError: "error: k must be positive", exit 1, neither the key's section nor the class)
+    with pytest.raises(ConfigError, match=rf"proposer \(CheckedConfig\): {error.__name__}: .*k must be positive"):
+        load_config(overrides=["proposer.name=checked", "proposer.k=0"])
+
+
+def test_a_config_field_called_name_is_refused_at_registration():
+    @dataclass
+    class NamedConfig:
+        name: str = "x"  # (generate could never set it: proposer.name picks the proposer; check did set it)
+
+    class Named(Echo):
+        name = "named"
+        config_class = NamedConfig
+
+    with pytest.raises(PluginError, match="NamedConfig has a field called 'name'"):
+        Registry().add(Named, "named-plugin", "acme-specframe", "1")

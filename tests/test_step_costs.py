@@ -163,6 +163,28 @@ def test_a_busy_moment_does_not_decide_and_a_drafter_is_timed_in_target_forwards
     assert len(calls) == 1 + step_costs.REPEATS  # a warm-up, then the timed calls
 
 
+def test_a_drafter_is_timed_against_target_forwards_timed_alongside_it():
+    # A busy machine slows the drafter's step and the target's forward alike: timed in turn, their ratio holds
+    # (against the kept, idle one-token time, a loaded moment made a drafter step look 6.9 forwards, not 0.1).
+    model = tiny_llama(vocab_size=8, seed=0)
+    order, clock = [], [0.0]
+    real = step_costs._forward_calls
+
+    def forward_calls(m, counts):
+        call = real(m, counts)[1]
+        return {1: lambda: (order.append("target"), call(), clock.__setitem__(0, clock[0] + 1.0))}
+
+    def step():
+        order.append("step")
+        clock[0] += 0.25
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(step_costs, "_forward_calls", forward_calls)
+        kept = StepCosts(100.0, (1.0,))  # (a kept time far from now's: not used when the target is given)
+        assert relative_cost(step, kept, timer=lambda: clock[0], model=model) == pytest.approx(0.25)
+    assert order[:4] == ["step", "target", "step", "target"]  # (warm-ups, then alternating)
+
+
 def test_shape_choice_values():
     assert check_shape_choice(None, "x.json") == "saved"
     assert check_shape_choice("measured", "x.json") == "measured"

@@ -275,7 +275,9 @@ def test_a_member_s_edits_of_the_tokens_stay_its_own(target, info):
 def test_a_malformed_member_proposal_is_named(target, info):
     union = UnionProposer.random(info, UnionConfig(members=["none", "draft"]))
     union.members[1].propose = lambda state: det([99], [-1])
-    with pytest.raises(ProposerError, match="union member 'draft' returned a malformed proposal: token id"):
+    with pytest.raises(
+        ProposerError, match="union member 'draft' returned a malformed proposal: node 0's token id 99 is out of range"
+    ):
         SpeculativeDecoder(target, union).generate([1, 2], max_new_tokens=5)
 
 

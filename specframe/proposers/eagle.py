@@ -527,6 +527,11 @@ class EagleProposer(Proposer):
             k = min(top_k, vocab)
             return k + (depth - 1) * k * k
 
+        if config.top_k is not None and config.top_k > vocab:  # (before: drafted with `vocab`, saying nothing)
+            raise ConfigError(
+                f"proposer.top_k={config.top_k} is more than the drafter's vocabulary of {vocab} tokens: set top_k "
+                f"<= {vocab}"
+            )
         if self.depth > self.total_tokens:
             if config.depth is not None and config.total_tokens is not None:
                 raise ConfigError(
@@ -575,7 +580,7 @@ class EagleProposer(Proposer):
                 self.drafter.logits(out[0])
                 cache.crop(-1)
 
-            drafter_cost = relative_cost(step, costs)
+            drafter_cost = relative_cost(step, costs, model=self.target.model)
         best = fastest_shape(candidates, costs, drafter_cost)
         self.depth, self.top_k, self.total_tokens = best.shape
         self.shape_choice = (

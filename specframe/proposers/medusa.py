@@ -381,7 +381,14 @@ class MedusaProposer(Proposer):
             for p in heads.parameters():
                 nn.init.normal_(p, std=1.0)  # untrained heads would all copy the LM head; vary them
         vocab_ids = torch.arange(target.vocab_size)
-        tree = [p for p in tree if max(p) < target.vocab_size] or [(0,)]
+        beyond = [p for p in tree if max(p) >= target.vocab_size]
+        if beyond and config.tree is not None:  # (a tree given: checked as given, or refused; never another one)
+            raise ConfigError(
+                f"proposer.tree: the choice {list(beyond[0])} asks for the candidate of rank {max(beyond[0])}, and "
+                f"this target has {target.vocab_size} tokens (ranks 0-{target.vocab_size - 1}; `specframe check` "
+                "runs on tiny 8-token targets)"
+            )
+        tree = [p for p in tree if max(p) < target.vocab_size] or [(0,)]  # (the default tree, on a tiny target)
         return cls(config, target, heads, vocab_ids, tree)
 
     def begin(self, prompt: torch.Tensor, hidden_states: dict[int, torch.Tensor]) -> None:

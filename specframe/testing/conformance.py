@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import itertools
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -97,6 +98,8 @@ class CheckResult:
     p_value: float | None = None
     seconds: float = 0.0
     dtype: str = "float32"  # the tiny target's (and the random-weight proposer's default) dtype
+    drafted: int | None = None  # draft nodes the proposer proposed in this check (None: not counted)
+    trace: str | None = None  # the traceback of what the check raised (`specframe check --debug` prints it)
 
     @property
     def where(self) -> str:
@@ -113,6 +116,7 @@ class CheckResult:
 class Report:
     proposer: str
     results: list[CheckResult] = field(default_factory=list)
+    quick: bool = False  # the statistical checks were skipped (`--quick`)
 
     @property
     def passed(self) -> bool:
@@ -126,7 +130,8 @@ class Report:
 
     def totals(self) -> str:
         n_ok = sum(r.passed for r in self.results)
-        return f"{n_ok} passed, {len(self.results) - n_ok} failed"
+        quick = " (quick: sampling exactness NOT checked; run without --quick for it)" if self.quick else ""
+        return f"{n_ok} passed, {len(self.results) - n_ok} failed{quick}"
 
     def as_dict(self) -> dict[str, Any]:
         return {"proposer": self.proposer, "passed": self.passed, "results": [asdict(r) for r in self.results]}
@@ -305,8 +310,11 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 
     return stat, df, p
 
 
-def sample_counts(decoder: SpeculativeDecoder, case: SamplingCase, n: int, seed: int = 0) -> torch.Tensor:
-    """How often each continuation (the CONTINUATION tokens after the LEAD ones, flattened base-V) came out."""
+def sample_counts(
+    decoder: SpeculativeDecoder, case: SamplingCase, n: int, seed: int = 0, drafts: list[int] | None = None
+) -> torch.Tensor:
+    """How often each continuation (the CONTINUATION tokens after the LEAD ones, flattened base-V) came out;
+    `drafts`, when given, gets the draft nodes proposed and the draft tokens accepted added to its two counts."""
     vocab = decoder.info.vocab_size
     counts = torch.zeros(vocab**CONTINUATION, dtype=torch.long)
     params, length = case.params, case.lead + CONTINUATION + case.extra
@@ -321,6 +329,9 @@ def sample_counts(decoder: SpeculativeDecoder, case: SamplingCase, n: int, seed:
         )
         if len(res.token_ids) != length:
             raise AssertionError(f"expected {length} sampled tokens, got {res.token_ids}")
+        if drafts is not None:
+            drafts[0] += res.stats["proposed_nodes"]
+            drafts[1] += res.stats["accepted_tokens"]
         index = 0
         for t in res.token_ids[case.lead : case.lead + CONTINUATION]:
             index = index * vocab + t
@@ -360,16 +371,18 @@ def check_greedy(proposer_cls: type[Proposer], device: str, config: Any = None, 
     decoder = make_decoder(proposer_cls, device, vocab_size=SAMPLING_VOCAB, config=config, dtype=dtype)
     reference = reference_target(SAMPLING_VOCAB, device, dtype)
     prompts = [[1, 2, 3], [7], [(5 * i + 3) % SAMPLING_VOCAB for i in range(40)]]
-    accepted = near_ties = 0
+    accepted = near_ties = drafted = 0
 
     def result(passed: bool, detail: str) -> CheckResult:
         # (on CUDA the decoder verifies through CUDA graphs where it can: the line says whether these checks did)
         graphs = f"; {decoder.graphs_status()}" if decoder.graphs_status() else ""
-        return CheckResult("greedy", device, passed, detail + graphs, None, time.perf_counter() - t0, dtype)
+        took = time.perf_counter() - t0
+        return CheckResult("greedy", device, passed, detail + graphs, None, took, dtype, drafted=drafted)
 
     for prompt in prompts:
         res = decoder.generate(prompt, max_new_tokens=32, temperature=0.0)
         accepted += res.stats["accepted_tokens"]
+        drafted += res.stats["proposed_nodes"]
         if len(res.token_ids) != 32:
             return result(
                 False, f"prompt {prompt[:5]}...: {len(res.token_ids)} tokens, asked for 32 (no EOS on the tiny target)"
@@ -386,7 +399,7 @@ def check_greedy(proposer_cls: type[Proposer], device: str, config: Any = None, 
             False, f"{near_ties} of {total} tokens were near-ties, not the argmax: more than rounding explains"
         )
     same = "identical" if near_ties == 0 else f"identical but {near_ties} near-tie(s) within rounding"
-    return result(True, f"{len(prompts)} prompts x 32 tokens {same} ({accepted} draft tokens accepted)")
+    return result(True, f"{len(prompts)} prompts x 32 tokens {same} ({drafted} draft nodes, {accepted} accepted)")
 
 
 class RollbackProbe(Proposer):
@@ -574,8 +587,9 @@ def check_sampling(
     case, unsettled, unsettled_nominal = settled_case(case, reference)
     probs = exact_distribution(reference, list(case.prompt), case.lead + CONTINUATION, case.params)
     probs = probs.reshape(vocab**case.lead, vocab**CONTINUATION).sum(0)  # the lead tokens summed out
-    stat, df, p = chi_square(sample_counts(decoder, case, samples), probs)
-    detail = f"{setting}: chi2={stat:.1f} df={df}, {samples} samples"
+    drafts = [0, 0]
+    stat, df, p = chi_square(sample_counts(decoder, case, samples, drafts=drafts), probs)
+    detail = f"{setting}: chi2={stat:.1f} df={df}, {samples} samples ({drafts[0]} draft nodes, {drafts[1]} accepted)"
     if case.params != nominal:  # (said, never silent: which cut ran, and why)
         moved = f"top_p={case.params.top_p:g}" if nominal.top_p < 1.0 else f"top_k={case.params.top_k}"
         detail += (
@@ -591,7 +605,8 @@ def check_sampling(
         stat2, _, p2 = chi_square(sample_counts(decoder, case, samples, seed=samples), probs)
         detail += f" (p={p:.2g}); again on {samples} fresh seeds: chi2={stat2:.1f} (p={p2:.2g})"
         p = max(p, p2)
-    return CheckResult(f"{name} {setting}", device, p >= ALPHA, detail, p, time.perf_counter() - t0, dtype)
+    took = time.perf_counter() - t0
+    return CheckResult(f"{name} {setting}", device, p >= ALPHA, detail, p, took, dtype, drafted=drafts[0])
 
 
 def power_cases() -> list[tuple[str, type[Proposer], Any, TreeAcceptance | None, str]]:
@@ -677,7 +692,29 @@ def run_check(name: str, check: Callable[[], CheckResult], device: str, dtype: s
         raise
     except Exception as e:
         detail = f"raised {type(e).__name__}: {brief(e, 300)}"
-        return CheckResult(name, device, False, detail, None, time.perf_counter() - t0, dtype)
+        trace = "".join(traceback.format_exception(e)).rstrip()
+        return CheckResult(name, device, False, detail, None, time.perf_counter() - t0, dtype, trace=trace)
+
+
+def drafted_nothing(
+    proposer_cls: type[Proposer], results: list[CheckResult], device: str, dtype: str
+) -> CheckResult | None:
+    """A failing result when the checks that counted drafts all ran and saw not one draft node: then they
+    verified nothing the proposer proposes, and passing them proves nothing (`none`, which never drafts, aside)."""
+    from specframe.proposers.none import NoneProposer
+
+    counted = [r for r in results if r.drafted is not None]
+    if issubclass(proposer_cls, NoneProposer) or not counted or any(r.drafted for r in counted):
+        return None
+    return CheckResult(
+        "drafts",
+        device,
+        False,
+        f"the proposer drafted no token in {', '.join(r.check for r in counted)}: its proposals were never "
+        "verified, so these checks prove nothing about them (the tiny targets have an 8-token vocabulary and no "
+        "tokenizer; a proposer must draft on them to be checked)",
+        dtype=dtype,
+    )
 
 
 def suite_devices_and_dtypes(devices: list[str] | None, dtypes: list[str] | None) -> tuple[list[str], list[str]]:
@@ -699,11 +736,12 @@ def run_suite(
     power: bool | None = None,
     log: Callable[[str], None] | None = None,
     dtypes: list[str] | None = None,
+    debug: bool = False,
 ) -> Report:
     """Run every check for one proposer class (built with random weights) on each device, in each dtype
-    (default float32)."""
+    (default float32). With `debug`, `log` also gets the traceback of what a failing check raised."""
     devices, dtypes = suite_devices_and_dtypes(devices, dtypes)
-    report = Report(proposer_cls.name)
+    report = Report(proposer_cls.name, quick=quick)
     with one_thread():
         for device, dtype in itertools.product(devices, dtypes):
             checks: list[tuple[str, Callable[[], CheckResult]]] = [
@@ -719,11 +757,20 @@ def run_suite(
                     )
                     for setting in SETTINGS
                 ]
+            ran = []
             for name, check in checks:
                 r = run_check(name, check, device, dtype)
-                report.results.append(r)
+                ran.append(r)
                 if log:
                     log(r.line(seconds=True))
+                    if debug and r.trace:
+                        log(r.trace)
+            report.results += ran
+            unexercised = drafted_nothing(proposer_cls, ran, device, dtype)
+            if unexercised is not None:
+                report.results.append(unexercised)
+                if log:
+                    log(unexercised.line())
             if power if power is not None else not quick:
                 report.results += check_power(device, log=log, dtype=dtype)
     return report

@@ -34,8 +34,11 @@ def require_proposers(*names: str) -> None:
         pytest.skip(f"proposers not registered: {', '.join(missing)} (install the plugins that provide them)")
 
 
-def _assert(result: conformance.CheckResult) -> None:
+def _assert(result: conformance.CheckResult, proposer_class: type[Proposer]) -> None:
+    """The check passed, and saw the proposer draft (else it verified nothing the proposer proposes)."""
     assert result.passed, f"{result.check} [{result.device}]: {result.detail} (p={result.p_value})"
+    unexercised = conformance.drafted_nothing(proposer_class, [result], result.device, result.dtype)
+    assert unexercised is None, f"{result.check} [{result.device}]: {unexercised.detail}"
 
 
 @pytest.mark.parametrize("device", available_devices())
@@ -64,14 +67,16 @@ class ProposerConformance:
             yield
 
     def test_greedy_identical_to_target(self, device: str) -> None:
-        _assert(conformance.check_greedy(self.proposer_class, device, self.proposer_config))
+        _assert(conformance.check_greedy(self.proposer_class, device, self.proposer_config), self.proposer_class)
 
     def test_rollback_matches_recompute(self, device: str) -> None:
-        _assert(conformance.check_rollback(self.proposer_class, device, self.proposer_config))
+        _assert(conformance.check_rollback(self.proposer_class, device, self.proposer_config), self.proposer_class)
 
     def test_isolation_one_seed_one_output_and_target_untouched(self, device: str) -> None:
-        _assert(conformance.check_isolation(self.proposer_class, device, self.proposer_config))
+        _assert(conformance.check_isolation(self.proposer_class, device, self.proposer_config), self.proposer_class)
 
     @pytest.mark.slow
     def test_sampling_matches_target_distribution(self, device: str, setting: str) -> None:
-        _assert(conformance.check_sampling(self.proposer_class, device, setting, self.proposer_config))
+        _assert(
+            conformance.check_sampling(self.proposer_class, device, setting, self.proposer_config), self.proposer_class
+        )
