@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from specframe.config import flag_overrides, split_override
+from specframe.config import literal, split_override
 from specframe.data import read_jsonl, shared_data_file
 from specframe.errors import BadInputError, brief, check_output_path, is_count
 
@@ -58,6 +58,7 @@ SUBTASK_OF = {category: subtask for subtask, categories in SUBTASKS.items() for 
 BASELINES = ("hf", "hf-assisted", "hf-pld")
 DEFAULT_PROPOSERS = ("none", "draft", "medusa", "eagle", "ngram", "union")
 DEFAULT_PLUGINS = {"ngram": "specframe-ngram"}  # default proposers that a plugin of this repository registers
+TARGET_FLAGS = {"target.model": "--target", "target.dtype": "--dtype", "target.device": "--device"}  # key: flag
 REFERENCE = "hf"  # greedy reference and the first speedup denominator
 ENGINE_BASELINE = "none"  # the second speedup denominator; also gives the plain decode step's cost
 QUESTIONS = "spec_bench/question.jsonl"  # under ../shared/data
@@ -78,7 +79,8 @@ def default_benchmark_turns() -> list[str]:
     path = default_questions_path()
     if not path.is_file():
         return []
-    return [str(t) for _, row in read_jsonl(path, "questions file") for t in row.get("turns", [])]
+    turns = [row.get("turns") for _, row in read_jsonl(path, "questions file")]
+    return [t for ts in turns if isinstance(ts, list) for t in ts if isinstance(t, str)]  # (read_questions checks)
 
 
 # ------------------------------------------------------------------------------------------------ options
@@ -150,7 +152,7 @@ class BenchOptions:
             try:
                 registry.get(name)
             except BadInputError as e:
-                plugin = DEFAULT_PLUGINS.get(name) if name not in registry.contested else None
+                plugin = DEFAULT_PLUGINS.get(name) if registry.autoload and name not in registry.contested else None
                 if plugin is None:
                     raise
                 raise BadInputError(
@@ -178,16 +180,13 @@ class BenchOptions:
             check_sampling(self.temperature, self.top_k, self.top_p, prefix="--")
         except ConfigError as e:  # name the flag as typed: --top-p, not --top_p
             raise BadInputError(str(e).replace("top_p", "top-p").replace("top_k", "top-k")) from None
-        shared, _ = split_overrides(self.overrides, self.override_heads())
-        flag_overrides(self.target_flags(), shared)  # (a flag and an override that disagree: refused)
+        split_overrides(self.overrides, self.override_heads())
 
-    def target_flags(self) -> dict[str, tuple[str, str | None]]:
-        """{config key: (flag, value)} of the target flags (values None when not set)."""
-        return {
-            "target.model": ("--target", self.target),
-            "target.dtype": ("--dtype", self.dtype),
-            "target.device": ("--device", self.device),
-        }
+    def target_overrides(self) -> list[str]:
+        """The `target.*` overrides that `target`, `dtype` and `device` make (those set); they win over `overrides`
+        (a command line's flag and override that disagree are refused before: `specframe.cli.cmd_bench`)."""
+        values = {"target.model": self.target, "target.dtype": self.dtype, "target.device": self.device}
+        return [f"{key}={literal(value)}" for key, value in values.items() if value is not None]
 
     def override_heads(self) -> list[str]:
         """Proposers that `<proposer>.<key>=...` may name: those run, and `draft` when hf-assisted borrows it."""
@@ -489,7 +488,7 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
     from specframe.plugins import get_registry
 
     shared, own = split_overrides(options.overrides, options.override_heads())
-    shared = shared + flag_overrides(options.target_flags(), shared)
+    shared = shared + options.target_overrides()
     cfg = load_config(overrides=["proposer.name=none", *shared])
     registry = get_registry()
 
@@ -795,10 +794,8 @@ def timed_loop(
         try:
             conversation_ids(setup.encoder, q.turns[:1], [])
         except BadInputError as e:
-            raise BadInputError(
-                f"question {q.question_id} ({q.subtask}): {e} (leave it out of --questions, or give a target with "
-                "a longer context window)"
-            ) from e
+            window = " (leave it out of --questions, or give a target with a longer one)" if "window" in str(e) else ""
+            raise BadInputError(f"question {q.question_id} ({q.subtask}): {e}{window}") from e
     warm = setup.encoder.encode(WARMUP_PROMPT).tolist()
     for m in list(methods):
         try:

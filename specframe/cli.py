@@ -295,22 +295,27 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
-    from specframe.config import load_yaml, models_named, structured, with_overrides
+    from specframe.config import load_yaml, models_named, structured, with_defaults, with_overrides
     from specframe.plugins import get_registry
     from specframe.testing.conformance import run_suite, suite_devices_and_dtypes
 
     options = OmegaConf.create()
     name = args.proposer
     if args.config:
-        section = load_yaml(args.config).get("proposer")
-        if section is not None and not OmegaConf.is_dict(section):
-            raise BadInputError(f"--config {args.config}: its proposer section is not a mapping of options")
-        options = OmegaConf.create(OmegaConf.to_container(section or OmegaConf.create(), resolve=False))
-        named = options.pop("name", None)
+        raw = load_yaml(args.config)
+        section = raw.get("proposer")
+        if not OmegaConf.is_dict(section):
+            what = "has no proposer section" if section is None else "has a proposer section that is not a mapping"
+            raise BadInputError(f"--config {args.config} {what}: check takes a `specframe generate` config")
+        named = section.get("name")
         if name is None:
             name = named
         elif named is not None and named != name:
             raise BadInputError(f"--proposer {name} and --config {args.config}'s proposer.name {named} differ")
+        if name is not None:  # (resolved as generate resolves it: interpolations may name other sections)
+            section.name = name
+            options = with_defaults(raw).proposer
+            options.pop("name", None)
     if name is None:
         raise BadInputError("give --proposer NAME (or a --config file whose proposer section names one)")
     entry = get_registry().get(name)
@@ -337,7 +342,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         power=False if args.no_power else None,
         debug=getattr(args, "debug", False),
     )
-    print(json.dumps(report.as_dict()) if args.json else report.totals())
+    print(json.dumps(report.as_dict(traces=getattr(args, "debug", False))) if args.json else report.totals())
     return 0 if report.passed else 1
 
 
@@ -413,8 +418,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from omegaconf import OmegaConf
 
-    from specframe.bench import BenchOptions, main_table, render, run_bench
-    from specframe.config import load_yaml, structured
+    from specframe.bench import TARGET_FLAGS, BenchOptions, main_table, render, run_bench
+    from specframe.config import flag_overrides, load_yaml, structured
 
     def names(text: str) -> list[str]:
         return [n.strip() for n in text.split(",") if n.strip()]
@@ -449,7 +454,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "options as overrides, e.g. eagle.depth=6)"
         )
     options = structured(BenchOptions, from_file, "bench")
-    overrides = [*options.overrides, *key_values(flags.pop("overrides", []))]
+    typed = key_values(flags.pop("overrides", []))
+    # A flag and an override typed together that disagree are refused (a file's options give way to both).
+    target_flags = {key: (flag, flags.get(flag[2:])) for key, flag in TARGET_FLAGS.items()}
+    flag_overrides(target_flags, [item for item in typed if item.startswith("target.")])
+    overrides = [*options.overrides, *typed]
     options = dataclasses.replace(options, **flags, overrides=overrides)
     doc = run_bench(options)
     print("\n".join(main_table(doc)))

@@ -19,7 +19,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from specframe.errors import BadInputError, ConfigError, SpecframeError, check_field_types
+from specframe.errors import BadInputError, ConfigError, check_field_types
 from specframe.sampling import check_sampling, check_seed
 
 
@@ -444,9 +444,8 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
         key = getattr(e, "full_key", None) or ""
         where = key if key == prefix or key.startswith(prefix + ".") else f"{prefix}.{key}" if key else prefix
         raise ConfigError(f"{where}: {one_line(e)}") from e
-    except SpecframeError:
-        raise
-    except Exception as e:  # e.g. a plugin's __post_init__ raising ValueError or asserting instead of ConfigError
+    except (TypeError, ValueError, AssertionError, LookupError) as e:  # a plugin's checks raising these, not
+        # ConfigError (other exceptions are bugs, not bad input: they stay what they are)
         raise ConfigError(f"{prefix} ({schema.__name__}): {type(e).__name__}: {one_line(e)}") from e
 
 

@@ -579,13 +579,12 @@ class Counter:
         self.propose_time = 0.0
         self.verify_time = 0.0
         self.last_accepted = 0  # draft tokens accepted by the latest step
-        self.last_depth = 0  # tree depth the latest step proposed
 
     def record(self, nodes: int, depth: int, accepted: int, propose_s: float, verify_s: float) -> None:
         self.proposed_tokens += depth
         self.proposed_nodes += nodes
         self.accepted_tokens += accepted
-        self.last_accepted, self.last_depth = accepted, depth
+        self.last_accepted = accepted
         for counts, k in ((self.proposed_by_position, depth), (self.accepted_by_position, accepted)):
             counts.extend([0] * (k - len(counts)))
             for d in range(k):
@@ -594,22 +593,11 @@ class Counter:
         self.verify_time += verify_s
 
     def keep_accepted(self, kept: int) -> None:
-        """The output keeps only `kept` (possibly <= 0) tokens of the latest step's accepted draft tokens: the draft
-        positions past them, which the output never reached, count as neither accepted nor proposed (else a stop
-        string or EOS inside an accepted run would show as rejections)."""
-        kept = max(kept, 0)
-        for d in range(kept, self.last_accepted):
+        """The output keeps only `kept` (possibly <= 0) tokens of the latest step's accepted draft tokens."""
+        for d in range(max(kept, 0), self.last_accepted):
             self.accepted_by_position[d] -= 1
             self.accepted_tokens -= 1
-        if kept < self.last_accepted:  # (only a cut block: a rejected position before the cut was reached)
-            for d in range(kept, self.last_depth):
-                self.proposed_by_position[d] -= 1
-                self.proposed_tokens -= 1
-            while self.proposed_by_position and self.proposed_by_position[-1] == 0:  # (depths no step reached)
-                self.proposed_by_position.pop()
-            del self.accepted_by_position[len(self.proposed_by_position) :]
-            self.last_depth = kept
-        self.last_accepted = min(self.last_accepted, kept)
+        self.last_accepted = min(self.last_accepted, max(kept, 0))
 
     def as_dict(self, new_tokens: int, wall: float, finish_reason: str) -> dict[str, Any]:
         return {

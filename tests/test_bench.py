@@ -362,17 +362,20 @@ def test_a_config_file_sets_options_and_flags_win(tiny_dirs, questions, tmp_path
         "max_new_tokens": 5,
         "out": str(tmp_path / "from-file"),
         "progress": False,
-        "overrides": ["target.dtype=float32"],
+        "overrides": ["target.dtype=bfloat16"],
     }
     (tmp_path / "bench.yaml").write_text(yaml.safe_dump(settings))
     code, _, err = run_cli(
-        "bench", "--config", str(tmp_path / "bench.yaml"), "--max-new-tokens", "3", "target.fast_cpu_kernels=false"
-    )
+        "bench", "--config", str(tmp_path / "bench.yaml"), "--max-new-tokens", "3", "--dtype", "float32",
+        "target.fast_cpu_kernels=false",
+    )  # fmt: skip
     assert code == 0, err
-    s = json.loads((tmp_path / "from-file" / "bench.json").read_text())["settings"]
+    doc = json.loads((tmp_path / "from-file" / "bench.json").read_text())
+    s = doc["settings"]
     assert s["subtasks"] == ["translation"] and s["limit"] == 1 and s["max_new_tokens"] == 3  # (the flag won)
+    assert s["dtype"] == "float32"  # (--dtype won over the file's target.dtype override)
     assert s["overrides"] == [
-        "target.dtype=float32",
+        "target.dtype=bfloat16",
         "target.fast_cpu_kernels=false",
     ]  # the file's, then the command line's
     (tmp_path / "bad.yaml").write_text("limits: 3\n")

@@ -399,3 +399,10 @@ def test_check_takes_a_generate_config_s_proposer_section(capsys, tmp_path):
         assert (code == 2 and message in err) if message else code == 0, err
     code, _, err = run(capsys, "check", "--quick")
     assert code == 2 and "give --proposer NAME" in err
+    config.write_text("gamma: 1\nproposer:\n  name: draft\n  num_speculative_tokens: ${gamma}\n")  # (resolved)
+    code, out, _ = run(capsys, "check", "--config", str(config), "--quick", "--device", "cpu", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["quick"] is True and "trace" not in report["results"][0]
+    config.write_text("limit: 3\n")  # (a bench config)
+    code, _, err = run(capsys, "check", "--config", str(config), "--proposer", "draft", "--quick")
+    assert code == 2 and "has no proposer section" in err

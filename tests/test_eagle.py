@@ -308,6 +308,13 @@ def test_tree_shape_saved_with_the_drafter_is_the_default(trained, tmp_path):
     assert (p.depth, p.top_k, p.total_tokens) == (4, 6, 24)
     stats = SpeculativeDecoder(target, p).generate([1, 2, 3], max_new_tokens=12).stats
     assert len(stats["proposed_by_position"]) == 4 and stats["proposed_nodes"] > stats["target_forwards"]
+    # a trained drafter's top_k past its vocabulary is refused (before: cut to it, unsaid; a random build for
+    # `specframe check` on a tiny target still cuts it, saying "in effect" where it matters)
+    vocab = len(p.vocab_ids)
+    with pytest.raises(
+        ConfigError, match=f"proposer.top_k={vocab + 1} is more than the drafter's vocabulary of {vocab}"
+    ):
+        EagleProposer.from_config(EagleConfig(model=str(tuned), top_k=vocab + 1), info)
     meta["tree_shape"]["confidence_threshold"] = 0.25  # (not part of the shape: it still applies)
     (tuned / "eagle_config.json").write_text(json.dumps(meta))
     p = EagleProposer.from_config(EagleConfig(model=str(tuned), depth=4), info)
@@ -677,7 +684,7 @@ def test_unset_tree_keys_fit_the_set_ones(given, shape):
         ),
         (
             dict(depth=5, total_tokens=1000, top_k=50),
-            r"proposer.top_k=50 is more than the drafter's vocabulary of 12 tokens: set top_k <= 12",
+            r"top_k 50 \(in effect 12: the drafter has 12 tokens\) can make \(588 nodes",
         ),
         (
             dict(depth=2, total_tokens=1000),

@@ -229,6 +229,14 @@ def test_require_proposers_skips_naming_only_the_missing_ones():
         require_proposers("none", "no-such-proposer")
 
 
+def install(monkeypatch, name, config_class):
+    """A proposer `name` configured by `config_class`, registered in the process-wide registry for the test."""
+    proposer = type(name.title(), (Echo,), {"name": name, "config_class": config_class})
+    registry = build_registry()
+    registry.add(proposer, f"{name}-plugin", "acme-specframe", "1")
+    monkeypatch.setattr(plugins_mod, "_registry", registry)
+
+
 def test_a_plugin_config_field_with_a_tuple_default_loads(monkeypatch):
     from specframe.config import load_config
 
@@ -236,13 +244,7 @@ def test_a_plugin_config_field_with_a_tuple_default_loads(monkeypatch):
     class WidthsConfig:
         widths: tuple[int, ...] = (1, 2)
 
-    class Widths(Echo):
-        name = "widths"
-        config_class = WidthsConfig
-
-    registry = build_registry()
-    registry.add(Widths, "widths-plugin", "acme-specframe", "1")
-    monkeypatch.setattr(plugins_mod, "_registry", registry)
+    install(monkeypatch, "widths", WidthsConfig)
     # (before: "proposer.widths must be a list, e.g. proposer.widths=[(1, 2)], got (1, 2)" unless set by hand)
     assert load_config(overrides=["proposer.name=widths"]).proposer.widths == (1, 2)
     assert load_config(overrides=["proposer.name=widths", "proposer.widths=[3]"]).proposer.widths == (3,)
@@ -261,13 +263,7 @@ def test_a_plugin_config_check_that_raises_is_a_config_error_naming_its_class(mo
             if self.k < 1:
                 raise error("k must be positive")
 
-    class Checked(Echo):
-        name = "checked"
-        config_class = CheckedConfig
-
-    registry = build_registry()
-    registry.add(Checked, "checked-plugin", "acme-specframe", "1")
-    monkeypatch.setattr(plugins_mod, "_registry", registry)
+    install(monkeypatch, "checked", CheckedConfig)
     # (before, an assert or KeyError: "error: k must be positive", exit 1, neither the key's section nor the class)
     with pytest.raises(ConfigError, match=rf"proposer \(CheckedConfig\): {error.__name__}: .*k must be positive"):
         load_config(overrides=["proposer.name=checked", "proposer.k=0"])

@@ -492,6 +492,11 @@ class EagleProposer(Proposer):
         unset = all(getattr(config, k) is None for k in SHAPE_KEYS)
         if not unset or not saved_shape_applies(meta, target.device, f"{path}/eagle_config.json"):
             shape = {k: v for k, v in shape.items() if k not in SHAPE_KEYS}
+        if config.top_k is not None and config.top_k > len(vocab_ids):  # (before: cut to the vocabulary, unsaid)
+            raise ConfigError(
+                f"proposer.top_k={config.top_k} is more than the drafter's vocabulary of {len(vocab_ids)} tokens: set "
+                f"top_k <= {len(vocab_ids)}"
+            )
         measure = check_shape_choice(meta.get("shape_choice"), f"{path}/eagle_config.json") == "measured"
         candidates = measured_candidates(meta, where, config.tree) if measure else []
         proposer = cls(config, target, drafter, vocab_ids, shape)
@@ -527,11 +532,6 @@ class EagleProposer(Proposer):
             k = min(top_k, vocab)
             return k + (depth - 1) * k * k
 
-        if config.top_k is not None and config.top_k > vocab:  # (before: drafted with `vocab`, saying nothing)
-            raise ConfigError(
-                f"proposer.top_k={config.top_k} is more than the drafter's vocabulary of {vocab} tokens: set top_k "
-                f"<= {vocab}"
-            )
         if self.depth > self.total_tokens:
             if config.depth is not None and config.total_tokens is not None:
                 raise ConfigError(

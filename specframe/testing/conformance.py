@@ -133,8 +133,10 @@ class Report:
         quick = " (quick: sampling exactness NOT checked; run without --quick for it)" if self.quick else ""
         return f"{n_ok} passed, {len(self.results) - n_ok} failed{quick}"
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"proposer": self.proposer, "passed": self.passed, "results": [asdict(r) for r in self.results]}
+    def as_dict(self, traces: bool = False) -> dict[str, Any]:
+        """The report as JSON data (`traces`: with the traceback of what each failing check raised)."""
+        results = [{k: v for k, v in asdict(r).items() if traces or k != "trace"} for r in self.results]
+        return {"proposer": self.proposer, "passed": self.passed, "quick": self.quick, "results": results}
 
 
 # ---------------------------------------------------------------------------------------------- building

@@ -34,11 +34,14 @@ def require_proposers(*names: str) -> None:
         pytest.skip(f"proposers not registered: {', '.join(missing)} (install the plugins that provide them)")
 
 
-def _assert(result: conformance.CheckResult, proposer_class: type[Proposer]) -> None:
-    """The check passed, and saw the proposer draft (else it verified nothing the proposer proposes)."""
+def _assert(result: conformance.CheckResult, drafts_of: type[Proposer] | None = None) -> None:
+    """The check passed; with `drafts_of`, it also saw that proposer draft (else it verified nothing the proposer
+    proposes: `conformance.drafted_nothing`; asked of the greedy check, whose long prompt repeats itself, as
+    `specframe check` fails only when no check saw a draft)."""
     assert result.passed, f"{result.check} [{result.device}]: {result.detail} (p={result.p_value})"
-    unexercised = conformance.drafted_nothing(proposer_class, [result], result.device, result.dtype)
-    assert unexercised is None, f"{result.check} [{result.device}]: {unexercised.detail}"
+    if drafts_of is not None:
+        unexercised = conformance.drafted_nothing(drafts_of, [result], result.device, result.dtype)
+        assert unexercised is None, f"{result.check} [{result.device}]: {unexercised.detail}"
 
 
 @pytest.mark.parametrize("device", available_devices())
@@ -70,13 +73,11 @@ class ProposerConformance:
         _assert(conformance.check_greedy(self.proposer_class, device, self.proposer_config), self.proposer_class)
 
     def test_rollback_matches_recompute(self, device: str) -> None:
-        _assert(conformance.check_rollback(self.proposer_class, device, self.proposer_config), self.proposer_class)
+        _assert(conformance.check_rollback(self.proposer_class, device, self.proposer_config))
 
     def test_isolation_one_seed_one_output_and_target_untouched(self, device: str) -> None:
-        _assert(conformance.check_isolation(self.proposer_class, device, self.proposer_config), self.proposer_class)
+        _assert(conformance.check_isolation(self.proposer_class, device, self.proposer_config))
 
     @pytest.mark.slow
     def test_sampling_matches_target_distribution(self, device: str, setting: str) -> None:
-        _assert(
-            conformance.check_sampling(self.proposer_class, device, setting, self.proposer_config), self.proposer_class
-        )
+        _assert(conformance.check_sampling(self.proposer_class, device, setting, self.proposer_config))
