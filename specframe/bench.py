@@ -646,7 +646,13 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
             warnings.simplefilter("ignore")  # transformers' per-call advice would bury the progress bar
             setup = build(options, log)
             tie = tie_threshold(setup.model, options)
-            records, failed, ran = timed_loop(setup, questions, options, log, tqdm)
+            made: list[dict[str, Any]] = []  # (filled as the run goes: kept when it stops early)
+            try:
+                records, failed, ran = timed_loop(setup, questions, options, log, tqdm, made)
+            except BaseException:  # an error or Ctrl-C after questions were timed: their records are kept
+                if made:
+                    log(f"stopped early: the {len(made)} records made so far are in {save_partial(made, options)}")
+                raise
             note_graphs_turned_off(setup.methods)
             if options.greedy and any(m.name == REFERENCE for m in setup.methods) and REFERENCE not in failed:
                 check_identity(records, setup, tie)
@@ -699,6 +705,19 @@ def bench_keys(name: str, message: str) -> str:
     """`message` with proposer `name`'s config keys as bench takes them: `<name>.<key>`, not `proposer.<key>`
     as in generate."""
     return re.sub(r"(?<![\w.])proposer\.", f"{name}.", message)
+
+
+PARTIAL = "bench.partial.json"  # the records of a run that stopped early, in --out
+
+
+def save_partial(records: list[dict[str, Any]], options: BenchOptions) -> Path:
+    """Write the records of a run that stopped before its report (an error, Ctrl-C) to `<out>/bench.partial.json`
+    (per-turn records as in bench.json, prompts by their length; no report is made from them)."""
+    path = Path(options.out) / PARTIAL
+    path.parent.mkdir(parents=True, exist_ok=True)
+    kept = [{k: v for k, v in r.items() if k != "prompt_ids"} for r in records]
+    path.write_text(json.dumps({"command": options.command(), "partial": True, "records": kept}, indent=1))
+    return path
 
 
 def check_report_paths(out: str | Path, results_doc: str | None) -> None:
@@ -783,11 +802,16 @@ def conversation_ids(encoder: Any, turns: list[str], answers: list[str]) -> list
 
 
 def timed_loop(
-    setup: Setup, questions: list[Question], options: BenchOptions, log: Callable[[str], None], tqdm: Any
+    setup: Setup,
+    questions: list[Question],
+    options: BenchOptions,
+    log: Callable[[str], None],
+    tqdm: Any,
+    records: list[dict[str, Any]] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, str], list[Question]]:
     """Warm up every method, then run question by question, every method on each (order rotated per question),
-    until the questions or `options.time_limit_s` run out. Returns the records, the failed methods and the
-    questions that ran."""
+    until the questions or `options.time_limit_s` run out. Returns the records (also appended to `records` as
+    they are made, when given), the failed methods and the questions that ran."""
     methods = list(setup.methods)
     failed: dict[str, str] = {}
     for q in questions:  # a first turn longer than the context window: said now, not after the ones before it ran
@@ -804,7 +828,7 @@ def timed_loop(
             failed[m.name] = f"failed in warm-up: {type(e).__name__}: {' '.join(str(e).split())}"
             log(f"dropping {m.name}: {failed[m.name]}")
             methods.remove(m)
-    records: list[dict[str, Any]] = []
+    records = [] if records is None else records
     total = sum(len(q.turns) for q in questions) * len(methods)
     bar = tqdm(total=total, unit="gen", desc="bench", disable=not options.progress, file=sys.stderr, dynamic_ncols=True)
     if options.time_limit_s is not None:
@@ -1343,6 +1367,7 @@ def results_page(doc: dict[str, Any], path: str = "docs/results.md") -> str:
 
 def write_outputs(doc: dict[str, Any], out: Path, results_doc: str | None) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    (out / PARTIAL).unlink(missing_ok=True)  # (an earlier, stopped run's records: this run's report replaces them)
     (out / "bench.json").write_text(json.dumps(doc, indent=1))
     (out / "bench.md").write_text("# specframe bench\n\n" + markdown(doc))
     write_plots(doc, out)

@@ -767,3 +767,20 @@ def test_a_prompt_past_the_context_window_is_named_before_any_question_runs(tiny
     # (before: question 81 ran, then "the prompt has 8 tokens", with no question named)
     assert code == 2 and "question 7 (mt_bench): the prompt has 8 tokens; the target's context window is 8" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_run_that_stops_early_keeps_the_records_made_so_far(tiny_dirs, tmp_path):
+    path = tmp_path / "q.jsonl"
+    rows = [
+        {"question_id": 1, "category": "writing", "turns": ["a"]},
+        {"question_id": 2, "category": "writing", "turns": ["a", "b c d e f g h"]},  # (turn 2 past the window)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    args = ["bench", "--target", str(tiny_dirs["short"]), "--questions", str(path), "--subtasks", "mt_bench"]
+    code, _, err = run_cli(*args, "--proposers", "none", "--baselines", "", "--max-new-tokens", "2", "--out", str(out))
+    assert code == 2 and "question 2 turn 2, none: the prompt has" in err, err
+    # (before: the error, and nothing of what had been timed)
+    partial = json.loads((out / "bench.partial.json").read_text())
+    assert partial["partial"] and [(r["question_id"], r["turn"]) for r in partial["records"]] == [(1, 0), (2, 0)]
+    assert "prompt_ids" not in partial["records"][0] and "stopped early: the 2 records" in err
