@@ -58,7 +58,8 @@ SUBTASK_OF = {category: subtask for subtask, categories in SUBTASKS.items() for 
 BASELINES = ("hf", "hf-assisted", "hf-pld")
 DEFAULT_PROPOSERS = ("none", "draft", "medusa", "eagle", "ngram", "union")
 DEFAULT_PLUGINS = {"ngram": "specframe-ngram"}  # default proposers that a plugin of this repository registers
-TARGET_FLAGS = {"target.model": "--target", "target.dtype": "--dtype", "target.device": "--device"}  # key: flag
+# config key: the flag that sets it (named as the BenchOptions field it fills)
+TARGET_FLAGS = {"target.model": "--target", "target.dtype": "--dtype", "target.device": "--device"}
 REFERENCE = "hf"  # greedy reference and the first speedup denominator
 ENGINE_BASELINE = "none"  # the second speedup denominator; also gives the plain decode step's cost
 QUESTIONS = "spec_bench/question.jsonl"  # under ../shared/data
@@ -185,7 +186,7 @@ class BenchOptions:
     def target_overrides(self) -> list[str]:
         """The `target.*` overrides that `target`, `dtype` and `device` make (those set); they win over `overrides`
         (a command line's flag and override that disagree are refused before: `specframe.cli.cmd_bench`)."""
-        values = {"target.model": self.target, "target.dtype": self.dtype, "target.device": self.device}
+        values = {key: getattr(self, flag.removeprefix("--")) for key, flag in TARGET_FLAGS.items()}
         return [f"{key}={literal(value)}" for key, value in values.items() if value is not None]
 
     def override_heads(self) -> list[str]:

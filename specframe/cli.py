@@ -456,7 +456,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     options = structured(BenchOptions, from_file, "bench")
     typed = key_values(flags.pop("overrides", []))
     # A flag and an override typed together that disagree are refused (a file's options give way to both).
-    target_flags = {key: (flag, flags.get(flag[2:])) for key, flag in TARGET_FLAGS.items()}
+    target_flags = {key: (flag, flags.get(flag.removeprefix("--"))) for key, flag in TARGET_FLAGS.items()}
     flag_overrides(target_flags, [item for item in typed if item.startswith("target.")])
     overrides = [*options.overrides, *typed]
     options = dataclasses.replace(options, **flags, overrides=overrides)

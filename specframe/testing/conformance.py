@@ -698,11 +698,10 @@ def run_check(name: str, check: Callable[[], CheckResult], device: str, dtype: s
         return CheckResult(name, device, False, detail, None, time.perf_counter() - t0, dtype, trace=trace)
 
 
-def drafted_nothing(
-    proposer_cls: type[Proposer], results: list[CheckResult], device: str, dtype: str
-) -> CheckResult | None:
-    """A failing result when the checks that counted drafts all ran and saw not one draft node: then they
-    verified nothing the proposer proposes, and passing them proves nothing (`none`, which never drafts, aside)."""
+def drafted_nothing(proposer_cls: type[Proposer], results: list[CheckResult]) -> CheckResult | None:
+    """A failing result when the checks that counted drafts (on one device, in one dtype) all ran and saw not one
+    draft node: then they verified nothing the proposer proposes, and passing them proves nothing (`none`, which
+    never drafts, aside)."""
     from specframe.proposers.none import NoneProposer
 
     counted = [r for r in results if r.drafted is not None]
@@ -710,12 +709,12 @@ def drafted_nothing(
         return None
     return CheckResult(
         "drafts",
-        device,
+        counted[0].device,
         False,
         f"the proposer drafted no token in {', '.join(r.check for r in counted)}: its proposals were never "
         "verified, so these checks prove nothing about them (the tiny targets have an 8-token vocabulary and no "
         "tokenizer; a proposer must draft on them to be checked)",
-        dtype=dtype,
+        dtype=counted[0].dtype,
     )
 
 
@@ -768,7 +767,7 @@ def run_suite(
                     if debug and r.trace:
                         log(r.trace)
             report.results += ran
-            unexercised = drafted_nothing(proposer_cls, ran, device, dtype)
+            unexercised = drafted_nothing(proposer_cls, ran)
             if unexercised is not None:
                 report.results.append(unexercised)
                 if log:

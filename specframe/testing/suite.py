@@ -40,7 +40,7 @@ def _assert(result: conformance.CheckResult, drafts_of: type[Proposer] | None = 
     `specframe check` fails only when no check saw a draft)."""
     assert result.passed, f"{result.check} [{result.device}]: {result.detail} (p={result.p_value})"
     if drafts_of is not None:
-        unexercised = conformance.drafted_nothing(drafts_of, [result], result.device, result.dtype)
+        unexercised = conformance.drafted_nothing(drafts_of, [result])
         assert unexercised is None, f"{result.check} [{result.device}]: {unexercised.detail}"
 
 
