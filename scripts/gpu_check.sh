@@ -63,7 +63,7 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("*.txt")):
     lines = f.read_text().splitlines()
     checks = [line.strip() for line in lines if re.match(r"\s+(PASS|FAIL)\s", line)]
     failed = [c for c in checks if c.startswith("FAIL")]
-    finished = bool(lines) and re.fullmatch(r"\d+ passed, \d+ failed", lines[-1].strip()) is not None
+    finished = bool(lines) and re.match(r"\d+ passed, \d+ failed( \(|$)", lines[-1].strip()) is not None
     err = f.with_suffix(".err").read_text().strip().splitlines()
     rc = f.with_suffix(".rc").read_text().strip()
     why = "cut off by the time limit" if rc == "124" else f"exit {rc}: {err[-1] if err else 'no message'}"

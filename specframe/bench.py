@@ -175,12 +175,13 @@ class BenchOptions:
         if not self.tie_threshold >= 0:
             raise BadInputError(f"--tie-threshold must be >= 0, got {self.tie_threshold}")
         from specframe.errors import ConfigError
-        from specframe.sampling import check_sampling
+        from specframe.sampling import check_sampling, top_k_off_as_zero
 
         try:
             check_sampling(self.temperature, self.top_k, self.top_p, prefix="--")
         except ConfigError as e:  # name the flag as typed: --top-p, not --top_p
             raise BadInputError(str(e).replace("top_p", "top-p").replace("top_k", "top-k")) from None
+        self.top_k = top_k_off_as_zero(self.top_k)  # (transformers' generate takes 0 for off, not -1)
         split_overrides(self.overrides, self.override_heads())
 
     def target_overrides(self) -> list[str]:

@@ -34,11 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--prompt", help="prompt text; read from standard input when absent")
     g.add_argument("--target", help="target model (target.model)")
-    g.add_argument("--max-new-tokens", type=int, help="generation.max_new_tokens")
-    g.add_argument("--temperature", type=float, help="sampling.temperature (0 = greedy)")
-    g.add_argument("--top-p", type=float, help="sampling.top_p")
-    g.add_argument("--top-k", type=int, help="sampling.top_k")
-    g.add_argument("--seed", type=int, help="sampling.seed")
+    g.add_argument("--max-new-tokens", type=int, help="generation.max_new_tokens (default 128)")
+    g.add_argument("--temperature", type=float, help="sampling.temperature (default 0 = greedy)")
+    g.add_argument("--top-p", type=float, help="sampling.top_p (default 1 = off)")
+    g.add_argument("--top-k", type=int, help="sampling.top_k (default 0 = off; -1 = off too)")
+    g.add_argument("--seed", type=int, help="sampling.seed (default: unset, a fresh seed per run)")
     g.add_argument("--config", help="YAML config file (or the name of a packaged one, e.g. draft.yaml)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="*",
         metavar="KEY=VALUE",
         help="training options (docs/training.md): data=FILE (default runs/distill/smollm2-135m-instruct.jsonl), "
-        "out=FOLDER (default runs/out), epochs=N, ...",
+        "out=FOLDER (default runs/<proposer>, e.g. runs/medusa), epochs=N, ...",
     )
     t.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     t.set_defaults(run=cmd_train)
@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", help="target.device: auto, cpu, cuda, cuda:N (default auto)")
     b.add_argument("--temperature", type=float, help="0 = greedy (Spec-Bench); > 0 = sampling")
     b.add_argument("--top-p", type=float, help="nucleus sampling, with --temperature > 0 (default 1 = off)")
-    b.add_argument("--top-k", type=int, help="top-k sampling, with --temperature > 0 (default 0 = off)")
+    b.add_argument("--top-k", type=int, help="top-k sampling, with --temperature > 0 (default 0 = off; -1 = off too)")
     b.add_argument("--seed", type=int, help="base seed; each (question, turn) derives its own (default 0)")
     b.add_argument("--pld-tokens", type=int, help="hf-pld's prompt_lookup_num_tokens (default 10)")
     b.add_argument(

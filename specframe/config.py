@@ -20,7 +20,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from specframe.errors import BadInputError, ConfigError, check_field_types
-from specframe.sampling import check_sampling, check_seed
+from specframe.sampling import check_sampling, check_seed, top_k_off_as_zero
 
 
 @dataclass
@@ -55,7 +55,7 @@ class SamplingConfig:
     temperature: float = 0.0
     # Nucleus sampling mass in (0, 1]; 1 = off.
     top_p: float = 1.0
-    # Keep only the k most likely tokens; 0 = off.
+    # Keep only the k most likely tokens; 0 = off (-1, as vLLM writes off, is read as 0).
     top_k: int = 0
     # Seed for every random draw (target and proposer); None = a fresh random seed per call.
     seed: int | None = None
@@ -63,6 +63,7 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         check_field_types(self, "sampling.")
         check_sampling(self.temperature, self.top_k, self.top_p)
+        self.top_k = top_k_off_as_zero(self.top_k)
         check_seed(self.seed)
 
 

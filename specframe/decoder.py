@@ -179,6 +179,11 @@ class SpeculativeDecoder:
             ids = prompt.long().tolist()
         elif isinstance(prompt, list) and all(is_integer(t) for t in prompt):
             ids = [int(t) for t in prompt]  # (NumPy integers too)
+        elif isinstance(prompt, list) and prompt and all(is_number(t) or isinstance(t, bool) for t in prompt):
+            i, bad = next((i, t) for i, t in enumerate(prompt) if not is_integer(t))
+            raise BadInputError(
+                f"a prompt of token ids must hold integers only: item {i} is {bad!r} ({type(bad).__name__})"
+            )
         elif isinstance(prompt, str | list):
             if self.tokenizer is None:
                 raise BadInputError("the target has no tokenizer: pass the prompt as a list of token ids")
@@ -556,6 +561,9 @@ def pick_hidden(out: Any, layers: tuple[int, ...], rows: slice | torch.Tensor) -
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
+    """The ids that end generation: the model's generation_config EOS ids and the tokenizer's EOS (transformers'
+    `generate` reads only the former; a chat model whose turns end with the tokenizer's EOS would otherwise run
+    past its answer where the config leaves it out)."""
     ids: set[int] = set()
     gen = getattr(model, "generation_config", None)
     for source in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):

@@ -3,6 +3,12 @@
 Order: temperature, then top-k, then top-p, then normalise. Everything is computed in float32 (or float64
 when the logits already are), so bf16/fp16 models share one numerically safe path. Temperature 0 is greedy:
 T returns the one-hot distribution of the argmax (lowest index on ties).
+
+Ties at a cut: top-k keeps every token tied with the k-th (as transformers' TopKLogitsWarper does). Top-p ranks
+tied tokens by index, lowest first (a stable sort, the same on every device), so where the cut falls inside a
+run of ties the lower ids are kept; transformers' TopPLogitsWarper keeps the higher ones. Both are nucleus sets
+of the same mass, and exactness is unaffected (p and q go through this one function); it shows only as a
+different draw than transformers' own sampling, mostly with 16-bit logits, where ties are common.
 """
 
 from __future__ import annotations
@@ -17,11 +23,12 @@ from specframe.errors import ConfigError, is_count, is_number
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy; otherwise logits are divided by it
-    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_k: int = 0  # keep the k most likely tokens; 0 = off (-1, vLLM's spelling of off, is stored as 0)
     top_p: float = 1.0  # keep the smallest set whose mass reaches top_p; 1.0 = off
 
     def __post_init__(self) -> None:
         check_sampling(self.temperature, self.top_k, self.top_p)
+        object.__setattr__(self, "top_k", top_k_off_as_zero(self.top_k))
 
     @property
     def greedy(self) -> bool:
@@ -40,8 +47,13 @@ def check_sampling(temperature: float, top_k: int, top_p: float, prefix: str = "
         raise ConfigError(f"{prefix}temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if not is_number(top_p) or not (0.0 < top_p <= 1.0):
         raise ConfigError(f"{prefix}top_p must be a number in (0, 1], got {top_p!r}")
-    if not is_count(top_k, 0):
-        raise ConfigError(f"{prefix}top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    if not is_count(top_k, -1):
+        raise ConfigError(f"{prefix}top_k must be an integer >= 0, or 0 or -1 for off, got {top_k!r}")
+
+
+def top_k_off_as_zero(top_k: int) -> int:
+    """One spelling of "top-k off": vLLM's -1 becomes 0 (transformers' and specframe's)."""
+    return 0 if top_k == -1 else top_k
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -59,7 +71,7 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
         sorted_p = sorted_x.softmax(-1)
         # Drop a token when the mass strictly before it already reaches top_p; the top token always stays.
         mass_before = sorted_p.cumsum(-1) - sorted_p

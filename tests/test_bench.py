@@ -690,6 +690,15 @@ def test_a_16_bit_target_s_near_ties_reach_its_dtype_s_rounding(dtype, expected)
     assert bench.tie_threshold(model, bench.BenchOptions(tie_threshold=0.5)) == 0.5
 
 
+def test_top_k_minus_one_is_off_for_transformers_too():
+    # (transformers' generate refuses top_k=-1; the bench hands it 0, the same transform)
+    options = bench.BenchOptions(proposers=["none"], temperature=0.5, top_k=-1)
+    options.validate()
+    assert options.top_k == 0
+    with pytest.raises(BadInputError, match=r"^--top-k must be an integer >= 0, or 0 or -1 for off, got -3"):
+        bench.BenchOptions(proposers=["none"], temperature=0.5, top_k=-3).validate()
+
+
 def test_outputs_that_cannot_be_written_are_refused_before_the_run(tiny_dirs, questions, tmp_path):
     # (before: the whole run, then exit 1 at the end, with nothing or only part of it saved)
     (tmp_path / "file").write_text("")

@@ -95,7 +95,7 @@ def test_greedy_output_identical_across_proposers(capsys, tiny_dirs):
         (["--proposer", "none", "--temperature", "inf"], "sampling.temperature"),
         (["--proposer", "none", "--top-p", "1.5"], "sampling.top_p"),
         (["--proposer", "none", "--top-p", "0"], "sampling.top_p"),
-        (["--proposer", "none", "--top-k", "-1"], "sampling.top_k"),
+        (["--proposer", "none", "--top-k", "-2"], "sampling.top_k"),
         (["--proposer", "none", "--max-new-tokens", "0"], "generation.max_new_tokens"),
         (["--proposer", "none", "--prompt", "   "], "prompt is empty"),
         (["--proposer", "none", "--prompt", "hi \udcff"], "the prompt is not valid UTF-8 text"),

@@ -474,8 +474,11 @@ def test_numpy_integers_are_integers_and_stop_strings_need_a_tokenizer(target):
     assert got == want
     with pytest.raises(BadInputError, match=r"stop strings \['x'\] need the target's tokenizer"):
         dec.generate([1, 2, 3], max_new_tokens=4, stop="x")
-    with pytest.raises(BadInputError, match=r"^top_k must be an integer >= 0"):  # (the argument, not the config key)
-        dec.generate([1, 2, 3], max_new_tokens=4, top_k=-1)
+    with pytest.raises(BadInputError, match=r"^top_k must be an integer >= 0, or 0 or -1 for off, got -2"):
+        dec.generate([1, 2, 3], max_new_tokens=4, top_k=-2)  # (the argument named, not the config key)
+    # -1 is vLLM's spelling of top-k off: the same draws as 0.
+    off = dec.generate([1, 2, 3], max_new_tokens=6, temperature=1.0, top_k=0, seed=7).token_ids
+    assert dec.generate([1, 2, 3], max_new_tokens=6, temperature=1.0, top_k=-1, seed=7).token_ids == off
     # Floats of other libraries are numbers; text and bools are not (True was sampling at temperature 1).
     want = dec.generate([1, 2, 3], max_new_tokens=4, temperature=0.5, top_p=0.9, seed=5).token_ids
     assert dec.generate([1, 2, 3], max_new_tokens=4, temperature=torch.tensor(0.5), top_p=np.float32(0.9),
@@ -638,6 +641,8 @@ class CharTokenizer(LetterTokenizer):
         ([1, {"role": "user", "content": "ab"}], "a list prompt must hold token ids .int. or messages"),
         ([{"role": "user"}], "a list prompt must hold token ids .int. or messages"),
         (["Hi", "Yo"], "generate takes one prompt per call, got a list of 2 strings .batches are not supported"),
+        ([True, 2], r"a prompt of token ids must hold integers only: item 0 is True \(bool\)"),
+        ([1, 2.0], r"a prompt of token ids must hold integers only: item 1 is 2.0 \(float\)"),
         ([{"role": "user", "content": 5}], "a message's content must be text, got int"),
         ({"role": "user", "content": "ab"}, "unsupported prompt type dict"),
         ("   ", "the prompt is empty"),

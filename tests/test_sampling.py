@@ -48,6 +48,16 @@ def test_top_p_keeps_smallest_set_reaching_mass():
     assert torch.allclose(p[:3], probs[:3] / 0.95)
 
 
+def test_ties_at_a_cut_top_k_keeps_them_all_top_p_keeps_the_lower_ids():
+    p = sampling_probs(torch.tensor([1.0, 3.0, 3.0, 3.0, 0.0]), SamplingParams(1.0, top_k=2))
+    assert (p > 0).tolist() == [False, True, True, True, False]  # (every token tied with the 2nd)
+    for logits in ([1.0, 1.0, 1.0, 0.0, -5.0], [0.0, 2.0, 2.0, 2.0, 2.0, -1.0] * 40):  # (the second: past 16 ties)
+        p = sampling_probs(torch.tensor(logits), SamplingParams(1.0, top_p=0.5))
+        kept = (p > 0).nonzero().flatten().tolist()
+        tied = [i for i, x in enumerate(logits) if x == max(logits)]
+        assert kept == tied[: len(kept)] and 0 < len(kept) < len(tied)  # (a prefix of the tied ids, by index)
+
+
 def test_top_p_always_keeps_the_top_token():
     p = sampling_probs(torch.tensor([5.0, 0.0]), SamplingParams(1.0, top_p=1e-9))
     assert p.tolist() == [1.0, 0.0]
@@ -72,7 +82,7 @@ def test_transform_applies_row_wise_to_batches():
         ({"temperature": -0.1}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
-        ({"top_k": -1}, "top_k"),
+        ({"top_k": -2}, "top_k"),
         ({"temperature": float("nan")}, "temperature"),
         ({"temperature": float("inf")}, "temperature"),  # (inf / inf is nan where a draft's logit is -inf)
     ],

@@ -1,0 +1,44 @@
+"""scripts/gpu_check.sh's conformance summary, run on reports as `specframe check` writes them: a GPU session is
+rare and short, so its summary must not misread a passing report (a `--quick` run's totals line carries a note)."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specframe.testing.conformance import CheckResult, Report
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
+
+
+def summary_program() -> str:
+    """The Python program gpu_check.sh feeds its summary step (the heredoc after `<< 'EOF'`)."""
+    match = re.search(r"<< 'EOF'[^\n]*\n(.*?)\nEOF\n", SCRIPT.read_text(), re.S)
+    assert match, "gpu_check.sh no longer has its summary heredoc"
+    return match.group(1)
+
+
+def check_line(name: str, passed: bool) -> CheckResult:
+    return CheckResult(check=name, device="cuda", passed=passed, detail="...", dtype="bfloat16")
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_summary_reads_passing_failing_and_cut_off_reports(tmp_path, quick):
+    ok = Report("none", [check_line("greedy", True), check_line("rollback", True)], quick=quick)
+    bad = Report("draft", [check_line("greedy", True), check_line("rollback", False)], quick=quick)
+    reports = {"none-bfloat16": (ok.summary(), "0"), "draft-bfloat16": (bad.summary(), "1")}
+    cut = "\n".join(ok.summary().splitlines()[:-1])  # (no totals line: stopped by its time limit)
+    reports["eagle-bfloat16"] = (cut, "124")
+    for stem, (text, rc) in reports.items():
+        (tmp_path / f"{stem}.txt").write_text(text + "\n")
+        (tmp_path / f"{stem}.err").write_text("")
+        (tmp_path / f"{stem}.rc").write_text(rc + "\n")
+    run = subprocess.run(
+        [sys.executable, "-", str(tmp_path)], input=summary_program(), capture_output=True, text=True, check=True
+    )
+    lines = run.stdout.splitlines()
+    assert "PASS conformance none-bfloat16: 2/2 checks passed" in lines, run.stdout
+    assert "FAIL conformance draft-bfloat16: 1/2 checks passed" in lines, run.stdout
+    assert "FAIL conformance eagle-bfloat16: 2/2 checks passed, then stopped (cut off by the time limit)" in lines
