@@ -43,7 +43,7 @@ import torch
 
 from specframe.config import literal, split_override
 from specframe.data import read_jsonl, shared_data_file
-from specframe.errors import BadInputError, brief, check_output_path, is_count
+from specframe.errors import BadInputError, brief, check_output_path, is_count, user_path
 
 # Spec-Bench's six subtasks and the `category` values of question.jsonl that make them up.
 SUBTASKS: dict[str, tuple[str, ...]] = {
@@ -125,6 +125,9 @@ class BenchOptions:
 
     def validate(self) -> None:
         """Raise BadInputError (exit 2) on options that cannot run, before any model is loaded."""
+        for name in ("out", "questions", "results_doc"):  # (from a YAML file too: `~` is the home folder)
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, user_path(getattr(self, name)))
         check_report_paths(self.out, self.results_doc)
         for flag, names in (("subtasks", self.subtasks), ("proposers", self.proposers), ("baselines", self.baselines)):
             twice = next((n for i, n in enumerate(names) if n in names[:i]), None)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from specframe.errors import BadInputError, brief, check_output_path
+from specframe.errors import BadInputError, brief, check_output_path, user_path
 
 
 class Parser(argparse.ArgumentParser):
@@ -500,6 +500,10 @@ def show_plugin_warning(message, category, filename, lineno, file=None, line=Non
 _show_warning = warnings.showwarning
 
 
+# Options that name files or folders: a leading `~` is the home folder there (model names are read by load_model).
+PATH_ARGUMENTS = ("out", "prompts", "questions", "results_doc", "render", "config")
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.showwarning = show_plugin_warning
     parser = build_parser()
@@ -510,6 +514,9 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *more]
     elif rest:
         subcommand_parser(parser, args).error(f"unrecognized arguments: {' '.join(rest)}")
+    for name in PATH_ARGUMENTS:  # (`--out=~/x` reaches us unexpanded: the shell expands only a word's start)
+        if isinstance(getattr(args, name, None), str):
+            setattr(args, name, user_path(getattr(args, name)))
     run: Callable[[argparse.Namespace], int] = args.run
     try:
         return run(args)

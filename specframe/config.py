@@ -19,7 +19,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from specframe.errors import BadInputError, ConfigError, check_field_types
+from specframe.errors import BadInputError, ConfigError, check_field_types, user_path
 from specframe.sampling import check_sampling, check_seed, top_k_off_as_zero
 
 
@@ -103,7 +103,7 @@ class SpecframeConfig:
 
 
 def find_config(path: str | Path) -> Path:
-    p = Path(path)
+    p = Path(user_path(str(path)))
     if p.is_file():
         return p
     if p.is_dir():

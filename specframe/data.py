@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from specframe.errors import BadInputError, check_output_path, is_count
+from specframe.errors import BadInputError, check_output_path, is_count, user_path
 
 SHARED_DATA = Path("..") / "shared" / "data"  # from the project root
 DEFAULT_PROMPTS = "train_prompts/prompts.jsonl"  # under SHARED_DATA
@@ -69,7 +69,7 @@ def read_jsonl(
     """(line number, object) for each non-blank line; a missing file or bad JSON is a BadInputError naming
     `what` (e.g. "prompts file"), the file and the line. With `unfinished_tail`, a last line that has no line
     end and is not JSON (an interrupted write) is skipped."""
-    p = Path(path)
+    p = Path(user_path(str(path)))
     if p.is_dir():
         raise BadInputError(f"{what} '{path}' is a folder, not a file{hint}")
     if not p.exists():
@@ -124,6 +124,8 @@ def read_prompts(path: str | Path, benchmark_turns: Iterable[str] = ()) -> list[
                 f"prompts file '{path}' line {number}: id '{pid}' has '#', which marks a further response "
                 "('<prompt id>#<tag>', `distill --tag`)"
             )
+        if not row["prompt"].strip():  # (generate refuses an empty prompt too; its response would teach nothing)
+            raise BadInputError(f"prompts file '{path}' line {number}: prompt '{pid}' is empty")
         if " ".join(row["prompt"].split()) in benchmark:
             raise BadInputError(
                 f"prompts file '{path}' line {number}: prompt '{pid}' is a Spec-Bench question: never train on it"
@@ -254,7 +256,7 @@ def distill(
             "the target's tokenizer has no chat template: distill applies it to every prompt, as specframe generate "
             "does to text prompts"
         )
-    out = Path(out_path)
+    out = Path(user_path(str(out_path)))
     check_output_path(out, "--out", folder=False)
     # (read before the unfinished last line is mended, so a file that is not distillation data is refused
     # untouched; the rows are the same after it: a whole last row is read, a cut one skipped and then removed)

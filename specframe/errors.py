@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -117,3 +119,19 @@ def check_output_path(path: str | Path, what: str, folder: bool) -> None:
         raise BadInputError(f"{what} '{path}' cannot be checked: {e}") from e
     if parent is not None and not parent.is_dir():
         raise BadInputError(f"{what} '{path}' lies under '{parent}', which is a file")
+    # Whether anything can be made where the job would write (permissions, a read-only disk): an empty folder made
+    # and removed there, and an existing file opened to append (which changes nothing).
+    where = p if folder and p.is_dir() else parent
+    try:
+        if where is not None:
+            os.rmdir(tempfile.mkdtemp(prefix=".specframe-write-check-", dir=where))
+        if not folder and p.is_file():
+            open(p, "ab").close()
+    except OSError as e:
+        raise BadInputError(f"{what} '{path}' cannot be written: {e.strerror or e} (in '{where}')") from e
+
+
+def user_path(path: str) -> str:
+    """`path` with a leading `~` or `~user` read as the home folder, as a shell would (a `--out=~/x`, a YAML value
+    or a Python string reach specframe unexpanded); anything else unchanged."""
+    return os.path.expanduser(path) if isinstance(path, str) and path.startswith("~") else path

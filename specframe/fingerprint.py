@@ -111,6 +111,35 @@ def check_fingerprint(saved: Any, model: torch.nn.Module, what: str, adapter: bo
         raise ModelLoadError(f"{what} was made for another target: {why}")
 
 
+ARTIFACT_KINDS = ("draft", "medusa", "eagle")  # a trained artifact's folder holds `<kind>_config.json`
+
+
+def artifact_kind(folder: str | Path) -> str | None:
+    """The kind of trained artifact `folder` holds (one of ARTIFACT_KINDS, by its `<kind>_config.json`), or None."""
+    return next((k for k in ARTIFACT_KINDS if (Path(folder) / f"{k}_config.json").is_file()), None)
+
+
+def not_an_artifact(folder: str | Path, kind: str) -> str:
+    """Why `folder` holds no trained `kind` artifact, in words that follow its name in an error: it does not
+    exist, is a file, holds another kind, or only an unfinished training run's checkpoint."""
+    p = Path(folder)
+    if not p.exists():
+        return "does not exist"
+    if not p.is_dir():
+        return "is a file, not an artifact folder"
+    other = artifact_kind(p)
+    if other is not None and other != kind:
+        return (
+            f"holds a trained {other} artifact ({other}_config.json), not {'an' if kind == 'eagle' else 'a'} {kind} one"
+        )
+    if (p / "checkpoint").is_dir() and (p / "checkpoint" / "state.json").is_file():
+        return (
+            f"holds only the checkpoint of an unfinished training run (`specframe train --proposer {kind} out={p} "
+            "--resume`, with that run's other options, finishes it)"
+        )
+    return f"holds no {kind}_config.json"
+
+
 def read_artifact(folder: Path, kind: str, what: str) -> tuple[dict[str, Any], Any, dict[str, torch.Tensor]]:
     """(metadata, listed vocabulary, tensors) of a trained artifact's folder: `{kind}_config.json`,
     `{kind}_vocab.json` (JSON, checked by `check_vocab_ids` once the target is known to fit) and

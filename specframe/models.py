@@ -376,7 +376,8 @@ def load_model(
                 "nor a hub id like org/name)"
             )
         if adapter is not None and str(adapter).strip():
-            model = _apply_adapter(model, os.fspath(adapter), source)
+            base_dir = cached if cached is not None else path if path.exists() else None
+            model = _apply_adapter(model, os.fspath(adapter), source, base_dir)
             source = f"{source} + adapter {os.fspath(adapter)}"
     model.to(dev)
     model.eval()
@@ -541,6 +542,14 @@ def _load_hf_dir(path: Path, kwargs: dict[str, Any]) -> tuple[Any, Any]:
         ggufs = sorted(path.glob("*.gguf"))
         if ggufs:
             raise ModelLoadError(f"model directory {path} has no config.json; to load a GGUF name the file: {ggufs[0]}")
+        from specframe.fingerprint import artifact_kind
+
+        kind = artifact_kind(path)
+        if kind is not None:
+            raise ModelLoadError(
+                f"{path} holds a trained {kind} artifact ({kind}_config.json), not a model: it is the "
+                f"proposer.model of the {kind} proposer"
+            )
         raise ModelLoadError(f"model directory {path} has no config.json (not a Hugging Face model directory)")
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.safetensors.index.json")):
         pickles = sorted(p.name for p in path.iterdir() if p.suffix.lower() in _PICKLE_SUFFIXES)
@@ -727,9 +736,14 @@ def _hub_cache_folder(name: str) -> Path | None:
     return Path(found).parent if isinstance(found, str) else None
 
 
-def _apply_adapter(model: Any, adapter: str, base: str) -> Any:
-    """Load a PEFT adapter directory onto `model` and merge it, so the core sees a plain model."""
+def _apply_adapter(model: Any, adapter: str, base: str, base_dir: Path | None = None) -> Any:
+    """Load a PEFT adapter directory onto `model` and merge it, so the core sees a plain model. `base_dir`: the
+    folder or file `model` was loaded from, compared with the base the adapter names."""
     path = Path(adapter).expanduser()
+    if path.is_file():
+        raise ModelLoadError(
+            f"adapter {adapter!r} is a file; give the PEFT adapter directory that holds it ({path.parent})"
+        )
     if not path.is_dir():
         raise ModelLoadError(f"adapter {adapter!r} does not exist (expected a PEFT adapter directory)")
     if not (path / "adapter_config.json").is_file():
@@ -755,6 +769,14 @@ def _apply_adapter(model: Any, adapter: str, base: str) -> Any:
         raise ModelLoadError(f"adapter {path} is damaged: {type(e).__name__}: {_first_line(e)}") from e
     if not isinstance(adapter_config, dict):
         raise ModelLoadError(f"adapter {path} is damaged: adapter_config.json holds no JSON object")
+    named = adapter_config.get("base_model_name_or_path")
+    if base_dir is not None and isinstance(named, str) and named.strip() and Path(named).expanduser().exists():
+        if Path(named).expanduser().resolve() != base_dir.resolve():  # (shapes alone cannot tell two bases apart)
+            _say(
+                False,
+                f"note: adapter {path} names another base model ({named}) than this one ({base_dir}); it fits, so "
+                "it is applied, but unless the two hold the same weights it adapts a model it was not trained on",
+            )
     misfit = f"adapter {path} does not fit the base model {base}"
     base_fingerprint = target_fingerprint(model)  # (before PEFT wraps the model's modules)
     try:
@@ -877,8 +899,9 @@ def _fetch_gguf(spec: ModelAlias, work: Path, quiet: bool) -> Path:
     if given:
         src = Path(given).expanduser()
         if not src.is_file():
+            what = "is a folder" if src.is_dir() else "does not exist"
             raise ModelLoadError(
-                f"{spec.wheel_env}={given!r} does not exist (expected the {spec.requirement} wheel or its .gguf)"
+                f"{spec.wheel_env}={given!r} {what} (expected the {spec.requirement} wheel or its .gguf)"
             )
         _say(quiet, f"using {src} (from ${spec.wheel_env}) for model {spec.name!r}")
     else:

@@ -21,6 +21,19 @@ def kept_timings(monkeypatch, tmp_path):
 
 
 @pytest.fixture
+def unwritable_folder():
+    """A folder where nothing can be made, even by root (the tests may run as root, where chmod would not do)."""
+    import os
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(dir="/sys"))
+    except OSError:
+        return "/sys"
+    pytest.skip("no unwritable folder on this machine (/sys)")
+
+
+@pytest.fixture
 def target():
     return tiny_llama(vocab_size=8, seed=0)
 

@@ -200,6 +200,22 @@ def test_bad_tag_is_refused(tokenizer, tmp_path, tag):
         run(tiny_llama(vocab_size=8, seed=0), tokenizer, tmp_path / "d.jsonl", tag=tag)
 
 
+def test_cli_refuses_an_out_where_nothing_can_be_made_and_reads_a_tilde_as_home(
+    capsys, tmp_path, monkeypatch, unwritable_folder
+):
+    from specframe.cli import main
+
+    where = unwritable_folder
+    code = main(["data", "distill", "--out", f"{where}/d.jsonl", "--target", str(tmp_path / "absent")])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--out '{where}/d.jsonl' cannot be written" in err and "absent" not in err, err
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "prompts.jsonl").write_text("not json\n")
+    code = main(["data", "distill", "--out=~/d.jsonl", "--prompts=~/prompts.jsonl", "--target", "x"])
+    err = capsys.readouterr().err  # (the prompts file read from the home folder: its content is refused)
+    assert code == 2 and f"'{tmp_path}/prompts.jsonl'" in err and "line 1" in err, err
+
+
 def distill_with_absent_target(tmp_path, *options: str) -> int:
     """`specframe data distill` with a target that does not exist: what fails must fail before it loads."""
     from specframe.cli import main
@@ -243,6 +259,7 @@ def test_cli_refuses_a_bad_tag_before_loading_the_target(capsys, tmp_path):
         ([{"id": "a#s1", "prompt": "x"}], "line 1: id 'a#s1' has '#'"),
         ([{"id": "a", "prompt": "x"}, {"id": "b", "prompt": " What is  2+2? "}], "line 2: prompt 'b' is a Spec-Bench"),
         ([], "holds no prompts"),  # (an empty file was a successful run that added nothing)
+        ([{"id": "a", "prompt": "x"}, {"id": "b", "prompt": " \n"}], "line 2: prompt 'b' is empty"),
     ],
 )
 def test_prompts_that_would_break_the_data_or_leak_the_benchmark_are_refused(tmp_path, rows, message):

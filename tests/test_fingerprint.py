@@ -98,3 +98,26 @@ def test_a_shipped_artifact_is_found_by_its_targets_name_or_weights(model, tmp_p
     assert artifacts.shipped("medusa", "/models/other", other) is None
     assert artifacts.shipped("medusa", "/models/tiny") is None  # (no model: the name alone)
     assert artifacts.shipped("eagle", "/models/tiny", model) is None  # (none of that kind ships)
+
+
+def test_a_folder_that_is_not_the_artifact_asked_for_says_what_it_is(tmp_path):
+    # (before: "no medusa_config.json" of a folder that did not exist, "has no config.json (not a Hugging Face
+    # model directory)" of Medusa heads given as a draft model, "no eagle_config.json" of an unfinished run)
+    from specframe.fingerprint import not_an_artifact
+    from specframe.models import load_model
+
+    (tmp_path / "file").write_text("")
+    (tmp_path / "heads").mkdir()
+    (tmp_path / "heads" / "medusa_config.json").write_text("{}")
+    (tmp_path / "run" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoint" / "state.json").write_text('{"epoch": 1}')
+    (tmp_path / "empty").mkdir()
+    assert not_an_artifact(tmp_path / "nowhere", "medusa") == "does not exist"
+    assert not_an_artifact(tmp_path / "file", "medusa") == "is a file, not an artifact folder"
+    heads_as_eagle = "holds a trained medusa artifact (medusa_config.json), not an eagle one"
+    assert not_an_artifact(tmp_path / "heads", "eagle") == heads_as_eagle
+    assert not_an_artifact(tmp_path / "run", "eagle").startswith("holds only the checkpoint of an unfinished training")
+    assert f"--proposer eagle out={tmp_path / 'run'} --resume" in not_an_artifact(tmp_path / "run", "eagle")
+    assert not_an_artifact(tmp_path / "empty", "draft") == "holds no draft_config.json"
+    with pytest.raises(ModelLoadError, match=r"holds a trained medusa artifact .*the proposer.model of the medusa"):
+        load_model(str(tmp_path / "heads"), quiet=True)

@@ -257,6 +257,8 @@ def test_init_heads_continues_stage1_from_trained_heads(trained, tmp_path):
     # A folder that holds no heads is named under the option that gave it (exit 2 from the CLI).
     with pytest.raises(ConfigError, match=r"train.init_heads: .*medusa_config.json"):
         train_medusa(replace(more, init_heads=str(tmp_path)), target, None, log=lambda m: None)
+    with pytest.raises(ConfigError, match=r"train.init_heads: medusa heads '.*nowhere' does not exist"):
+        train_medusa(replace(more, init_heads=str(tmp_path / "nowhere")), target, None, log=lambda m: None)
 
 
 def test_prompt_positions_add_the_prompt_to_the_training_positions_only():

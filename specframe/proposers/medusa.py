@@ -30,7 +30,13 @@ from torch import nn
 
 from specframe.cpu_kernels import few_rows_linear
 from specframe.errors import ConfigError, ModelLoadError, check_field_types, is_count
-from specframe.fingerprint import check_vocab_ids, fingerprint_mismatch, read_artifact, target_fingerprint
+from specframe.fingerprint import (
+    check_vocab_ids,
+    fingerprint_mismatch,
+    not_an_artifact,
+    read_artifact,
+    target_fingerprint,
+)
 from specframe.models import check_proposer_dtype, proposer_dtype
 from specframe.proposer import (
     Acceptance,
@@ -180,7 +186,8 @@ def load_heads(path: str | Path, target: torch.nn.Module) -> tuple[MedusaHeads, 
     cfg_file = path / "medusa_config.json"
     if not cfg_file.is_file():
         raise ModelLoadError(
-            f"medusa heads '{path}': no medusa_config.json (train with specframe train --proposer medusa)"
+            f"medusa heads '{path}' {not_an_artifact(path, 'medusa')} (train heads with specframe train --proposer "
+            "medusa)"
         )
     meta, listed, state = read_artifact(path, "medusa", f"medusa heads '{path}'")
     vocab = target.get_output_embeddings().weight.shape[0]

@@ -22,11 +22,15 @@ from specframe.errors import (
     ConfigError,
     ModelLoadError,
     TrainingError,
+    brief,
     check_field_types,
     check_output_path,
+    user_path,
 )
+from specframe.fingerprint import artifact_kind
 
-ARTIFACT_KINDS = ("draft", "medusa", "eagle")  # a trained artifact's folder holds `<kind>_config.json`
+# Options naming files or folders (those a trainer has), where a leading `~` is the home folder.
+PATH_OPTIONS = ("data", "out", "features_cache", "init_from", "init_heads")
 
 
 @dataclass
@@ -60,6 +64,9 @@ class TrainRunConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self, "train.")
+        for key in PATH_OPTIONS:  # (a YAML value or an override is not expanded by the shell)
+            if isinstance(getattr(self, key, None), str):
+                setattr(self, key, user_path(getattr(self, key)))
         for key in ("epochs", "batch_size", "max_length", "vocab_size"):
             value = getattr(self, key)
             if value < 1:  # (an integer: checked first)
@@ -197,11 +204,36 @@ def recovered(folder: Path) -> Path:
     return folder
 
 
+def damaged_checkpoint(folder: Path, what: str) -> ConfigError:
+    return ConfigError(
+        f"the checkpoint in {folder} is damaged ({what}): it cannot be resumed; train into a new out folder, or "
+        "remove that checkpoint folder and train without --resume"
+    )
+
+
+def checkpoint_state(folder: Path) -> dict:
+    """A checkpoint's state.json (its progress and run identity); a damaged one is named as such."""
+    try:
+        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise damaged_checkpoint(folder, f"state.json: {e}") from None
+    epoch = state.get("epoch", 0) if isinstance(state, dict) else None
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        raise damaged_checkpoint(folder, f"state.json holds no epoch count: {str(state)[:80]}")
+    return state
+
+
 def check_checkpoint_params(folder: Path, named_params: dict[str, torch.Tensor]) -> None:
-    """Refuse a checkpoint saved with other parameters (names or shapes) than this run trains; reads only the
-    file's header, so trainers call it before their feature extraction (`resuming_from`)."""
-    with safe_open(folder / "model.safetensors", "pt") as f:
-        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    """Refuse a checkpoint saved with other parameters (names or shapes) than this run trains, or whose weight or
+    optimizer file is missing or cut short; reads only the files' headers, so trainers call it before their
+    feature extraction (`resuming_from`)."""
+    try:
+        with safe_open(folder / "optim.safetensors", "pt") as f:
+            f.keys()
+        with safe_open(folder / "model.safetensors", "pt") as f:
+            saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # (OSError, or safetensors' own error for a damaged header)
+        raise damaged_checkpoint(folder, brief(e)) from None
     wanted = {k: tuple(p.shape) for k, p in named_params.items()}
     differ = sorted(k for k in saved.keys() | wanted.keys() if saved.get(k) != wanted.get(k))
     if differ:
@@ -272,7 +304,7 @@ def resuming_from(
         return False
     if not (ckpt / "state.json").is_file():  # (a mistyped `out` never silently starts a new run)
         raise ConfigError(f"--resume: no checkpoint in {ckpt} (train without --resume to start a new run)")
-    state = json.loads((ckpt / "state.json").read_text())
+    state = checkpoint_state(ckpt)
     saved = state.get("run")
     again = "resume with the same data and options, or train into a new out folder"
     if saved is not None:  # (checkpoints from before this check carry none)
@@ -320,11 +352,14 @@ def load_checkpoint(
     folder: Path, named_params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer
 ) -> dict:
     """Weights and optimizer moments from `folder` (its parameters already checked by `resuming_from`)."""
-    weights = load_file(folder / "model.safetensors")
+    try:
+        weights = load_file(folder / "model.safetensors")
+        moments = load_file(folder / "optim.safetensors")
+    except Exception as e:  # (a file cut short past its header: its tensors cannot be read)
+        raise damaged_checkpoint(folder, brief(e)) from None
     with torch.no_grad():
         for k, p in named_params.items():
             p.copy_(weights[k])
-    moments = load_file(folder / "optim.safetensors")
     sd = optimizer.state_dict()
     params = sd["param_groups"][0]["params"]
     state = {}
@@ -336,7 +371,7 @@ def load_checkpoint(
             }
     sd["state"] = state
     optimizer.load_state_dict(sd)
-    return json.loads((folder / "state.json").read_text())
+    return checkpoint_state(folder)
 
 
 def resume_from(ckpt: Path, params: dict, optimizer: torch.optim.Optimizer, *, resuming: bool, log) -> tuple[int, list]:
@@ -378,11 +413,6 @@ def choose_vocab(examples, size: int, vocab_size: int, always: list[int]) -> tor
         if t not in chosen:
             chosen.append(t)
     return torch.tensor(sorted(chosen), dtype=torch.long)
-
-
-def artifact_kind(folder: str | Path) -> str | None:
-    """The kind of trained artifact `folder` holds (one of ARTIFACT_KINDS, by its `<kind>_config.json`), or None."""
-    return next((k for k in ARTIFACT_KINDS if (Path(folder) / f"{k}_config.json").is_file()), None)
 
 
 def check_same_split(cfg: TrainRunConfig) -> None:

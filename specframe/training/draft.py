@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from specframe.errors import ConfigError, ModelLoadError
-from specframe.fingerprint import target_fingerprint
+from specframe.fingerprint import artifact_kind, not_an_artifact, target_fingerprint
 from specframe.shared_draft import build_shared_draft, is_shared_draft, load_shared_draft, save_shared_draft
 from specframe.training.common import (
     Sequence,
@@ -117,7 +117,8 @@ def initial_draft(cfg: DraftTrainConfig, target) -> tuple[torch.nn.Module, torch
     for `target` with `cfg.layers` layers."""
     folder = Path(cfg.init_from)
     if not is_shared_draft(folder):
-        raise ConfigError(f"train.init_from '{folder}' is not a trained shared draft (no draft_config.json of one)")
+        why = not_an_artifact(folder, "draft") if artifact_kind(folder) != "draft" else ""
+        raise ConfigError(f"train.init_from '{folder}' is not a trained shared draft{f': it {why}' if why else ''}")
     try:
         draft, vocab_ids, _ = load_shared_draft(folder, target)
     except ModelLoadError as e:

@@ -24,7 +24,6 @@ predicted features for one and two steps: draft levels 2 and 3, whatever `self_f
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -249,6 +248,7 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
 
     from specframe.proposers.eagle import build_drafter, save_drafter
     from specframe.training.common import (
+        checkpoint_state,
         recovered,
         resume_from,
         resuming_from,
@@ -266,7 +266,7 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
         drafter, vocab_ids = initial_drafter(cfg, target)
     ckpt = recovered(out / "checkpoint")  # (its layers checked before the features are extracted too)
     if resume and (ckpt / "state.json").is_file():
-        state = json.loads((ckpt / "state.json").read_text())
+        state = checkpoint_state(ckpt)
         saved = state.get("fuse_layers", [])
         trained_steps = state.get("self_fed_steps", 1)  # (checkpoints from before it was recorded: 1)
         if trained_steps != cfg.self_fed_steps:  # allowed (a curriculum), but said
