@@ -709,7 +709,12 @@ REPORT_FILES = ("bench.json", "bench.md", "speedup.png", "accepted_lengths.png")
 def bench_keys(name: str, message: str) -> str:
     """`message` with proposer `name`'s config keys as bench takes them: `<name>.<key>`, not `proposer.<key>`
     as in generate."""
-    return re.sub(r"(?<![\w.])proposer\.", f"{name}.", message)
+    message = re.sub(r"(?<![\w.])proposer(?=[.:])", name, message)
+    if "Key 'proposer' not in" in message:  # (`union.proposer.members=...`: the generate spelling, prefixed)
+        message += (
+            f" (bench takes a proposer's keys as {name}.<key>, e.g. {name}.<key>=VALUE, not {name}.proposer.<key>)"
+        )
+    return message
 
 
 PARTIAL = "bench.partial.json"  # the records of a run that stopped early, in --out

@@ -238,6 +238,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specframe.decoder import SpeculativeDecoder
 
     cfg = load_config(args.config, generate_overrides(args))
+    s = cfg.sampling
+    unused = [k for k, off in (("top_p", s.top_p == 1.0), ("top_k", s.top_k == 0), ("seed", s.seed is None)) if not off]
+    if s.temperature == 0 and unused:  # (greedy draws nothing: as transformers, say so rather than ignore it)
+        print(
+            f"specframe: note: {', '.join(f'sampling.{k}' for k in unused)} {'has' if len(unused) == 1 else 'have'} "
+            "no effect at temperature 0 (greedy decoding); give --temperature > 0 to sample",
+            file=sys.stderr,
+        )
     # (from standard input without the line end that `echo` or a file's last line adds, as --prompt has none)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read().removesuffix("\n").removesuffix("\r")
     if not prompt.strip():

@@ -415,6 +415,10 @@ def test_a_config_file_sets_options_and_flags_win(tiny_dirs, questions, tmp_path
         (["--proposers", "none,draft", "draft.num_speculatve_tokens=3"], "draft.num_speculatve_tokens: Key"),
         (["--proposers", "none,draft", "draft.num_speculative_tokens=abc"], "draft.num_speculative_tokens: Value"),
         (["--proposers", "none,union", "union.options.ngram.bogus=1"], "union.options.ngram.bogus"),
+        (  # (generate's spelling under bench's prefix: it was "proposer: Key 'proposer' not in 'UnionConfig'")
+            ["--proposers", "none,union", "union.proposer.members=[ngram]"],
+            "union: Key 'proposer' not in 'UnionConfig' (bench takes a proposer's keys as union.<key>",
+        ),
         (["--seed", str(10**23), "--temperature", "1"], "--seed must be an integer in [-2**63, 2**63)"),
         # a flag and an override that disagree (before: the flag won silently; the record held both)
         (["--proposers", "none", "--dtype", "float32", "target.dtype=bfloat16"], "--dtype float32 and the override"),

@@ -76,6 +76,20 @@ def test_generate_plain_text_and_stdin_prompt(capsys, tiny_dirs, monkeypatch):
     assert code == 0 and prompts == ["a b"]
 
 
+def test_sampling_options_at_temperature_0_are_said_to_do_nothing(capsys, tiny_dirs):
+    # (before: `--top-p 0.5` without --temperature decoded greedily without a word)
+    prompt = ("--prompt", "a b")
+    code, out, err = run(capsys, *gen_args(tiny_dirs, "--proposer", "none", *prompt, "--top-p", "0.5", "--seed", "3"))
+    assert code == 0 and out.strip(), err
+    assert "note: sampling.top_p, sampling.seed have no effect at temperature 0 (greedy decoding)" in err, err
+    code, _, err = run(capsys, *gen_args(tiny_dirs, "--proposer", "none", *prompt, "--top-k", "-1"))  # (off: no note)
+    assert code == 0 and "note:" not in err, err
+    code, _, err = run(
+        capsys, *gen_args(tiny_dirs, "--proposer", "none", *prompt, "--temperature", "1", "--top-k", "3")
+    )
+    assert code == 0 and "note:" not in err, err
+
+
 def test_greedy_output_identical_across_proposers(capsys, tiny_dirs):
     outs = []
     for extra in (["--proposer", "none"], ["--proposer", "draft", f"proposer.model={tiny_dirs['draft']}"]):

@@ -62,6 +62,16 @@ def test_a_members_own_duplicate_siblings_are_not_merged():
     assert m.owners == [{0: 0, 1: 0}, {0: 1}, {0: 2}, {1: 1}]  # b's 5 joins a's first 5 only
 
 
+def test_a_union_built_by_hand_must_have_the_members_its_config_names(info):
+    # (before: UnionConfig(members=["ngram"]) with no member proposers decoded, proposing nothing, without a word)
+    draft = DraftProposer.random(info)
+    with pytest.raises(ConfigError, match=r"^union: members \[\] were given for proposer.members \['ngram'\]"):
+        UnionProposer(UnionConfig(members=["ngram"]), info, [])
+    with pytest.raises(ConfigError, match=r"members \['draft'\] were given for proposer.members \['eagle', 'draft'\]"):
+        UnionProposer(UnionConfig(members=["eagle", "draft"]), info, [draft])
+    assert UnionProposer(UnionConfig(members=["draft"]), info, [draft]).members == [draft]
+
+
 def test_empty_members_give_an_empty_proposal():
     m = merge_proposals([Proposal.empty(), Proposal.empty()], vocab_size=8, device="cpu")
     assert len(m.proposal) == 0

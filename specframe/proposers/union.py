@@ -166,6 +166,9 @@ class UnionProposer(Proposer):
     config_class = UnionConfig
 
     def __init__(self, config: UnionConfig, target: TargetInfo, members: list[Proposer]) -> None:
+        names = [m.name for m in members]
+        if names != list(config.members):  # (built by hand: the config's names say who is who in stats and errors)
+            raise ConfigError(f"union: members {names} were given for proposer.members {list(config.members)}")
         super().__init__(config, target)
         self.members = members
         self.merged: _Merged | None = None
