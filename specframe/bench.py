@@ -275,9 +275,14 @@ class Question:
     turns: list[str]
 
 
-def read_questions(path: str | Path, subtasks: list[str], limit: int | None = None) -> list[Question]:
-    """The questions of `subtasks` (first `limit` of each, in file order), grouped by subtask."""
+def read_questions(
+    path: str | Path, subtasks: list[str], limit: int | None = None, log: Callable[[str], None] | None = None
+) -> list[Question]:
+    """The questions of `subtasks` (first `limit` of each, in file order), grouped by subtask. `log` is told of
+    questions whose category belongs to no Spec-Bench subtask (left out)."""
     p = Path(path)
+    others: dict[str, int] = {}  # categories of no subtask -> questions
+    found: set[str] = set()  # the subtasks the file has questions of
     by_subtask: dict[str, list[Question]] = {s: [] for s in subtasks}
     hint = " (give --questions PATH of Spec-Bench's question.jsonl)"
     seen: dict[int, int] = {}  # question id -> line (results, seeds and identity are keyed by the id)
@@ -302,11 +307,24 @@ def read_questions(path: str | Path, subtasks: list[str], limit: int | None = No
                 f"{seen[q.question_id]} (ids must be unique)"
             )
         seen[q.question_id] = number
+        if not q.subtask:
+            others[category] = others.get(category, 0) + 1
+        found.add(q.subtask)
         if q.subtask in by_subtask and (limit is None or len(by_subtask[q.subtask]) < limit):
             by_subtask[q.subtask].append(q)
+    listed = ", ".join(f"'{c}' ({n})" for c, n in sorted(others.items()))
+    if others and log is not None:
+        log(
+            f"note: {sum(others.values())} questions in '{p}' are of categories that belong to no Spec-Bench subtask "
+            f"and are left out: {listed} (Spec-Bench's categories: {', '.join(SUBTASK_OF)})"
+        )
     empty = [s for s, qs in by_subtask.items() if not qs]
     if empty:
-        raise BadInputError(f"questions file '{p}' has no question of subtask '{empty[0]}'")
+        has = sorted(found - {""})
+        raise BadInputError(
+            f"questions file '{p}' has no question of subtask '{empty[0]}'; --subtasks chooses which to run"
+            + (f" (this file has {', '.join(has)})" if has else "")
+        )
     return [q for s in subtasks for q in by_subtask[s]]
 
 
@@ -640,7 +658,7 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
     log = log or (lambda msg: print(f"specframe bench: {msg}", file=sys.stderr, flush=True))
     options.validate()
     questions_path = (Path(options.questions) if options.questions else default_questions_path()).resolve()
-    questions = read_questions(questions_path, options.subtasks, options.limit)
+    questions = read_questions(questions_path, options.subtasks, options.limit, log)
     started = datetime.datetime.now(datetime.timezone.utc)
     load_start = os.getloadavg()
     threads = torch.get_num_threads()

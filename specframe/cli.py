@@ -22,6 +22,11 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` shows the usage)\n")
 
 
+# train's and distill's --target when none is given: models.DEFAULT_ALIAS (not imported here: that loads torch,
+# and the parser is built before any command runs)
+DEFAULT_TARGET = "smollm2-135m-instruct"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="specframe", description="Exact speculative decoding.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -78,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a proposer's drafter or heads on self-distillation data")
     t.add_argument("--proposer", required=True, help="proposer name")
-    t.add_argument("--target", default="smollm2-135m-instruct", help="target model")
+    t.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default {DEFAULT_TARGET})")
     t.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (training runs in float32)")
     t.add_argument("--resume", action="store_true", help="continue from the output folder's checkpoint")
     t.add_argument(
@@ -101,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts", default=None, help="JSONL with id and prompt (default: ../shared/data/train_prompts/prompts.jsonl)"
     )
     dist.add_argument("--out", required=True, help="output JSONL (appended; existing ids are skipped)")
-    dist.add_argument("--target", default="smollm2-135m-instruct", help="target model")
+    dist.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default {DEFAULT_TARGET})")
     dist.add_argument("--dtype", default="bfloat16", help="target dtype for generation (bfloat16 is ~2x faster on CPU)")
     dist.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N (default auto)")
     dist.add_argument("--limit", type=int, default=None, help="use the first N prompts (default: all)")
@@ -327,6 +332,17 @@ def cmd_check(args: argparse.Namespace) -> int:
     if name is None:
         raise BadInputError("give --proposer NAME (or a --config file whose proposer section names one)")
     entry = get_registry().get(name)
+    if args.config:  # (a generate config names the trained models it runs: the suite's random weights replace them)
+        members = options.get("options") if OmegaConf.is_dict(options.get("options")) else {}
+        sections = {"": options, **{f"options.{m}.": o for m, o in members.items() if OmegaConf.is_dict(o)}}
+        dropped = [f"proposer.{at}model={s.pop('model')}" for at, s in sections.items() if s.get("model") is not None]
+        if dropped:
+            print(
+                f"specframe check: note: {', '.join(dropped)} from --config {args.config} not loaded: the suite "
+                "tests the proposer's options with random weights on tiny targets",
+                file=sys.stderr,
+                flush=True,
+            )
     # (built here even without overrides: a field with no default is then named, as generate names it)
     values = with_overrides(options, [o.removeprefix("proposer.") for o in key_values(args.overrides, "proposer.")])
     config = structured(entry.cls.config_class, values, "proposer")
@@ -366,6 +382,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     schema = entry.cls.train_config_class
     config = structured(schema, recipe_for(entry.name, merged_options(args.config, args.overrides), schema), "train")
     loaded = load_model(args.target, dtype="float32", device=args.device, quiet=True)
+    default = " (the default; --target chooses another)" if args.target == DEFAULT_TARGET else ""
+    print(f"specframe: training {entry.name} for target {loaded.source}{default}", file=sys.stderr, flush=True)
     metrics = entry.cls.train(config, loaded.model, loaded.tokenizer, resume=args.resume)
     print(json.dumps(metrics.get("heldout", metrics)))
     return 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,23 @@ def check_fingerprint(saved: Any, model: torch.nn.Module, what: str, adapter: bo
     why = fingerprint_mismatch(saved, model, adapter)
     if why is not None:
         raise ModelLoadError(f"{what} was made for another target: {why}")
+
+
+def save_weights(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' `save_file`, leaving the file readable as the process's umask allows (as the JSON files beside
+    it): safetensors creates it owner-only (0600), so another user or container could read an artifact's config
+    but not its weights."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata=metadata)
+    readable(path)
+
+
+def readable(path: str | Path) -> None:
+    """Give `path` the permissions a new file gets from the umask (0644 under the usual 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 ARTIFACT_KINDS = ("draft", "medusa", "eagle")  # a trained artifact's folder holds `<kind>_config.json`

@@ -545,6 +545,11 @@ def _load_hf_dir(path: Path, kwargs: dict[str, Any]) -> tuple[Any, Any]:
         from specframe.fingerprint import artifact_kind
 
         kind = artifact_kind(path)
+        if (path / "state.json").is_file() and any(path.glob("optim.safetensors")):
+            raise ModelLoadError(
+                f"{path} is a training run's checkpoint, not a model: give the run's out folder once training "
+                "has finished (or finish it with `specframe train ... --resume`)"
+            )
         if kind is not None:
             raise ModelLoadError(
                 f"{path} holds a trained {kind} artifact ({kind}_config.json), not a model: it is the "
@@ -747,7 +752,9 @@ def _apply_adapter(model: Any, adapter: str, base: str, base_dir: Path | None = 
     if not path.is_dir():
         raise ModelLoadError(f"adapter {adapter!r} does not exist (expected a PEFT adapter directory)")
     if not (path / "adapter_config.json").is_file():
-        raise ModelLoadError(f"adapter directory {path} has no adapter_config.json (not a PEFT adapter)")
+        inside = path / "adapter"  # (a Medusa-2 run's out folder keeps its adapter there)
+        hint = f"; the one in {inside}?" if (inside / "adapter_config.json").is_file() else ""
+        raise ModelLoadError(f"adapter directory {path} has no adapter_config.json (not a PEFT adapter){hint}")
     weights = path / "adapter_model.safetensors"
     if not weights.is_file():
         pickles = sorted(p.name for p in path.iterdir() if p.suffix.lower() in _PICKLE_SUFFIXES)

@@ -19,11 +19,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specframe.errors import ConfigError, ModelLoadError, is_count
-from specframe.fingerprint import check_fingerprint, check_vocab_ids, read_artifact, target_fingerprint
+from specframe.fingerprint import check_fingerprint, check_vocab_ids, read_artifact, save_weights, target_fingerprint
 
 FORMAT = "specframe-shared-draft"
 
@@ -91,7 +90,7 @@ def save_shared_draft(
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(torch.float16).contiguous().cpu() for k, v in own_state_dict(draft).items()}
-    save_file(tensors, out / "model.safetensors")
+    save_weights(tensors, out / "model.safetensors")
     (out / "draft_vocab.json").write_text(json.dumps(vocab_ids.tolist()))
     cfg = {k: v for k, v in draft.config.to_dict().items() if k not in ("transformers_version",)}
     meta = {

@@ -544,6 +544,21 @@ def test_a_question_s_fields_must_have_their_types(tmp_path, change, message):
         bench.read_questions(path, ["mt_bench"])
 
 
+def test_questions_of_no_spec_bench_category_are_named_and_a_missing_subtask_points_to_subtasks(tmp_path):
+    # (before: a category such as "chat" was dropped without a word; a file without mt_bench did not say --subtasks)
+    path = tmp_path / "q.jsonl"
+    rows = [
+        {**QUESTIONS[0], "question_id": 1, "category": "chat"},
+        {**QUESTIONS[0], "question_id": 2, "category": "qa"},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    said: list[str] = []
+    assert [q.question_id for q in bench.read_questions(path, ["qa"], log=said.append)] == [2]
+    assert len(said) == 1 and "note: 1 questions in" in said[0] and "left out: 'chat' (1)" in said[0], said
+    with pytest.raises(BadInputError, match=r"no question of subtask 'mt_bench'; --subtasks chooses .* has qa\)$"):
+        bench.read_questions(path, ["mt_bench", "qa"])
+
+
 # ------------------------------------------------------------------------------------------------ the maths
 
 

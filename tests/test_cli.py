@@ -76,6 +76,13 @@ def test_generate_plain_text_and_stdin_prompt(capsys, tiny_dirs, monkeypatch):
     assert code == 0 and prompts == ["a b"]
 
 
+def test_the_cli_s_default_target_is_the_models_default_alias():
+    from specframe.cli import DEFAULT_TARGET
+    from specframe.models import DEFAULT_ALIAS
+
+    assert DEFAULT_TARGET == DEFAULT_ALIAS
+
+
 def test_sampling_options_at_temperature_0_are_said_to_do_nothing(capsys, tiny_dirs):
     # (before: `--top-p 0.5` without --temperature decoded greedily without a word)
     prompt = ("--prompt", "a b")
@@ -420,3 +427,17 @@ def test_check_takes_a_generate_config_s_proposer_section(capsys, tmp_path):
     config.write_text("limit: 3\n")  # (a bench config)
     code, _, err = run(capsys, "check", "--config", str(config), "--proposer", "draft", "--quick")
     assert code == 2 and "has no proposer section" in err
+    # A working generate config for one's own target names its trained models: the file's are set aside, said
+    # (before: refused, so no such config could be checked); one typed on the command line is still refused.
+    config.write_text(
+        "proposer:\n  name: union\n  members: [draft, ngram]\n"
+        "  options: {draft: {model: runs/draft, num_speculative_tokens: 2}}\n"
+    )
+    code, out, err = run(capsys, "check", "--config", str(config), "--quick", "--device", "cpu", "--json")
+    assert code == 0 and json.loads(out)["passed"], err
+    assert "note: proposer.options.draft.model=runs/draft from --config" in err and "not loaded" in err, err
+    code, _, err = run(capsys, "check", "--config", str(config), "--quick", "proposer.options.draft.model=x")
+    assert code == 2 and "proposer.options.draft.model=x would not be used" in err, err
+    config.write_text("proposer:\n  name: draft\n  model: runs/d\n")
+    code, out, err = run(capsys, "check", "--config", str(config), "--quick", "--device", "cpu", "--json")
+    assert code == 0 and "note: proposer.model=runs/d from --config" in err, err

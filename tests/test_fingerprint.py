@@ -121,3 +121,6 @@ def test_a_folder_that_is_not_the_artifact_asked_for_says_what_it_is(tmp_path):
     assert not_an_artifact(tmp_path / "empty", "draft") == "holds no draft_config.json"
     with pytest.raises(ModelLoadError, match=r"holds a trained medusa artifact .*the proposer.model of the medusa"):
         load_model(str(tmp_path / "heads"), quiet=True)
+    (tmp_path / "run" / "checkpoint" / "optim.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match=r"checkpoint is a training run's checkpoint, not a model"):
+        load_model(str(tmp_path / "run" / "checkpoint"), quiet=True)

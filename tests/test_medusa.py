@@ -387,7 +387,10 @@ def test_cli_trains_medusa(tmp_path, tiny_dirs, capsys):
         ]
     )
     assert code == 0
-    assert "top1" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out, err = capsys.readouterr()
+    assert "top1" in json.loads(out.strip().splitlines()[-1])
+    # (the target it trains for is named: a forgotten --target trained for the default model without a word)
+    assert f"specframe: training medusa for target {tiny_dirs['target'].resolve()}\n" in err, err
     saved = json.loads((tmp_path / "heads" / "medusa_config.json").read_text())["train_config"]
     assert saved["num_heads"] == 2 and saved["tree_nodes"] == 16 and saved["epochs"] == 1
     assert main(["train", "--proposer", "medusa", "--target", str(tiny_dirs["target"]), "stage=5"]) == 2

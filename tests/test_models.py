@@ -468,6 +468,11 @@ def test_adapter_with_unknown_target_modules_refused(tmp_path: Path, tiny_dir: P
 def test_adapter_missing_or_not_an_adapter(tmp_path: Path, tiny_dir: Path, lora_dir: Path) -> None:
     with pytest.raises(ModelLoadError, match="adapter '/nonexistent/adapter' does not exist"):
         load_model(str(tiny_dir), adapter="/nonexistent/adapter", quiet=True)
+    shutil.copytree(lora_dir, tmp_path / "run" / "adapter")  # (a Medusa-2 out folder given for its adapter)
+    with pytest.raises(
+        ModelLoadError, match=r"has no adapter_config.json \(not a PEFT adapter\); the one in .*run/adapter"
+    ):
+        load_model(str(tiny_dir), adapter=str(tmp_path / "run"), quiet=True)
     weights = str(lora_dir / "adapter_model.safetensors")  # (before: "does not exist", of a file that does)
     with pytest.raises(ModelLoadError, match=rf"adapter '{weights}' is a file; give the PEFT adapter directory"):
         load_model(str(tiny_dir), adapter=weights, quiet=True)

@@ -1,6 +1,8 @@
 """An interrupted training run, resumed with `--resume`, ends with the same weights as a run never interrupted:
 the checkpoint restores the weights, the optimizer's moments, the learning-rate schedule and the data order."""
 
+import os
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -54,6 +56,11 @@ def test_an_interrupted_run_resumed_ends_where_an_uninterrupted_one_does(tmp_pat
         return train(cfg, target, None, **kw)
 
     straight = run("straight", log=lambda m: None)
+    umask = os.umask(0)
+    os.umask(umask)
+    saved = [*(tmp_path / "straight").rglob("*.safetensors"), *(tmp_path / "features").rglob("*.safetensors")]
+    modes = {str(f.relative_to(tmp_path)): oct(f.stat().st_mode & 0o777) for f in saved}
+    assert len(saved) >= 3 and set(modes.values()) == {oct(0o666 & ~umask)}, modes  # (safetensors makes 0600)
     with pytest.raises(Interrupted):
         run("resumed", log=interrupt_at("epoch 2:"))
     after_epoch_1 = load_file(tmp_path / "resumed" / "checkpoint" / "model.safetensors")

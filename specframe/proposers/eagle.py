@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from safetensors.torch import save_file
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
@@ -327,12 +326,12 @@ def save_drafter(
     metrics: dict,
     extra: dict | None = None,
 ) -> None:
-    from specframe.fingerprint import target_fingerprint
+    from specframe.fingerprint import save_weights, target_fingerprint
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(torch.float16).contiguous().cpu() for k, v in drafter.own_state_dict().items()}
-    save_file(tensors, out / "model.safetensors")
+    save_weights(tensors, out / "model.safetensors")
     (out / "eagle_vocab.json").write_text(json.dumps(vocab_ids.tolist()))
     cfg = {k: v for k, v in drafter.config.to_dict().items() if k != "transformers_version"}
     meta = {

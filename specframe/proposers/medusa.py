@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from specframe.cpu_kernels import few_rows_linear
@@ -35,6 +34,7 @@ from specframe.fingerprint import (
     fingerprint_mismatch,
     not_an_artifact,
     read_artifact,
+    save_weights,
     target_fingerprint,
 )
 from specframe.models import check_proposer_dtype, proposer_dtype
@@ -164,7 +164,7 @@ def save_heads(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(torch.float16).contiguous().cpu() for k, v in heads.state_dict().items()}
-    save_file(state, out / "model.safetensors")
+    save_weights(state, out / "model.safetensors")
     (out / "medusa_vocab.json").write_text(json.dumps([int(t) for t in vocab_ids.tolist()]))
     meta = {
         "format": FORMAT,

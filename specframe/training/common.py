@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from specframe.data import DistillExample
 from specframe.errors import (
@@ -27,7 +27,7 @@ from specframe.errors import (
     check_output_path,
     user_path,
 )
-from specframe.fingerprint import artifact_kind
+from specframe.fingerprint import artifact_kind, save_weights
 
 # Options naming files or folders (those a trainer has), where a leading `~` is the home folder.
 PATH_OPTIONS = ("data", "out", "features_cache", "init_from", "init_heads")
@@ -160,12 +160,12 @@ def save_checkpoint(
     if tmp.exists():  # (a save that was cut short: never mixed with this one's files)
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in params.items()}, tmp / "model.safetensors")
+    save_weights({k: v.detach().contiguous().cpu() for k, v in params.items()}, tmp / "model.safetensors")
     moments = {}
     for i, st in optimizer.state_dict()["state"].items():
         for k, v in st.items():
             moments[f"{i}.{k}"] = v.detach().reshape(-1).contiguous().cpu() if v.dim() == 0 else v.detach().cpu()
-    save_file(moments, tmp / "optim.safetensors")
+    save_weights(moments, tmp / "optim.safetensors")
     (tmp / "state.json.part").write_text(json.dumps(state, indent=2))
     for name in ("model.safetensors", "optim.safetensors", "state.json.part"):
         _sync(tmp / name)  # (on disk before the renames that make them the checkpoint: a power cut too)

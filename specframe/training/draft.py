@@ -229,4 +229,5 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
         final,
         extra={"train_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}},
     )
+    log(f"saved to {cfg.out}")
     return final

@@ -361,4 +361,5 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
         final,
         extra={"train_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}},
     )
+    log(f"saved to {cfg.out}")
     return final

@@ -34,11 +34,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from specframe.data import DistillExample
 from specframe.errors import BadInputError, ConfigError
-from specframe.fingerprint import target_fingerprint
+from specframe.fingerprint import save_weights, target_fingerprint
 from specframe.training.common import collate, to_sequences
 
 
@@ -200,7 +199,7 @@ def split_features(cfg, target: torch.nn.Module, train_ex: list, held_ex: list, 
 def _save(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    save_file(tensors, tmp, metadata=meta)
+    save_weights(tensors, tmp, metadata=meta)
     tmp.rename(path)  # atomic: an interrupted run never leaves a half-written cache behind
 
 

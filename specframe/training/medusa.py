@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from specframe.errors import ConfigError, ModelLoadError
-from specframe.fingerprint import mark_adapter, target_fingerprint
+from specframe.fingerprint import mark_adapter, readable, target_fingerprint
 from specframe.training.common import (
     TrainRunConfig,
     on_device,
@@ -433,6 +433,9 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     final, tree = _final(history, cfg, sum(len(s.ids) for s in seqs), n_held)
     adapter_dir = out / "adapter"
     model.save_pretrained(str(adapter_dir))  # PEFT's own format (adapter_config.json + safetensors)
+    for f in adapter_dir.iterdir():  # (its safetensors file is made owner-only)
+        if f.is_file():
+            readable(f)
     merged = model.merge_and_unload()  # the model generation will verify with: the base plus this adapter
     mark_adapter(merged, base_fingerprint, adapter_dir / "adapter_model.safetensors")
     return final, tree, merged, {"adapter": str(adapter_dir)}
