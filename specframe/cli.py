@@ -121,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="write ids '<prompt id>#TAG': a further response (e.g. sampled) to every prompt of --prompts, in the "
         "same --out",
     )
+    dist.add_argument(
+        "--raw",
+        action="store_true",
+        help="take each prompt's text as it is, without the chat template (a base model's; as generate --raw)",
+    )
     dist.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     dist.set_defaults(run=cmd_data_distill)
 
@@ -418,7 +423,7 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
         read_distill(args.out, unfinished_tail=True)
     loaded = load_model(args.target, dtype=args.dtype, device=args.device, quiet=True)
     if loaded.tokenizer is None:
-        raise BadInputError(f"target '{args.target}' has no tokenizer: distillation needs one for the chat template")
+        raise BadInputError(f"target '{args.target}' has no tokenizer: distillation needs one to encode the prompts")
     added = distill(
         loaded.model,
         loaded.tokenizer,
@@ -430,6 +435,7 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         seed=args.seed,
         tag=args.tag,
+        raw=args.raw,
     )
     created = "" if Path(args.out).exists() else f" ('{args.out}' was not created)"
     print(f"added {added} responses to {args.out}{created}", file=sys.stderr)

@@ -239,11 +239,13 @@ def distill(
     seed: int = 0,
     quiet: bool = False,
     tag: str = "",
+    raw: bool = False,
 ) -> int:
     """Append the target's responses for every prompt not yet in `out_path`; return how many were added.
 
     With a `tag`, responses get the id "<prompt id>#<tag>", so one file can hold several responses per prompt
-    (e.g. a greedy pass and a sampled one): a pass is resumed by its own ids."""
+    (e.g. a greedy pass and a sampled one): a pass is resumed by its own ids. `raw`: the prompt text as it is,
+    without the chat template (as `specframe generate --raw` gives it; for base models, which have none)."""
     from tqdm import tqdm
 
     from specframe.decoder import eos_token_ids
@@ -251,10 +253,10 @@ def distill(
     from specframe.models import neutral_generation_config
 
     check_tag(tag)
-    if not getattr(tokenizer, "chat_template", None):
+    if not raw and not getattr(tokenizer, "chat_template", None):
         raise BadInputError(
             "the target's tokenizer has no chat template: distill applies it to every prompt, as specframe generate "
-            "does to text prompts"
+            "does to text prompts; --raw (raw=True) takes each prompt's text as it is, as generate --raw does"
         )
     out = Path(user_path(str(out_path)))
     check_output_path(out, "--out", folder=False)
@@ -275,12 +277,13 @@ def distill(
         "seed": seed if temperature > 0 else None,
         "max_new_tokens": max_new_tokens,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        **({"raw": True} if raw else {}),  # (absent when false: rows written before it was recorded compare equal)
     }
     pass_rows = (e for e in existing if e.generation is not None and tag_of(e) == tag)
     earlier = next((e for e in pass_rows if e.generation != settings), None)
     if earlier is not None:  # (the pass would mix responses made two ways under one tag)
-        differ = [k for k in settings if earlier.generation.get(k) != settings[k]]
-        what = ", ".join(f"{k} {earlier.generation.get(k)} (now {settings[k]})" for k in differ)
+        differ = [k for k in {**earlier.generation, **settings} if earlier.generation.get(k) != settings.get(k)]
+        what = ", ".join(f"{k} {earlier.generation.get(k)} (now {settings.get(k)})" for k in differ)
         raise BadInputError(
             f"--out '{out}' holds the {'pass tagged ' + repr(tag) if tag else 'untagged pass'} made with {what} "
             f"(e.g. '{earlier.id}'): continue it with the same settings, or start another with --tag"
@@ -293,10 +296,13 @@ def distill(
     for row in prompts:
         if response_id(str(row["id"]), tag) in done:
             continue
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, tokenize=True
-        )
-        ids = ids["input_ids"] if not isinstance(ids, list) else ids
+        if raw:
+            ids = tokenizer(row["prompt"])["input_ids"]
+        else:
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, tokenize=True
+            )
+            ids = ids["input_ids"] if not isinstance(ids, list) else ids
         if len(ids) <= longest:
             todo.append((str(row["id"]), row.get("source", ""), ids))
         else:

@@ -188,10 +188,22 @@ def test_a_finished_flag_that_is_not_a_boolean_is_refused(tmp_path):
         read_distill(tmp_path / "d.jsonl")
 
 
-def test_a_tokenizer_without_a_chat_template_is_refused(tokenizer, tmp_path):
-    tokenizer.chat_template = None
-    with pytest.raises(BadInputError, match="the target's tokenizer has no chat template"):
-        run(tiny_llama(vocab_size=8, seed=0), tokenizer, tmp_path / "d.jsonl")
+def test_a_tokenizer_without_a_chat_template_is_refused_unless_raw(tokenizer, tmp_path):
+    model = tiny_llama(vocab_size=8, seed=0)
+    template, tokenizer.chat_template = tokenizer.chat_template, None
+    with pytest.raises(BadInputError, match="the target's tokenizer has no chat template: .*--raw"):
+        run(model, tokenizer, tmp_path / "d.jsonl")
+    # raw: each prompt's text as it is (a base model's data), as generate --raw encodes it; recorded, not mixed
+    assert run(model, tokenizer, tmp_path / "d.jsonl", raw=True) == len(PROMPTS)
+    rows = {r.id: r for r in read_distill(tmp_path / "d.jsonl")}
+    for p in PROMPTS:
+        row = rows[p["id"]]
+        assert row.prompt_ids == tokenizer(p["prompt"])["input_ids"] and row.generation["raw"] is True
+        greedy = reference_greedy(model, row.prompt_ids, 4)
+        assert row.response_ids == (greedy[: greedy.index(1) + 1] if 1 in greedy else greedy)
+    tokenizer.chat_template = template
+    with pytest.raises(BadInputError, match=r"made with raw True \(now None\)"):
+        run(model, tokenizer, tmp_path / "d.jsonl")  # (a templated pass would mix two encodings under one tag)
 
 
 @pytest.mark.parametrize("tag", ["a b", "s#1", "é"])
