@@ -385,6 +385,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise BadInputError(f"proposer '{entry.name}' has nothing to train")
 
     schema = entry.cls.train_config_class
+    typed = [o for o in args.overrides if o.split("=", 1)[0].split(".", 1)[0] == "target"]
+    if typed:  # (generate's and bench's target section: here it would be "Key 'target' not in ...")
+        raise BadInputError(
+            f"{typed[0]}: train takes its target as --target MODEL (and --device); it trains in float32, with the "
+            "target as loaded from there"
+        )
     config = structured(schema, recipe_for(entry.name, merged_options(args.config, args.overrides), schema), "train")
     loaded = load_model(args.target, dtype="float32", device=args.device, quiet=True)
     default = " (the default; --target chooses another)" if args.target == DEFAULT_TARGET else ""

@@ -394,6 +394,8 @@ def test_cli_trains_medusa(tmp_path, tiny_dirs, capsys):
     saved = json.loads((tmp_path / "heads" / "medusa_config.json").read_text())["train_config"]
     assert saved["num_heads"] == 2 and saved["tree_nodes"] == 16 and saved["epochs"] == 1
     assert main(["train", "--proposer", "medusa", "--target", str(tiny_dirs["target"]), "stage=5"]) == 2
+    assert main(["train", "--proposer", "medusa", "target.model=x", "epochs=1"]) == 2
+    assert "target.model=x: train takes its target as --target MODEL" in capsys.readouterr().err
     capsys.readouterr()
     # another trainer's recipe (it names its trainer) is refused before the target loads
     code = main(["train", "--proposer", "medusa", "--target", "/nonexistent", "--config", "train-draft.yaml"])
