@@ -313,10 +313,11 @@ def read_questions(
         if q.subtask in by_subtask and (limit is None or len(by_subtask[q.subtask]) < limit):
             by_subtask[q.subtask].append(q)
     listed = ", ".join(f"'{c}' ({n})" for c, n in sorted(others.items()))
+    n = sum(others.values())
     if others and log is not None:
         log(
-            f"note: {sum(others.values())} questions in '{p}' are of categories that belong to no Spec-Bench subtask "
-            f"and are left out: {listed} (Spec-Bench's categories: {', '.join(SUBTASK_OF)})"
+            f"note: {n} question{'s' if n > 1 else ''} in '{p}' of categories that belong to no Spec-Bench subtask "
+            f"left out: {listed} (Spec-Bench's categories: {', '.join(SUBTASK_OF)})"
         )
     empty = [s for s, qs in by_subtask.items() if not qs]
     if empty:

@@ -338,9 +338,12 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise BadInputError("give --proposer NAME (or a --config file whose proposer section names one)")
     entry = get_registry().get(name)
     if args.config:  # (a generate config names the trained models it runs: the suite's random weights replace them)
-        members = options.get("options") if OmegaConf.is_dict(options.get("options")) else {}
-        sections = {"": options, **{f"options.{m}.": o for m, o in members.items() if OmegaConf.is_dict(o)}}
-        dropped = [f"proposer.{at}model={s.pop('model')}" for at, s in sections.items() if s.get("model") is not None]
+        dropped = []  # (the file's own keys only: a default filled in by the schema is nobody's choice)
+        members = section.get("options") if OmegaConf.is_dict(section.get("options")) else {}
+        for at in ["", *(f"options.{m}." for m, o in members.items() if OmegaConf.is_dict(o) and "model" in o)]:
+            where = OmegaConf.select(options, at.rstrip(".")) if at else options
+            if (at or "model" in section) and OmegaConf.is_dict(where) and where.get("model") not in (None, ""):
+                dropped.append(f"proposer.{at}model={where.pop('model')}")
         if dropped:
             print(
                 f"specframe check: note: {', '.join(dropped)} from --config {args.config} not loaded: the suite "
@@ -385,13 +388,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise BadInputError(f"proposer '{entry.name}' has nothing to train")
 
     schema = entry.cls.train_config_class
-    typed = [o for o in args.overrides if o.split("=", 1)[0].split(".", 1)[0] == "target"]
-    if typed:  # (generate's and bench's target section: here it would be "Key 'target' not in ...")
+    options = merged_options(args.config, args.overrides)
+    if "target" in options:  # (generate's and bench's target section: here it would be "Key 'target' not in ...")
+        given = next((o for o in args.overrides if o.split("=", 1)[0].split(".", 1)[0] == "target"), None)
         raise BadInputError(
-            f"{typed[0]}: train takes its target as --target MODEL (and --device); it trains in float32, with the "
-            "target as loaded from there"
+            f"{given or f'--config {args.config} has a target section'}: train takes its target as --target MODEL "
+            "(and --device); it trains in float32, with the target as loaded from there"
         )
-    config = structured(schema, recipe_for(entry.name, merged_options(args.config, args.overrides), schema), "train")
+    config = structured(schema, recipe_for(entry.name, options, schema), "train")
     loaded = load_model(args.target, dtype="float32", device=args.device, quiet=True)
     default = " (the default; --target chooses another)" if args.target == DEFAULT_TARGET else ""
     print(f"specframe: training {entry.name} for target {loaded.source}{default}", file=sys.stderr, flush=True)

@@ -4,9 +4,10 @@ Format (one JSON object per line, UTF-8; every trainer reads it through `read_di
 
     {"id": str, "source": str, "prompt_ids": [int, ...], "response_ids": [int, ...], "finished": bool,
      "prompt_id": str, "target": {dtype: str}, "generation": {"temperature": float, "seed": int | null,
-     "max_new_tokens": int, "dtype": str}}
+     "max_new_tokens": int, "dtype": str, "raw": true (only with `distill --raw`)}}
 
-`prompt_ids` is the chat-templated prompt exactly as specframe feeds it; `response_ids` the target's greedy
+`prompt_ids` is the chat-templated prompt exactly as specframe feeds it (with `--raw`, the prompt text encoded
+as it is, as `generate --raw` feeds it); `response_ids` the target's greedy
 (or sampled) continuation, EOS included when it was reached (`finished`). `id` names the response and
 `prompt_id` the prompt it answers: they are equal, except that a pass run with a tag (`distill --tag s1`, e.g.
 a second, sampled response to every prompt in the same file) writes `id` = "<prompt id>#s1". Trainers split
@@ -282,8 +283,10 @@ def distill(
     pass_rows = (e for e in existing if e.generation is not None and tag_of(e) == tag)
     earlier = next((e for e in pass_rows if e.generation != settings), None)
     if earlier is not None:  # (the pass would mix responses made two ways under one tag)
-        differ = [k for k in {**earlier.generation, **settings} if earlier.generation.get(k) != settings.get(k)]
-        what = ", ".join(f"{k} {earlier.generation.get(k)} (now {settings.get(k)})" for k in differ)
+        before, now = ({"raw": False, **s} for s in (earlier.generation, settings))  # (raw: absent = false)
+        what = ", ".join(
+            f"{k} {before.get(k)} (now {now.get(k)})" for k in {**before, **now} if before.get(k) != now.get(k)
+        )
         raise BadInputError(
             f"--out '{out}' holds the {'pass tagged ' + repr(tag) if tag else 'untagged pass'} made with {what} "
             f"(e.g. '{earlier.id}'): continue it with the same settings, or start another with --tag"

@@ -119,14 +119,14 @@ def check_output_path(path: str | Path, what: str, folder: bool) -> None:
         raise BadInputError(f"{what} '{path}' cannot be checked: {e}") from e
     if parent is not None and not parent.is_dir():
         raise BadInputError(f"{what} '{path}' lies under '{parent}', which is a file")
-    # Whether anything can be made where the job would write (permissions, a read-only disk): an empty folder made
-    # and removed there, and an existing file opened to append (which changes nothing).
-    where = p if folder and p.is_dir() else parent
+    # Whether the job can write there (permissions, a read-only disk): an existing file (written in place) opened to
+    # append, which changes nothing; else an empty folder made and removed where its files would be made.
+    where = p if p.exists() else parent
     try:
-        if where is not None:
-            os.rmdir(tempfile.mkdtemp(prefix=".specframe-write-check-", dir=where))
-        if not folder and p.is_file():
+        if not folder and p.exists():
             open(p, "ab").close()
+        elif where is not None:
+            os.rmdir(tempfile.mkdtemp(prefix=".specframe-write-check-", dir=where))
     except OSError as e:
         raise BadInputError(f"{what} '{path}' cannot be written: {e.strerror or e} (in '{where}')") from e
 

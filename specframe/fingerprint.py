@@ -122,11 +122,22 @@ def save_weights(tensors: dict[str, torch.Tensor], path: str | Path, metadata: d
     readable(path)
 
 
-def readable(path: str | Path) -> None:
-    """Give `path` the permissions a new file gets from the umask (0644 under the usual 022)."""
-    umask = os.umask(0)
+def _process_umask() -> int:
+    umask = os.umask(0)  # (read once, at import: setting it back and forth could race another thread's file)
     os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+    return umask
+
+
+_UMASK = _process_umask()
+
+
+def readable(path: str | Path) -> None:
+    """Give `path` the permissions a new file gets from the umask (0644 under the usual 022); where the file
+    system keeps no such modes (vfat, some network mounts), leave it as it is."""
+    try:
+        os.chmod(path, 0o666 & ~_UMASK)
+    except OSError:
+        pass
 
 
 ARTIFACT_KINDS = ("draft", "medusa", "eagle")  # a trained artifact's folder holds `<kind>_config.json`

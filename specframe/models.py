@@ -777,8 +777,13 @@ def _apply_adapter(model: Any, adapter: str, base: str, base_dir: Path | None = 
     if not isinstance(adapter_config, dict):
         raise ModelLoadError(f"adapter {path} is damaged: adapter_config.json holds no JSON object")
     named = adapter_config.get("base_model_name_or_path")
-    if base_dir is not None and isinstance(named, str) and named.strip() and Path(named).expanduser().exists():
-        if Path(named).expanduser().resolve() != base_dir.resolve():  # (shapes alone cannot tell two bases apart)
+    named_path = Path(named).expanduser() if isinstance(named, str) and named.strip() else None
+    # (an absolute path only: a relative one was relative to wherever the adapter was made)
+    if base_dir is not None and named_path is not None and named_path.is_absolute() and named_path.exists():
+        same = {base_dir.resolve()}
+        if base_dir.is_file():  # (a model loaded from a GGUF records the file's folder, which PEFT writes)
+            same.add(base_dir.resolve().parent)
+        if named_path.resolve() not in same:  # (shapes alone cannot tell two bases apart)
             _say(
                 False,
                 f"note: adapter {path} names another base model ({named}) than this one ({base_dir}); it fits, so "

@@ -6,7 +6,7 @@ T returns the one-hot distribution of the argmax (lowest index on ties).
 
 Ties at a cut: top-k keeps every token tied with the k-th (as transformers' TopKLogitsWarper does). Top-p ranks
 tied tokens by index, lowest first (a stable sort, the same on every device), so where the cut falls inside a
-run of ties the lower ids are kept; transformers' TopPLogitsWarper keeps the higher ones. Both are nucleus sets
+run of ties the lower ids are kept; transformers' TopPLogitsWarper usually keeps the higher ones. Both are nucleus sets
 of the same mass, and exactness is unaffected (p and q go through this one function); it shows only as a
 different draw than transformers' own sampling, mostly with 16-bit logits, where ties are common.
 """
@@ -48,7 +48,7 @@ def check_sampling(temperature: float, top_k: int, top_p: float, prefix: str = "
     if not is_number(top_p) or not (0.0 < top_p <= 1.0):
         raise ConfigError(f"{prefix}top_p must be a number in (0, 1], got {top_p!r}")
     if not is_count(top_k, -1):
-        raise ConfigError(f"{prefix}top_k must be an integer >= 0, or 0 or -1 for off, got {top_k!r}")
+        raise ConfigError(f"{prefix}top_k must be an integer >= 1, or 0 or -1 for off, got {top_k!r}")
 
 
 def top_k_off_as_zero(top_k: int) -> int:

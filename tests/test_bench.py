@@ -554,7 +554,7 @@ def test_questions_of_no_spec_bench_category_are_named_and_a_missing_subtask_poi
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     said: list[str] = []
     assert [q.question_id for q in bench.read_questions(path, ["qa"], log=said.append)] == [2]
-    assert len(said) == 1 and "note: 1 questions in" in said[0] and "left out: 'chat' (1)" in said[0], said
+    assert len(said) == 1 and "note: 1 question in" in said[0] and "left out: 'chat' (1)" in said[0], said
     with pytest.raises(BadInputError, match=r"no question of subtask 'mt_bench'; --subtasks chooses .* has qa\)$"):
         bench.read_questions(path, ["mt_bench", "qa"])
 
@@ -709,12 +709,12 @@ def test_a_16_bit_target_s_near_ties_reach_its_dtype_s_rounding(dtype, expected)
     assert bench.tie_threshold(model, bench.BenchOptions(tie_threshold=0.5)) == 0.5
 
 
-def test_top_k_minus_one_is_off_for_transformers_too():
+def test_top_k_minus_one_is_off_and_reaches_transformers_as_0():
     # (transformers' generate refuses top_k=-1; the bench hands it 0, the same transform)
     options = bench.BenchOptions(proposers=["none"], temperature=0.5, top_k=-1)
     options.validate()
     assert options.top_k == 0
-    with pytest.raises(BadInputError, match=r"^--top-k must be an integer >= 0, or 0 or -1 for off, got -3"):
+    with pytest.raises(BadInputError, match=r"^--top-k must be an integer >= 1, or 0 or -1 for off, got -3"):
         bench.BenchOptions(proposers=["none"], temperature=0.5, top_k=-3).validate()
 
 

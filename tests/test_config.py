@@ -248,7 +248,7 @@ def test_field_type_checks_take_numbers_flags_and_text_of_other_kinds(tmp_path):
     assert SamplingConfig(temperature=np.float32(0.5), top_p=1).temperature == 0.5
     assert float(SamplingConfig(temperature=torch.tensor(0.5)).temperature) == 0.5
     assert SamplingConfig(temperature=1.0, top_k=-1).top_k == 0  # vLLM's spelling of top-k off
-    with pytest.raises(ConfigError, match=r"^sampling.top_k must be an integer >= 0, or 0 or -1 for off, got -2"):
+    with pytest.raises(ConfigError, match=r"^sampling.top_k must be an integer >= 1, or 0 or -1 for off, got -2"):
         SamplingConfig(temperature=1.0, top_k=-2)
     assert DraftTrainConfig(out=tmp_path / "d", lr=1, features_cache=None).lr == 1
     assert MedusaConfig(tree_nodes=np.int64(4)).tree_nodes == 4

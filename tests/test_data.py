@@ -202,7 +202,7 @@ def test_a_tokenizer_without_a_chat_template_is_refused_unless_raw(tokenizer, tm
         greedy = reference_greedy(model, row.prompt_ids, 4)
         assert row.response_ids == (greedy[: greedy.index(1) + 1] if 1 in greedy else greedy)
     tokenizer.chat_template = template
-    with pytest.raises(BadInputError, match=r"made with raw True \(now None\)"):
+    with pytest.raises(BadInputError, match=r"made with raw True \(now False\)"):
         run(model, tokenizer, tmp_path / "d.jsonl")  # (a templated pass would mix two encodings under one tag)
 
 
@@ -222,6 +222,11 @@ def test_cli_refuses_an_out_where_nothing_can_be_made_and_reads_a_tilde_as_home(
     err = capsys.readouterr().err
     assert code == 2 and f"--out '{where}/d.jsonl' cannot be written" in err and "absent" not in err, err
     monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "d.jsonl").mkdir()  # (the --out checked first: the folder in the home folder is named)
+    code = main(["data", "distill", "--out=~/d.jsonl", "--target", "x"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--out '{tmp_path}/d.jsonl' is a folder" in err, err
+    (tmp_path / "d.jsonl").rmdir()
     (tmp_path / "prompts.jsonl").write_text("not json\n")
     code = main(["data", "distill", "--out=~/d.jsonl", "--prompts=~/prompts.jsonl", "--target", "x"])
     err = capsys.readouterr().err  # (the prompts file read from the home folder: its content is refused)

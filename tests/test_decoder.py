@@ -474,7 +474,7 @@ def test_numpy_integers_are_integers_and_stop_strings_need_a_tokenizer(target):
     assert got == want
     with pytest.raises(BadInputError, match=r"stop strings \['x'\] need the target's tokenizer"):
         dec.generate([1, 2, 3], max_new_tokens=4, stop="x")
-    with pytest.raises(BadInputError, match=r"^top_k must be an integer >= 0, or 0 or -1 for off, got -2"):
+    with pytest.raises(BadInputError, match=r"^top_k must be an integer >= 1, or 0 or -1 for off, got -2"):
         dec.generate([1, 2, 3], max_new_tokens=4, top_k=-2)  # (the argument named, not the config key)
     # -1 is vLLM's spelling of top-k off: the same draws as 0.
     off = dec.generate([1, 2, 3], max_new_tokens=6, temperature=1.0, top_k=0, seed=7).token_ids

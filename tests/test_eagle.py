@@ -592,7 +592,7 @@ def test_missing_or_wrong_model_folders_are_refused(tmp_path, trained):
     info = target_info(target16())
     with pytest.raises(ModelLoadError, match="does not exist"):
         EagleProposer.from_config(EagleConfig(model=str(tmp_path / "nope")), info)
-    with pytest.raises(ModelLoadError, match="not an EAGLE drafter"):
+    with pytest.raises(ModelLoadError, match="holds no eagle_config.json: train an EAGLE drafter with"):
         EagleProposer.from_config(EagleConfig(model=str(tmp_path)), info)
     with pytest.raises(ConfigError, match="proposer.model is required"):
         EagleProposer.from_config(EagleConfig(), info)

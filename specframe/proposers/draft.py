@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from specframe.cpu_kernels import use_fast_cpu_kernels
-from specframe.errors import BadInputError, ConfigError, ModelLoadError, check_field_types, is_count
+from specframe.errors import BadInputError, ConfigError, ModelLoadError, check_field_types, is_count, user_path
 from specframe.kv_cache import new_cache
 from specframe.lean_forward import engine_forward
 from specframe.models import check_proposer_dtype, check_proposer_quantize, proposer_dtype, quantize_proposer
@@ -124,7 +124,8 @@ class DraftProposer(Proposer):
                 f"proposer.model is required: no draft ships for target '{target.name}'; give a draft model "
                 "(alias, directory, hub id or .gguf) or train one with `specframe train --proposer draft`"
             )
-        if is_shared_draft(path):
+        if is_shared_draft(user_path(str(path))):  # (a model name is expanded by load_model; this folder here)
+            path = user_path(str(path))
             model, vocab_ids, meta = load_shared_draft(path, target.model, dtype)
             on_target_kernels(model, config, target)
             threshold = saved_threshold(meta)

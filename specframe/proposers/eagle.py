@@ -44,7 +44,7 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from specframe.cpu_kernels import fast_kernels_on, few_rows_linear, use_fast_cpu_kernels
-from specframe.errors import ConfigError, ModelLoadError, brief, check_field_types, is_count
+from specframe.errors import ConfigError, ModelLoadError, brief, check_field_types, is_count, user_path
 from specframe.models import check_proposer_dtype, check_proposer_quantize, proposer_dtype, quantize_proposer
 from specframe.proposer import (
     Acceptance,
@@ -353,11 +353,11 @@ def load_drafter(
     is the config key that named the folder (for the error when it is not a drafter folder)."""
     from specframe.fingerprint import check_fingerprint, check_vocab_ids, not_an_artifact, read_artifact
 
-    p = Path(path)
+    p = Path(user_path(str(path)))
     meta_file = p / "eagle_config.json"
     if not meta_file.is_file():
         raise ModelLoadError(
-            f"{option} '{path}' {not_an_artifact(p, 'eagle')}: not an EAGLE drafter folder; train one with "
+            f"{option} '{path}' {not_an_artifact(p, 'eagle')}: train an EAGLE drafter with "
             "`specframe train --proposer eagle`"
         )
     name = f"{option}: EAGLE drafter '{p}'"  # (how every error below names it)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from specframe.cpu_kernels import few_rows_linear
-from specframe.errors import ConfigError, ModelLoadError, check_field_types, is_count
+from specframe.errors import ConfigError, ModelLoadError, check_field_types, is_count, user_path
 from specframe.fingerprint import (
     check_vocab_ids,
     fingerprint_mismatch,
@@ -182,7 +182,7 @@ def save_heads(
 
 def load_heads(path: str | Path, target: torch.nn.Module) -> tuple[MedusaHeads, torch.Tensor, dict]:
     """(heads, vocab_ids, metadata) from a saved folder; refuses heads trained for another target."""
-    path = Path(path)
+    path = Path(user_path(str(path)))
     cfg_file = path / "medusa_config.json"
     if not cfg_file.is_file():
         raise ModelLoadError(

@@ -38,7 +38,7 @@ class TrainRunConfig:
     """The options every `specframe train --proposer NAME` shares; each trainer extends it (and may change a
     default by declaring the field again)."""
 
-    artifact: ClassVar[str] = ""  # the kind of artifact this trainer writes (one of ARTIFACT_KINDS)
+    artifact: ClassVar[str] = ""  # the kind of artifact this trainer writes (one of fingerprint.ARTIFACT_KINDS)
 
     # Self-distillation data from `specframe data distill` (JSONL of prompt/response token ids).
     data: str = "runs/distill/smollm2-135m-instruct.jsonl"
@@ -217,9 +217,11 @@ def checkpoint_state(folder: Path) -> dict:
         state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise damaged_checkpoint(folder, f"state.json: {e}") from None
-    epoch = state.get("epoch", 0) if isinstance(state, dict) else None
+    epoch = state.get("epoch") if isinstance(state, dict) else None
     if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
         raise damaged_checkpoint(folder, f"state.json holds no epoch count: {str(state)[:80]}")
+    if not isinstance(state.get("history"), list):
+        raise damaged_checkpoint(folder, "state.json holds no metrics history")
     return state
 
 
@@ -334,8 +336,8 @@ def check_new_run(ckpt: Path) -> None:
     out = ckpt.parent
     if (ckpt / "state.json").is_file():
         try:
-            done = f"after epoch {int(json.loads((ckpt / 'state.json').read_text())['epoch'])}"
-        except (ValueError, KeyError, TypeError):  # (a damaged state is still another run's)
+            done = f"after epoch {checkpoint_state(ckpt)['epoch']}"
+        except ConfigError:  # (a damaged state is still another run's)
             done = "damaged"
         raise ConfigError(
             f"train.out '{out}' already holds the checkpoint of another run ({done}): add --resume to continue "
