@@ -104,8 +104,19 @@ def test_a_new_run_never_overwrites_another_run_s_out_folder(tmp_path, name):
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == saved
 
 
+def forbid_feature_extraction(monkeypatch) -> None:
+    """From here on, a trainer that extracts the target's features fails the test (a refusal must come first)."""
+    from specframe.training import draft, features
+
+    def no_features(*args, **kwargs):
+        raise AssertionError("the features were extracted before the refusal")
+
+    monkeypatch.setattr(features, "split_features", no_features)  # (eagle's and medusa's import it when they run)
+    monkeypatch.setattr(draft, "split_features", no_features)
+
+
 @pytest.mark.parametrize("name", list(TRAINERS))
-def test_resume_on_another_target_is_refused(tmp_path, name):
+def test_resume_on_another_target_is_refused(tmp_path, name, monkeypatch):
     """A checkpoint continues only on the target it was trained with: another one of the same shapes (another
     seed) is refused by its fingerprint before any feature extraction, and the checkpoint is left as it was."""
     from specframe.errors import ConfigError
@@ -123,10 +134,11 @@ def test_resume_on_another_target_is_refused(tmp_path, name):
         run(0, log=interrupt_at("epoch 2:"))
     state = (tmp_path / "out" / "checkpoint" / "state.json").read_text()
     logs: list[str] = []
-    with pytest.raises(ConfigError, match=r"checkpoint in .* was trained with another target \(the weights of"):
-        run(1, resume=True, log=logs.append)
+    with monkeypatch.context() as patched:
+        forbid_feature_extraction(patched)
+        with pytest.raises(ConfigError, match=r"checkpoint in .* was trained with another target \(the weights of"):
+            run(1, resume=True, log=logs.append)
     assert any("were written by another model than this target" in m for m in logs), logs  # (the data's seed-0)
-    assert not any("features" in m for m in logs), logs
     assert (tmp_path / "out" / "checkpoint" / "state.json").read_text() == state
     if name == "medusa-2":  # (the refused run leaves the caller's target without PEFT's adapter layers)
         other = tiny_llama(vocab_size=16, seed=1, hidden_size=32, num_layers=2)
@@ -224,14 +236,7 @@ def test_a_damaged_checkpoint_is_named_before_any_feature_extraction(tmp_path, n
 
     with pytest.raises(Interrupted):
         run(tmp_path / "run", log=interrupt_at("epoch 2:"))
-
-    def no_features(*args, **kwargs):
-        raise AssertionError("the features were extracted before the damage was found")
-
-    from specframe.training import draft, features
-
-    monkeypatch.setattr(features, "split_features", no_features)  # (eagle's trainer imports it when it runs)
-    monkeypatch.setattr(draft, "split_features", no_features)
+    forbid_feature_extraction(monkeypatch)
     for i, damage in enumerate(DAMAGE.values()):
         copy = tmp_path / f"copy{i}"
         shutil.copytree(tmp_path / "run", copy)
