@@ -313,7 +313,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
-    from specframe.config import load_yaml, models_named, structured, with_defaults, with_overrides
+    from specframe.config import load_yaml, models_named, split_override, structured, with_defaults, with_overrides
     from specframe.plugins import get_registry
     from specframe.testing.conformance import run_suite, suite_devices_and_dtypes
 
@@ -337,24 +337,31 @@ def cmd_check(args: argparse.Namespace) -> int:
     if name is None:
         raise BadInputError("give --proposer NAME (or a --config file whose proposer section names one)")
     entry = get_registry().get(name)
-    if args.config:  # (a generate config names the trained models it runs: the suite's random weights replace them)
-        dropped = []  # (the file's own keys only: a default filled in by the schema is nobody's choice)
-        members = section.get("options") if OmegaConf.is_dict(section.get("options")) else {}
-        for at in ["", *(f"options.{m}." for m, o in members.items() if OmegaConf.is_dict(o) and "model" in o)]:
-            where = OmegaConf.select(options, at.rstrip(".")) if at else options
-            if (at or "model" in section) and OmegaConf.is_dict(where) and where.get("model") not in (None, ""):
-                dropped.append(f"proposer.{at}model={where.pop('model')}")
-        if dropped:
-            print(
-                f"specframe check: note: {', '.join(dropped)} from --config {args.config} not loaded: the suite "
-                "tests the proposer's options with random weights on tiny targets",
-                file=sys.stderr,
-                flush=True,
-            )
     # (built here even without overrides: a field with no default is then named, as generate names it)
-    values = with_overrides(options, [o.removeprefix("proposer.") for o in key_values(args.overrides, "proposer.")])
+    typed = key_values(args.overrides, "proposer.")
+    values = with_overrides(options, [o.removeprefix("proposer.") for o in typed])
     config = structured(entry.cls.config_class, values, "proposer")
     named = models_named(config)  # (the suite builds every proposer with random weights on tiny targets)
+    # A generate config names the trained models it runs: the file's are set aside (said); a typed one is refused.
+    typed_keys = [split_override(o)[0] for o in typed]
+
+    def from_file(item: str) -> bool:  # "proposer.model=X": not typed, as its key or a section holding it
+        key = item.partition("=")[0]
+        return bool(args.config) and not any(key == t or key.startswith(t + ".") for t in typed_keys)
+
+    dropped = [n for n in named if from_file(n)]
+    if dropped:
+        for item in dropped:  # "proposer.model=X", "proposer.options.<member>.model=X"
+            parent, _, leaf = item.partition("=")[0].removeprefix("proposer.").rpartition(".")
+            (OmegaConf.select(values, parent) if parent else values).pop(leaf)
+        config = structured(entry.cls.config_class, values, "proposer")
+        named = [n for n in named if n not in dropped]
+        print(
+            f"specframe check: note: {', '.join(dropped)} from --config {args.config} not loaded: the suite "
+            "tests the proposer's options with random weights on tiny targets",
+            file=sys.stderr,
+            flush=True,
+        )
     if named:
         raise BadInputError(
             f"check tests proposer '{entry.name}' with random weights on tiny targets: {', '.join(named)} would "
