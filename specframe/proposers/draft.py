@@ -124,14 +124,14 @@ class DraftProposer(Proposer):
                 f"proposer.model is required: no draft ships for target '{target.name}'; give a draft model "
                 "(alias, directory, hub id or .gguf) or train one with `specframe train --proposer draft`"
             )
-        if is_shared_draft(user_path(str(path))):  # (a model name is expanded by load_model; this folder here)
-            path = user_path(str(path))
-            model, vocab_ids, meta = load_shared_draft(path, target.model, dtype)
+        folder = user_path(str(path))  # (`~` is the home folder: load_model reads a model name so too)
+        if is_shared_draft(folder):
+            model, vocab_ids, meta = load_shared_draft(folder, target.model, dtype)
             on_target_kernels(model, config, target)
             threshold = saved_threshold(meta)
-            check_confidence_threshold(threshold, f"confidence_threshold in {path}/draft_config.json")
-            applies = saved_shape_applies(meta, target.device, f"{path}/draft_config.json")
-            gamma = saved_gamma(meta, path) if applies else None
+            check_confidence_threshold(threshold, f"confidence_threshold in {folder}/draft_config.json")
+            applies = saved_shape_applies(meta, target.device, f"{folder}/draft_config.json")
+            gamma = saved_gamma(meta, folder) if applies else None
             return cls(config, target, model, vocab_ids=vocab_ids, saved_gamma=gamma, saved_threshold=threshold)
         try:
             loaded = load_model(path, dtype=dtype, device=str(target.device), quiet=True, fast_cpu_kernels=False)
