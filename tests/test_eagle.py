@@ -289,11 +289,17 @@ def test_tree_shape_saved_with_the_drafter_is_the_default(trained, tmp_path):
 
     target, cfg, _, _ = trained
     info = target_info(target)
-    plain = EagleProposer.from_config(EagleConfig(model=cfg.out), info)
-    assert (plain.depth, plain.top_k, plain.total_tokens) == (5, 6, 24)
+    # The trainer saves `"shape_choice": "measured"`: on a CPU, 1-3 draft nodes timed fastest at load (their own
+    # test: test_a_drafter_may_have_its_cpu_shape_measured_on_the_machine).
+    measured = EagleProposer.from_config(EagleConfig(model=cfg.out), info)
+    assert measured.total_tokens <= 3 and "(measured: 3 shapes" in measured.shape_choice
     tuned = tmp_path / "tuned"
     shutil.copytree(cfg.out, tuned, ignore=shutil.ignore_patterns("checkpoint"))
     meta = json.loads((tuned / "eagle_config.json").read_text())
+    assert meta.pop("shape_choice") == "measured"
+    (tuned / "eagle_config.json").write_text(json.dumps(meta))
+    plain = EagleProposer.from_config(EagleConfig(model=str(tuned)), info)
+    assert (plain.depth, plain.top_k, plain.total_tokens) == (5, 6, 24) and plain.shape_choice is None
     meta["tree_shape"] = {"depth": 2, "top_k": 3, "total_tokens": 3}
     (tuned / "eagle_config.json").write_text(json.dumps(meta))
     p = EagleProposer.from_config(EagleConfig(model=str(tuned)), info)

@@ -149,7 +149,12 @@ def test_saved_heads_round_trip_and_decode_exactly(trained):
     saved.load_state_dict({k: v.float() for k, v in load_file(f"{cfg.out}/model.safetensors").items()})
     h = torch.randn(4, 32)
     assert torch.equal(heads.logits(h, torch.eye(32)), saved.logits(h, torch.eye(32)))
-    proposer = MedusaProposer.from_config(MedusaConfig(model=cfg.out), info)
+    # The trainer saves `"shape_choice": "measured"`: on a CPU the tree of 1-3 nodes timed fastest at load.
+    measured = MedusaProposer.from_config(MedusaConfig(model=cfg.out), info)
+    assert meta["shape_choice"] == "measured" and measured.shape_choice.endswith(")")
+    assert measured.tree == best_tree(meta["path_counts"], len(measured.tree))
+    assert 1 <= len(measured.tree) <= 3
+    proposer = MedusaProposer.from_config(MedusaConfig(model=cfg.out, tree=meta["tree"]), info)  # (the saved tree)
     assert proposer.tree == [tuple(p) for p in meta["tree"]]
     dec = SpeculativeDecoder(target, proposer, max_new_tokens=24)
     for prompt in ([1, 2, 3], [5, 9, 2, 2, 7]):
@@ -414,6 +419,7 @@ def test_a_tree_tuned_on_a_cpu_is_rebuilt_for_other_devices(trained, tmp_path):
     shutil.copytree(cfg.out, tmp_path / "tuned")
     meta = json.loads((tmp_path / "tuned" / "medusa_config.json").read_text())
     meta.update(tree=[[0]], shape_tuned_on="cpu")
+    assert meta.pop("shape_choice") == "measured"  # (saved trees here: the measured one has its own test)
     (tmp_path / "tuned" / "medusa_config.json").write_text(json.dumps(meta))
     info = target_info(target)
     config = MedusaConfig(model=str(tmp_path / "tuned"))

@@ -218,8 +218,11 @@ def test_gamma_comes_from_the_config_else_the_draft_folder_else_four(trained):
 
     target, cfg, _ = trained
     info = target_info(target)
-    assert DraftProposer.from_config(DraftConfig(model=cfg.out), info).gamma == 4
     meta_file = Path(cfg.out) / "draft_config.json"
+    meta = json.loads(meta_file.read_text())
+    assert meta["shape_choice"] == "measured"  # (the trainer's; its own test below)
+    meta_file.write_text(json.dumps({k: v for k, v in meta.items() if k != "shape_choice"}))
+    assert DraftProposer.from_config(DraftConfig(model=cfg.out), info).gamma == 4
     meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "num_speculative_tokens": 2}))
     assert DraftProposer.from_config(DraftConfig(model=cfg.out), info).gamma == 2
     assert DraftProposer.from_config(DraftConfig(model=cfg.out, num_speculative_tokens=3), info).gamma == 3
@@ -233,6 +236,64 @@ def test_gamma_comes_from_the_config_else_the_draft_folder_else_four(trained):
         meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "num_speculative_tokens": bad}))
         with pytest.raises(ModelLoadError, match="num_speculative_tokens in .*draft_config.json must be an integer"):
             DraftProposer.from_config(DraftConfig(model=cfg.out, num_speculative_tokens=3), info)
+
+
+def test_a_trained_draft_has_its_cpu_gamma_measured_on_the_machine(trained, monkeypatch):
+    # The trainer saves `"shape_choice": "measured"`: on a CPU the draft drafts the γ of 1-3 that is fastest with
+    # this machine's timings (specframe/step_costs.py) and its held-out agreement a (1 + a + ... + a^γ).
+    import dataclasses
+    from pathlib import Path
+
+    from specframe.proposers import draft
+    from specframe.step_costs import StepCosts
+
+    target, cfg, _ = trained
+    info = target_info(target)
+    real = DraftProposer.from_config(DraftConfig(model=cfg.out), info)  # (really timed: one of the three)
+    assert real.gamma in (1, 2, 3) and real.shape_choice.startswith(f"γ = {real.gamma} (measured: γ of 1-3, ")
+    meta_file = Path(cfg.out) / "draft_config.json"
+    meta = json.loads(meta_file.read_text())
+    write = lambda m: meta_file.write_text(json.dumps(m))  # noqa: E731
+    a = 0.8
+    held = {**meta["metrics"]["heldout"], "top1_agreement": a}
+    write({**meta, "metrics": {**meta["metrics"], "heldout": held}, "num_speculative_tokens": 4})
+    candidates = draft.measured_gammas(json.loads(meta_file.read_text()), "here")
+    assert [(c.shape, c.verify_tokens, c.drafter_forwards) for c in candidates] == [(1, 2, 1), (2, 3, 2), (3, 4, 3)]
+    assert [c.accepted_length for c in candidates] == pytest.approx([1 + a, 1 + a + a**2, 1 + a + a**2 + a**3])
+    draft_steps = []
+    monkeypatch.setattr(draft, "relative_cost", lambda call, costs, model: draft_steps.append(call()) or 0.1)
+    for relative, gamma in (((1.0, 1.0, 1.0, 1.0), 3), ((1.0, 1.0, 9.0, 9.0), 1), ((1.0, 1.0, 1.05, 9.0), 2)):
+        monkeypatch.setattr(draft, "measure_step_costs", lambda model, r=relative: StepCosts(0.01, r))
+        p = DraftProposer.from_config(DraftConfig(model=cfg.out), info)  # (measured wins over the saved γ of 4)
+        assert p.gamma == gamma and p.shape_choice.startswith(f"γ = {gamma} (measured: γ of 1-3"), relative
+        assert "a draft step 0.10" in p.shape_choice
+        lengths = []
+        propose = p.propose
+        p.propose = lambda state, f=propose, out=lengths: out.append(len(q := f(state))) or q
+        got = SpeculativeDecoder(target, p).generate([1, 2, 3], max_new_tokens=12)  # exact, whatever γ
+        assert got.token_ids == reference_greedy(target, [1, 2, 3], 12)
+        assert lengths and max(lengths) == gamma
+    assert len(draft_steps) == 3  # (the timed draft step ran)
+
+    def refuse(model):
+        raise AssertionError("timed")
+
+    monkeypatch.setattr(draft, "measure_step_costs", refuse)
+    # A configured γ wins and nothing is timed; on another device ("meta" stands in for a GPU), nothing either.
+    p = DraftProposer.from_config(DraftConfig(model=cfg.out, num_speculative_tokens=2), info)
+    assert p.gamma == 2 and p.shape_choice is None
+    elsewhere = DraftProposer.from_config(
+        DraftConfig(model=cfg.out), dataclasses.replace(info, device=torch.device("meta"))
+    )
+    assert elsewhere.gamma == 4 and elsewhere.shape_choice is None  # (the saved γ)
+    # Without the held-out agreement, or with a misspelt choice, the folder is refused by name.
+    for bad in (None, 1.5, "0.5", True):
+        write({**meta, "metrics": {**meta["metrics"], "heldout": {**held, "top1_agreement": bad}}})
+        with pytest.raises(ModelLoadError, match=r'shape_choice "measured" in .*draft_config.json needs metrics.held'):
+            DraftProposer.from_config(DraftConfig(model=cfg.out), info)
+    write({**meta, "shape_choice": "measure"})
+    with pytest.raises(ModelLoadError, match=r"shape_choice in .*draft_config.json must be one of saved, measured"):
+        DraftProposer.from_config(DraftConfig(model=cfg.out), info)
 
 
 def test_draft_for_another_target_is_refused(trained):

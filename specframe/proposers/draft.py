@@ -14,7 +14,15 @@ from dataclasses import dataclass
 import torch
 
 from specframe.cpu_kernels import use_fast_cpu_kernels
-from specframe.errors import BadInputError, ConfigError, ModelLoadError, check_field_types, is_count, user_path
+from specframe.errors import (
+    BadInputError,
+    ConfigError,
+    ModelLoadError,
+    check_field_types,
+    is_count,
+    is_number,
+    user_path,
+)
 from specframe.kv_cache import new_cache
 from specframe.lean_forward import engine_forward
 from specframe.models import check_proposer_dtype, check_proposer_quantize, proposer_dtype, quantize_proposer
@@ -30,6 +38,15 @@ from specframe.proposer import (
     seeded,
 )
 from specframe.sampling import sampling_probs
+from specframe.step_costs import (
+    CONTEXT,
+    MAX_VERIFY_TOKENS,
+    ShapeCandidate,
+    check_shape_choice,
+    fastest_shape,
+    measure_step_costs,
+    relative_cost,
+)
 from specframe.training.draft import DraftTrainConfig
 
 DEFAULT_GAMMA = 4  # γ when neither the config nor the draft's folder gives one
@@ -40,7 +57,8 @@ class DraftConfig:
     # The draft model: alias, local Hugging Face directory, hub id or .gguf file (see specframe.models).
     model: str | None = None
     # γ: tokens drafted per step. More pays off when the draft agrees often and is cheap. None: the γ saved with
-    # a trained draft (`num_speculative_tokens` in its draft_config.json, tuned on held-out prompts), else 4.
+    # a trained draft (`num_speculative_tokens` in its draft_config.json, tuned on held-out prompts), else 4; on
+    # a CPU, a draft saved with `"shape_choice": "measured"` drafts the γ timed fastest at load (`measured_gammas`).
     num_speculative_tokens: int | None = None
     # Draft the draft's argmax (q one-hot) instead of sampling from q. Exact either way; under sampling,
     # greedy drafts are accepted with probability p(x) rather than min(1, p/q).
@@ -110,6 +128,7 @@ class DraftProposer(Proposer):
         self.forward = self.model  # (set by `begin`)
         self.cached = 0  # how many leading tokens of the sequence the draft's cache holds
         self.fed_drafts = 0  # drafted tokens of the last proposal that were fed into the draft's cache
+        self.shape_choice: str | None = None  # how γ was measured on this machine (use_fastest_gamma)
 
     @classmethod
     def from_config(cls, config: DraftConfig, target: TargetInfo) -> DraftProposer:
@@ -132,7 +151,13 @@ class DraftProposer(Proposer):
             check_confidence_threshold(threshold, f"confidence_threshold in {folder}/draft_config.json")
             applies = saved_shape_applies(meta, target.device, f"{folder}/draft_config.json")
             gamma = saved_gamma(meta, folder) if applies else None
-            return cls(config, target, model, vocab_ids=vocab_ids, saved_gamma=gamma, saved_threshold=threshold)
+            measure = check_shape_choice(meta.get("shape_choice"), f"{folder}/draft_config.json") == "measured"
+            candidates = measured_gammas(meta, f"in {folder}/draft_config.json") if measure else []
+            proposer = cls(config, target, model, vocab_ids=vocab_ids, saved_gamma=gamma, saved_threshold=threshold)
+            on_cpu = target.device.type == "cpu" and target.model is not None
+            if measure and on_cpu and config.num_speculative_tokens is None:
+                proposer.use_fastest_gamma(candidates)
+            return proposer
         try:
             loaded = load_model(path, dtype=dtype, device=str(target.device), quiet=True, fast_cpu_kernels=False)
         except ModelLoadError as e:  # (say which model: the draft, not the target)
@@ -162,6 +187,28 @@ class DraftProposer(Proposer):
         )
         quantize_proposer(model, config.quantize, target.fast_cpu_kernels)
         return cls(config, target, model.eval(), None)
+
+    def use_fastest_gamma(self, candidates: list[ShapeCandidate]) -> ShapeCandidate:
+        """Draft the γ of `candidates` that is fastest on this machine (specframe/step_costs.py): the target's
+        forwards and one draft step (a one-token forward over a cached context, and its logits) timed here."""
+        costs = measure_step_costs(self.target.model)
+        cache, forward = new_cache(self.model), engine_forward(self.model)
+        device = self.target.device
+        with torch.no_grad():
+            forward(input_ids=torch.zeros(1, CONTEXT, dtype=torch.long, device=device), cache=cache, use_cache=True)
+
+            def step() -> None:
+                out = forward(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), cache=cache, use_cache=True)
+                out.logits[0, -1].float()
+                cache.crop(-1)
+
+            draft_cost = relative_cost(step, costs, model=self.target.model)
+        best = fastest_shape(candidates, costs, draft_cost)
+        self.gamma = best.shape
+        self.shape_choice = (
+            f"γ = {best.shape} (measured: γ of 1-{len(candidates)}, {costs.describe()}, a draft step {draft_cost:.2f})"
+        )
+        return best
 
     def begin(self, prompt: torch.Tensor, hidden_states: dict[int, torch.Tensor]) -> None:
         self.cache = new_cache(self.model)
@@ -231,6 +278,25 @@ class DraftProposer(Proposer):
         if self.fed_drafts > keep:
             self.cache.crop(-(self.fed_drafts - keep))
             self.cached -= self.fed_drafts - keep
+
+
+def measured_gammas(meta: dict, where: str) -> list[ShapeCandidate]:
+    """The γs a shared draft saved with `"shape_choice": "measured"` chooses from on a CPU: chains of 1 to
+    MAX_VERIFY_TOKENS - 1 drafted tokens (the verified counts the target's forwards are timed on). Their expected
+    accepted lengths come from the draft's held-out top-1 agreement a with the target (`metrics.heldout`, the
+    trainer's): 1 + a + ... + a^γ, each drafted token taken as accepted with chance a once those before it
+    were. (Agreement comes in runs, so a token is accepted more often after accepted ones: the estimate is low
+    for longer chains, as EAGLE's per-level one is.)"""
+    a = ((meta.get("metrics") or {}).get("heldout") or {}).get("top1_agreement")
+    if not (is_number(a) and 0 <= a <= 1):
+        raise ModelLoadError(
+            f'shape_choice "measured" {where} needs metrics.heldout.top1_agreement (the trainer\'s held-out top-1 '
+            f"agreement with the target, in [0, 1]), got {a!r}"
+        )
+    return [
+        ShapeCandidate(gamma, sum(a**i for i in range(gamma + 1)), verify_tokens=gamma + 1, drafter_forwards=gamma)
+        for gamma in range(1, MAX_VERIFY_TOKENS)
+    ]
 
 
 def on_target_kernels(model: torch.nn.Module, config: DraftConfig, target: TargetInfo) -> torch.nn.Module:

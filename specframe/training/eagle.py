@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from specframe.errors import ConfigError, is_count
+from specframe.errors import ConfigError, is_count, is_number
 from specframe.fingerprint import target_fingerprint
 from specframe.training.common import TrainRunConfig, optimizer_step
 
@@ -353,13 +353,19 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
         "train_tokens": tokens,
         "heldout_sequences": len(held_seqs),
     }
+    # On a CPU the drafter drafts the 1-3 node shape timed fastest at load from these held-out levels (a
+    # GPU-sized tree there runs slower than plain decoding); on a GPU, the device's default tree.
+    measured = all(is_number(final["heldout"].get(k)) for k in LEVEL_KEYS)
     save_drafter(
         drafter.eval(),
         vocab_ids,
         target,
         out,
         final,
-        extra={"train_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}},
+        extra={
+            "train_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
+            **({"shape_choice": "measured"} if measured else {}),
+        },
     )
     log(f"saved to {cfg.out}")
     return final
