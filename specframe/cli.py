@@ -435,7 +435,11 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
     check_sampling(args.temperature, 0, 1.0, prefix="--")
     # (the benchmark's own questions are never training prompts, whatever file they come in)
     path = args.prompts or shared_data_file(DEFAULT_PROMPTS)
-    prompts = read_prompts(path, benchmark_turns=default_benchmark_turns())[: args.limit]
+    empty: list[str] = []
+    prompts = read_prompts(path, benchmark_turns=default_benchmark_turns(), empty=empty, limit=args.limit)
+    if empty:
+        shown = ", ".join(empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+        print(f"skipping {len(empty)} empty prompt{'s' * (len(empty) > 1)} in '{path}': {shown}", file=sys.stderr)
     if Path(args.out).is_file():  # (before the model loads; distill checks it again, then appends)
         read_distill(args.out, unfinished_tail=True)
     loaded = load_model(args.target, dtype=args.dtype, device=args.device, quiet=True)

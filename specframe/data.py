@@ -107,9 +107,17 @@ def record_id(line_of: dict[str, int], rid: str, where: str, number: int, hint: 
     line_of[rid] = number
 
 
-def read_prompts(path: str | Path, benchmark_turns: Iterable[str] = ()) -> list[dict]:
-    """Training prompts; refuses Spec-Bench's file and any prompt equal (up to whitespace) to one of
-    `benchmark_turns` (the benchmark's questions, when their file is at hand)."""
+def read_prompts(
+    path: str | Path,
+    benchmark_turns: Iterable[str] = (),
+    empty: list[str] | None = None,
+    limit: int | None = None,
+) -> list[dict]:
+    """Training prompts, the first `limit` of them (the whole file is checked all the same); refuses Spec-Bench's
+    file and any prompt equal (up to whitespace) to one of `benchmark_turns` (the benchmark's questions, when their
+    file is at hand). Empty prompts (all whitespace) are left out, and those among the prompts read have their
+    "id (line N)" appended to `empty` for the caller to report: a response to nothing teaches nothing, and real
+    prompt sets have them (the shared prompts file has one, a ShareGPT first turn)."""
     benchmark = {" ".join(t.split()) for t in benchmark_turns}
     rows = []
     line_of: dict[str, int] = {}
@@ -125,16 +133,20 @@ def read_prompts(path: str | Path, benchmark_turns: Iterable[str] = ()) -> list[
                 f"prompts file '{path}' line {number}: id '{pid}' has '#', which marks a further response "
                 "('<prompt id>#<tag>', `distill --tag`)"
             )
-        if not row["prompt"].strip():  # (generate refuses an empty prompt too; its response would teach nothing)
-            raise BadInputError(f"prompts file '{path}' line {number}: prompt '{pid}' is empty")
+        if not row["prompt"].strip():  # (after the id checks: a repeated id is refused even on an empty prompt)
+            if empty is not None and (limit is None or len(rows) < limit):
+                empty.append(f"{pid} (line {number})")
+            continue
         if " ".join(row["prompt"].split()) in benchmark:
             raise BadInputError(
                 f"prompts file '{path}' line {number}: prompt '{pid}' is a Spec-Bench question: never train on it"
             )
         rows.append(row)
     if not rows:
-        raise BadInputError(f"prompts file '{path}' holds no prompts (one JSON object per line: id, prompt)")
-    return rows
+        raise BadInputError(
+            f"prompts file '{path}' holds no prompts (one JSON object per line: id, prompt; empty ones do not count)"
+        )
+    return rows[:limit]
 
 
 def read_distill(path: str | Path, unfinished_tail: bool = False) -> list[DistillExample]:

@@ -276,7 +276,8 @@ def test_cli_refuses_a_bad_tag_before_loading_the_target(capsys, tmp_path):
         ([{"id": "a#s1", "prompt": "x"}], "line 1: id 'a#s1' has '#'"),
         ([{"id": "a", "prompt": "x"}, {"id": "b", "prompt": " What is  2+2? "}], "line 2: prompt 'b' is a Spec-Bench"),
         ([], "holds no prompts"),  # (an empty file was a successful run that added nothing)
-        ([{"id": "a", "prompt": "x"}, {"id": "b", "prompt": " \n"}], "line 2: prompt 'b' is empty"),
+        ([{"id": "b", "prompt": " \n"}], "holds no prompts .*empty ones do not count"),
+        ([{"id": "a", "prompt": ""}, {"id": "a", "prompt": "y"}], "line 2: id 'a' is already on line 1"),
     ],
 )
 def test_prompts_that_would_break_the_data_or_leak_the_benchmark_are_refused(tmp_path, rows, message):
@@ -365,3 +366,41 @@ def test_a_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
     assert list(read_jsonl(path, "data", unfinished_tail=True)) == [(1, {"a": 1})]
     with pytest.raises(BadInputError, match="is not a regular file"):
         list(read_jsonl("/dev/null", "questions file"))
+
+
+def test_empty_prompts_are_skipped_and_named(capsys, tmp_path):
+    # A response to an empty prompt teaches nothing; real prompt sets have them (the shared file has one), so
+    # distill leaves them out and says which, instead of refusing the whole file (as it did on 2026-12-05).
+    rows = [
+        {"id": "a", "prompt": "x"},
+        {"id": "b", "prompt": " \n"},
+        {"id": "c", "prompt": "y"},
+        {"id": "d", "prompt": ""},
+    ]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from specframe.data import read_prompts
+
+    empty = []
+    assert [r["id"] for r in read_prompts(tmp_path / "p.jsonl", empty=empty)] == ["a", "c"]
+    assert empty == ["b (line 2)", "d (line 4)"]
+    empty = []  # (with a limit, only the empty prompts before the last prompt read are said)
+    assert [r["id"] for r in read_prompts(tmp_path / "p.jsonl", empty=empty, limit=1)] == ["a"]
+    assert empty == []
+    assert [r["id"] for r in read_prompts(tmp_path / "p.jsonl", empty=empty, limit=2)] == ["a", "c"]
+    assert empty == ["b (line 2)"]
+    code = distill_with_absent_target(tmp_path, "--prompts", str(tmp_path / "p.jsonl"))
+    err = capsys.readouterr().err
+    assert code == 2 and f"skipping 2 empty prompts in '{tmp_path / 'p.jsonl'}': b (line 2), d (line 4)" in err
+
+
+def test_the_shared_prompts_file_reads_where_it_is_at_hand():
+    # The default prompts file must pass the checks `specframe data distill` runs before loading the target.
+    from specframe.bench import default_benchmark_turns
+    from specframe.data import DEFAULT_PROMPTS, read_prompts, shared_data_file
+
+    path = shared_data_file(DEFAULT_PROMPTS)
+    if not path.is_file():
+        pytest.skip(f"{path} is not at hand (it is never committed)")
+    empty = []
+    rows = read_prompts(path, benchmark_turns=default_benchmark_turns(), empty=empty)
+    assert len(rows) > 4000 and len(rows) + len(empty) == sum(1 for line in open(path) if line.strip())
