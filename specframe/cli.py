@@ -274,7 +274,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         s = result.stats
         print(
             f"[{cfg.proposer_name}] {s['new_tokens']} tokens, {s['target_forwards']} target forwards, "
-            f"mean accepted length {s['mean_accepted_length']:.2f}, {s['tokens_per_s']:.1f} tokens/s",
+            f"mean accepted length {s['mean_accepted_length']:.2f}, {s['tokens_per_s']:.1f} tokens/s"
+            f"{measured_shapes(decoder.proposer)}",
             file=sys.stderr,
         )
     if result.stats["finish_reason"] == "context":  # (never a silent cut: --json says it in its stats too)
@@ -285,6 +286,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def measured_shapes(proposer) -> str:
+    """The proposal shapes `proposer` (or a union's members) chose by timing this machine at load, for the stats
+    line ("" when none was: a saved or configured shape, or not a CPU); the benchmark gives the timings too."""
+    from specframe.bench import shape_choices
+
+    found = [c.split(" (measured")[0] for c in shape_choices(proposer) if "(measured" in c]
+    return f"; {', '.join(found)}, chosen by timing this CPU at load" if found else ""
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:

@@ -1,5 +1,7 @@
 """The offline default target, end to end (slow: loads SmolLM2-135M-Instruct, pulling it on first use)."""
 
+import re
+
 import pytest
 import torch
 
@@ -108,6 +110,14 @@ def test_shipped_artifacts_are_found_for_the_default_model_given_by_its_folder(c
         code = main(["generate", "--proposer", name, "--target", folder, "--max-new-tokens", "8", "--prompt", "Hi"])
         err = capsys.readouterr().err
         assert code == 0, (name, err)
+        # The shapes chosen by timing at load are said (the shipped draft has a saved γ: nothing to say).
+        said = re.search(r"tokens/s; (.*), chosen by timing this CPU at load$", err.strip().splitlines()[-1])
+        expected = {"medusa": r"medusa: \d-node tree", "eagle": r"eagle: (chain of \d|3-node tree)", "draft": None}
+        expected["union"] = expected["eagle"]
+        if expected[name] is None:
+            assert said is None, err
+        else:
+            assert said and re.fullmatch(expected[name] + r".*", said.group(1)), err
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
