@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from specframe.errors import BadInputError, ConfigError, check_field_types, user_path
 from specframe.sampling import check_sampling, check_seed, top_k_off_as_zero
@@ -444,7 +444,9 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or ""
         where = key if key == prefix or key.startswith(prefix + ".") else f"{prefix}.{key}" if key else prefix
-        raise ConfigError(f"{where}: {one_line(e)}") from e
+        hint = getattr(schema, "unknown_key_hint", None)  # (a schema's own word on a key it does not have)
+        more = hint(str(e.key), prefix) if isinstance(e, ConfigKeyError) and hint and e.key is not None else ""
+        raise ConfigError(f"{where}: {one_line(e)}{more}") from e
     except (TypeError, ValueError, AssertionError, LookupError) as e:  # a plugin's checks raising these, not
         # ConfigError (other exceptions are bugs, not bad input: they stay what they are)
         raise ConfigError(f"{prefix} ({schema.__name__}): {type(e).__name__}: {one_line(e)}") from e

@@ -174,6 +174,15 @@ def test_config_errors_name_the_key():
         UnionConfig(members=["draft"], options={"draft": {"no_such_key": 1}})
     with pytest.raises(ConfigError, match=r"^proposer\.options\.draft\.num_speculative_tokens must be >= 1"):
         UnionConfig(members=["draft"], options={"draft": {"num_speculative_tokens": 0}})
+    # A member's options given on the union itself are pointed to where they go; other unknown keys are not.
+    from specframe.config import load_config
+
+    with pytest.raises(ConfigError, match=r"^proposer\.eagle: .*go under proposer\.options\.eagle, e\.g\. proposer\."):
+        load_config(overrides=["proposer.name=union", "proposer.eagle.model=x"])
+    with pytest.raises(
+        ConfigError, match=r"^proposer\.membrs: Key 'membrs' not in 'UnionConfig'. Did you mean: 'members'\?$"
+    ):
+        load_config(overrides=["proposer.name=union", "proposer.membrs=[eagle]"])
 
 
 def test_a_member_that_is_installed_but_not_usable_is_named_so(monkeypatch):

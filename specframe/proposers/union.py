@@ -63,6 +63,15 @@ class UnionConfig:
     # `proposer.options.ngram.num_speculative_tokens=6`. Validated by that member's config class.
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
+    @staticmethod
+    def unknown_key_hint(key: str, prefix: str) -> str:
+        """Where a proposer's options go when given as a key of the union itself (`proposer.eagle.model=...`)."""
+        from specframe.plugins import get_registry
+
+        if key not in get_registry().names():
+            return ""
+        return f" (a member's options go under {prefix}.options.{key}, e.g. {prefix}.options.{key}.model=...)"
+
     def __post_init__(self) -> None:
         from specframe.config import structured
         from specframe.plugins import get_registry
