@@ -294,7 +294,7 @@ def measured_shapes(proposer) -> str:
     from specframe.bench import shape_choices
 
     found = [c.split(" (measured")[0] for c in shape_choices(proposer) if "(measured" in c]
-    return f"; {', '.join(found)}, chosen by timing this CPU at load" if found else ""
+    return f"; {', '.join(found)}, chosen at load from this CPU's timings" if found else ""
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:

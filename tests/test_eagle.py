@@ -233,6 +233,7 @@ def test_training_improves_heldout_top1_and_saves_only_the_drafter(trained):
     assert len(json.load(open(f"{cfg.out}/eagle_vocab.json"))) == 12
     assert len(list(Path(cfg.features_cache).glob("features-*.safetensors"))) == 1  # one shared extraction
     assert any(m.startswith("epoch 6:") for m in logs)
+    assert meta["shape_choice"] == "measured" and not any("cannot be chosen at load" in m for m in logs)
 
 
 def test_saved_drafter_round_trips_and_decodes_exactly(trained):
@@ -828,3 +829,20 @@ def test_a_drafter_may_have_its_cpu_shape_measured_on_the_machine(trained, tmp_p
     write({**meta, "shape_choice": "measure"})
     with pytest.raises(ModelLoadError, match=r"shape_choice in .*eagle_config.json must be one of saved, measured"):
         EagleProposer.from_config(config, info)
+
+
+def test_a_drafter_without_per_level_statistics_is_saved_without_a_measured_shape(tmp_path):
+    # Held-out responses too short for the third draft level give no top1_step3: no measured CPU shape can be
+    # chosen from them, so none is saved, and the log says which keys to set instead (else a CPU would draft the
+    # GPU-sized default tree, slower than plain decoding, unsaid).
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=1)
+    write_distill_data(tmp_path / "d.jsonl", target, n=40, response_length=1)
+    cfg = EagleTrainConfig(
+        data=str(tmp_path / "d.jsonl"), out=str(tmp_path / "eagle"), features_cache="", vocab_size=12, epochs=1,
+        batch_size=8, heldout_fraction=0.25,
+    )  # fmt: skip
+    logs = []
+    metrics = train_eagle(cfg, target, None, log=logs.append)
+    assert metrics["heldout"]["top1_step3"] is None and metrics["heldout"]["top1"] is not None
+    assert "shape_choice" not in json.loads((tmp_path / "eagle" / "eagle_config.json").read_text())
+    assert any("no per-level top-1 statistics" in m and "proposer.total_tokens" in m for m in logs), logs

@@ -177,7 +177,10 @@ def test_config_errors_name_the_key():
     # A member's options given on the union itself are pointed to where they go; other unknown keys are not.
     from specframe.config import load_config
 
-    with pytest.raises(ConfigError, match=r"^proposer\.eagle: .*go under proposer\.options\.eagle, e\.g\. proposer\."):
+    with pytest.raises(
+        ConfigError,
+        match=r"^proposer\.eagle: .*go under proposer\.options\.eagle: proposer\.options\.eagle\.OPTION=VALUE\)$",
+    ):
         load_config(overrides=["proposer.name=union", "proposer.eagle.model=x"])
     with pytest.raises(
         ConfigError, match=r"^proposer\.membrs: Key 'membrs' not in 'UnionConfig'. Did you mean: 'members'\?$"

@@ -70,7 +70,7 @@ class UnionConfig:
 
         if key not in get_registry().names():
             return ""
-        return f" (a member's options go under {prefix}.options.{key}, e.g. {prefix}.options.{key}.model=...)"
+        return f" (a member's options go under {prefix}.options.{key}: {prefix}.options.{key}.OPTION=VALUE)"
 
     def __post_init__(self) -> None:
         from specframe.config import structured

@@ -33,6 +33,15 @@ from specframe.fingerprint import artifact_kind, save_weights
 PATH_OPTIONS = ("data", "out", "features_cache", "init_from", "init_heads")
 
 
+# Logged when a trained artifact is saved without `"shape_choice": "measured"` (its held-out split was too small to
+# give the statistics the choice needs): then on a CPU it drafts the device's default shape, a GPU-sized one.
+NO_MEASURED_SHAPE = (
+    "note: the held-out split gave no {what} statistics, so this artifact's CPU shape cannot be chosen at load: on a "
+    "CPU it drafts the default shape, slower than plain decoding there; set {keys} when using it, or train with "
+    "more held-out text (heldout_fraction)"
+)
+
+
 @dataclass
 class TrainRunConfig:
     """The options every `specframe train --proposer NAME` shares; each trainer extends it (and may change a

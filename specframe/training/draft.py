@@ -20,10 +20,11 @@ from pathlib import Path
 
 import torch
 
-from specframe.errors import ConfigError, ModelLoadError, is_number
+from specframe.errors import ConfigError, ModelLoadError
 from specframe.fingerprint import artifact_kind, not_an_artifact, target_fingerprint
 from specframe.shared_draft import build_shared_draft, is_shared_draft, load_shared_draft, save_shared_draft
 from specframe.training.common import (
+    NO_MEASURED_SHAPE,
     Sequence,
     TrainRunConfig,
     collate,
@@ -231,8 +232,10 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
             "train_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
             # On a CPU the draft drafts the γ (1-3) timed fastest at load from its held-out agreement (γ = 4,
             # the default, runs slower than plain decoding there); elsewhere the default γ.
-            **({"shape_choice": "measured"} if is_number(history[-1].get("top1_agreement")) else {}),
+            **({"shape_choice": "measured"} if history[-1].get("positions") else {}),
         },
     )
+    if not history[-1].get("positions"):
+        log(NO_MEASURED_SHAPE.format(what="agreement", keys="proposer.num_speculative_tokens"))
     log(f"saved to {cfg.out}")
     return final

@@ -248,6 +248,7 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
 
     from specframe.proposers.eagle import build_drafter, save_drafter
     from specframe.training.common import (
+        NO_MEASURED_SHAPE,
         checkpoint_state,
         recovered,
         resume_from,
@@ -367,5 +368,8 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
             **({"shape_choice": "measured"} if measured else {}),
         },
     )
+    if not measured:
+        keys = "proposer.depth, proposer.top_k and proposer.total_tokens"
+        log(NO_MEASURED_SHAPE.format(what="per-level top-1", keys=keys))
     log(f"saved to {cfg.out}")
     return final

@@ -33,6 +33,7 @@ import torch
 from specframe.errors import ConfigError, ModelLoadError
 from specframe.fingerprint import mark_adapter, readable, target_fingerprint
 from specframe.training.common import (
+    NO_MEASURED_SHAPE,
     TrainRunConfig,
     on_device,
     optimizer_step,
@@ -248,6 +249,8 @@ def train_medusa(cfg: MedusaTrainConfig, target, tokenizer, resume: bool = False
     extra = {"train_config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()}, **extra}
     if final["heldout"]["path_counts"]["counts"]:  # (on a CPU: the 1-3 node tree timed fastest at load)
         extra["shape_choice"] = "measured"
+    else:
+        log(NO_MEASURED_SHAPE.format(what="path", keys="proposer.tree"))
     save_heads(
         heads,
         vocab_ids,
