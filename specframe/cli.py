@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--proposer", required=True, help="proposer name")
     t.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default {DEFAULT_TARGET})")
     t.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (training runs in float32)")
+    add_target_load_flags(t, "trained for")
     t.add_argument("--resume", action="store_true", help="continue from the output folder's checkpoint")
     t.add_argument(
         "--config", default=None, help="YAML of training options (e.g. the packaged train-eagle.yaml); KEY=VALUE win"
@@ -109,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default {DEFAULT_TARGET})")
     dist.add_argument("--dtype", default="bfloat16", help="target dtype for generation (bfloat16 is ~2x faster on CPU)")
     dist.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N (default auto)")
+    add_target_load_flags(dist, "answering")
     dist.add_argument("--limit", type=int, default=None, help="use the first N prompts (default: all)")
     dist.add_argument("--batch-size", type=int, default=32, help="sequences generated at once (default 32)")
     dist.add_argument("--max-new-tokens", type=int, default=128, help="longest response (default 128)")
@@ -395,6 +397,22 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+def add_target_load_flags(parser: argparse.ArgumentParser, role: str) -> None:
+    """--adapter and --trust-remote-code: how the target is loaded, as generate's target.adapter and
+    target.trust_remote_code say it."""
+    parser.add_argument(
+        "--adapter",
+        default=None,
+        help=f"PEFT adapter folder merged into the target at load (as generate's target.adapter): the model {role} "
+        "is the adapted one",
+    )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let transformers run the target's own model code (as target.trust_remote_code; off by default)",
+    )
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from specframe.config import recipe_for, structured
     from specframe.models import load_model
@@ -410,10 +428,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         given = next((o for o in args.overrides if o.split("=", 1)[0].split(".", 1)[0] == "target"), None)
         raise BadInputError(
             f"{given or f'--config {args.config} has a target section'}: train takes its target as --target MODEL "
-            "(and --device); it trains in float32, with the target as loaded from there"
+            "(and --device, --adapter, --trust-remote-code); it trains in float32, with the target as loaded from there"
         )
     config = structured(schema, recipe_for(entry.name, options, schema), "train")
-    loaded = load_model(args.target, dtype="float32", device=args.device, quiet=True)
+    loaded = load_model(
+        args.target,
+        dtype="float32",
+        device=args.device,
+        quiet=True,
+        adapter=args.adapter or None,
+        trust_remote_code=args.trust_remote_code,
+    )
     default = " (the default; --target chooses another)" if args.target == DEFAULT_TARGET else ""
     print(f"specframe: training {entry.name} for target {loaded.source}{default}", file=sys.stderr, flush=True)
     metrics = entry.cls.train(config, loaded.model, loaded.tokenizer, resume=args.resume)
@@ -452,7 +477,14 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
         print(f"skipping {len(empty)} empty prompt{'s' * (len(empty) > 1)} in '{path}': {shown}", file=sys.stderr)
     if Path(args.out).is_file():  # (before the model loads; distill checks it again, then appends)
         read_distill(args.out, unfinished_tail=True)
-    loaded = load_model(args.target, dtype=args.dtype, device=args.device, quiet=True)
+    loaded = load_model(
+        args.target,
+        dtype=args.dtype,
+        device=args.device,
+        quiet=True,
+        adapter=args.adapter or None,
+        trust_remote_code=args.trust_remote_code,
+    )
     if loaded.tokenizer is None:
         raise BadInputError(f"target '{args.target}' has no tokenizer: distillation needs one to encode the prompts")
     added = distill(
@@ -564,7 +596,7 @@ _show_warning = warnings.showwarning
 
 
 # Options that name files or folders: a leading `~` is the home folder there (model names are read by load_model).
-PATH_ARGUMENTS = ("out", "prompts", "questions", "results_doc", "render", "config")
+PATH_ARGUMENTS = ("out", "prompts", "questions", "results_doc", "render", "config", "adapter")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,8 @@
 import json
+import warnings
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from specframe.data import distill, read_distill
@@ -404,3 +406,48 @@ def test_the_shared_prompts_file_reads_where_it_is_at_hand():
     empty = []
     rows = read_prompts(path, benchmark_turns=default_benchmark_turns(), empty=empty)
     assert len(rows) > 4000 and len(rows) + len(empty) == sum(1 for line in open(path) if line.strip())
+
+
+def test_distill_and_train_for_a_target_with_an_adapter(capsys, tmp_path, tokenizer, tiny_dirs):
+    """`--adapter` (as generate's target.adapter): the responses and the trained drafter are the adapted target's,
+    fingerprinted as such, so `generate` with that adapter takes the drafter; Medusa-2, which trains an adapter of
+    its own, is refused on an adapted target."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from specframe.cli import main
+    from specframe.fingerprint import ADAPTER_KEY, data_fingerprint
+    from specframe.models import load_model
+
+    target = tmp_path / "target"
+    AutoModelForCausalLM.from_pretrained(tiny_dirs["target"]).save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    base = AutoModelForCausalLM.from_pretrained(target)
+    torch.manual_seed(0)
+    lora = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)  # (not a no-op merge)
+    with warnings.catch_warnings():  # (PEFT reads a property transformers deprecated)
+        warnings.simplefilter("ignore", FutureWarning)
+        get_peft_model(base, lora).save_pretrained(tmp_path / "adapter")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    out = tmp_path / "d.jsonl"
+    argv = ["data", "distill", "--target", str(target), "--adapter", str(tmp_path / "adapter"), "--prompts"]
+    argv += [str(prompts), "--out", str(out), "--dtype", "float32", "--device", "cpu", "--max-new-tokens", "6"]
+    assert main(argv) == 0, capsys.readouterr().err
+    adapted = load_model(str(target), dtype="float32", device="cpu", quiet=True, adapter=str(tmp_path / "adapter"))
+    plain = load_model(str(target), dtype="float32", device="cpu", quiet=True)
+    rows = read_distill(out)
+    assert rows and all(r.target == data_fingerprint(adapted.model) for r in rows)
+    assert data_fingerprint(adapted.model) != data_fingerprint(plain.model)
+    train = ["train", "--target", str(target), "--adapter", str(tmp_path / "adapter"), "--device", "cpu"]
+    options = [f"data={out}", "epochs=1", "vocab_size=6", "heldout_fraction=0.2", "features_cache="]
+    code = main([*train, "--proposer", "eagle", f"out={tmp_path / 'eagle'}", *options])
+    err = capsys.readouterr().err
+    assert code == 0 and "did not write" not in err and "another target" not in err, err
+    saved = json.loads((tmp_path / "eagle" / "eagle_config.json").read_text())["target"]
+    assert ADAPTER_KEY in saved and saved[ADAPTER_KEY] == adapted.model._specframe_fingerprint[ADAPTER_KEY]
+    code = main([*train, "--proposer", "medusa", f"out={tmp_path / 'm2'}", "stage=2", *options])
+    err = capsys.readouterr().err
+    assert code == 2 and "medusa stage 2 trains its own PEFT adapter, and this target already has one merged" in err
+    assert main(["train", "--proposer", "eagle", "--adapter", str(tmp_path / "nowhere"), "--target", str(target)]) == 2
+    assert "nowhere" in capsys.readouterr().err

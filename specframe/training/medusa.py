@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from specframe.errors import ConfigError, ModelLoadError
-from specframe.fingerprint import mark_adapter, readable, target_fingerprint
+from specframe.fingerprint import ADAPTER_KEY, mark_adapter, readable, target_fingerprint
 from specframe.training.common import (
     NO_MEASURED_SHAPE,
     TrainRunConfig,
@@ -362,6 +362,11 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     )
     target.requires_grad_(False)
     base_fingerprint = target_fingerprint(target)  # (before PEFT wraps its modules)
+    if ADAPTER_KEY in base_fingerprint:  # (generate merges one adapter: the target's or these heads', not both)
+        raise ConfigError(
+            "medusa stage 2 trains its own PEFT adapter, and this target already has one merged (--adapter / "
+            "target.adapter): train stage 2 on the base target, or stage 1 on this one"
+        )
     try:
         with warnings.catch_warnings():  # (PEFT reads a property transformers deprecated: not the user's to act on)
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
