@@ -148,6 +148,12 @@ def artifact_kind(folder: str | Path) -> str | None:
     return next((k for k in ARTIFACT_KINDS if (Path(folder) / f"{k}_config.json").is_file()), None)
 
 
+def is_checkpoint(folder: Path) -> bool:
+    """Whether `folder` is a training run's checkpoint (`specframe.training.common.save_checkpoint` writes its
+    state.json last: a folder with one is a whole checkpoint)."""
+    return (folder / "state.json").is_file()
+
+
 def not_an_artifact(folder: str | Path, kind: str) -> str:
     """Why `folder` holds no trained `kind` artifact, in words that follow its name in an error: it does not
     exist, is a file, holds another kind, or only an unfinished training run's checkpoint."""
@@ -161,7 +167,7 @@ def not_an_artifact(folder: str | Path, kind: str) -> str:
         return (
             f"holds a trained {other} artifact ({other}_config.json), not {'an' if kind == 'eagle' else 'a'} {kind} one"
         )
-    if (p / "checkpoint").is_dir() and (p / "checkpoint" / "state.json").is_file():
+    if is_checkpoint(p / "checkpoint"):
         return (
             f"holds only the checkpoint of an unfinished training run (`specframe train --proposer {kind} out={p} "
             "--resume`, with that run's other options, finishes it)"

@@ -542,10 +542,10 @@ def _load_hf_dir(path: Path, kwargs: dict[str, Any]) -> tuple[Any, Any]:
         ggufs = sorted(path.glob("*.gguf"))
         if ggufs:
             raise ModelLoadError(f"model directory {path} has no config.json; to load a GGUF name the file: {ggufs[0]}")
-        from specframe.fingerprint import artifact_kind
+        from specframe.fingerprint import artifact_kind, is_checkpoint
 
         kind = artifact_kind(path)
-        if (path / "state.json").is_file() and any(path.glob("optim.safetensors")):
+        if is_checkpoint(path):
             raise ModelLoadError(
                 f"{path} is a training run's checkpoint, not a model: give the run's out folder once training "
                 "has finished (or finish it with `specframe train ... --resume`)"
