@@ -652,3 +652,24 @@ def test_empty_data_is_refused_and_a_whole_vocabulary_is_said(tmp_path):
     train_draft(whole, target, None, log=logs.append)
     assert "train.vocab_size=100000 covers the target's whole vocabulary of 16 tokens" in logs
     assert load_shared_draft(tmp_path / "a", target)[1].numel() == 16
+
+
+def test_generate_names_the_gamma_a_trained_draft_chose_on_this_cpu(tmp_path, tiny_dirs, capsys):
+    # The stats line says what was timed at load (docs/training.md), and says nothing when γ is configured.
+    from specframe.cli import main
+    from specframe.models import load_model
+
+    target = load_model(str(tiny_dirs["target"]), dtype="float32", device="cpu", quiet=True).model
+    write_distill_data(tmp_path / "d.jsonl", target, n=30)
+    common = ["train", "--proposer", "draft", "--target", str(tiny_dirs["target"]), "--device", "cpu"]
+    options = [f"data={tmp_path / 'd.jsonl'}", f"out={tmp_path / 'draft'}", "layers=1", "vocab_size=6", "epochs=1"]
+    assert main([*common, *options, "heldout_fraction=0.2", "features_cache="]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    generate = ["generate", "--target", str(tiny_dirs["target"]), "--proposer", "draft", "--raw", "--prompt", "a b"]
+    generate += ["--max-new-tokens", "6", f"proposer.model={tmp_path / 'draft'}"]
+    assert main(generate) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(r"tokens/s; draft: γ = [123], chosen at load from this CPU's timings$", line), line
+    assert main([*generate, "proposer.num_speculative_tokens=2"]) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("[draft] ") and line.endswith(" tokens/s"), line
