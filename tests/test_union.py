@@ -239,6 +239,11 @@ def test_on_a_cpu_the_ngram_member_drafts_shorter_unless_told(info):
     )
     alone = get_registry().get("ngram").cls.config_class()
     assert elsewhere.members[1].config == alone and not hasattr(elsewhere, "shape_choice")
+    # `specframe check` builds the union with random weights: the members it checks are the ones that run there.
+    checked = UnionProposer.random(info, UnionConfig(members=["none", "ngram"]))
+    assert (checked.members[1].config.num_speculative_tokens, checked.members[1].config.max_candidates) == (6, 1)
+    checked = UnionProposer.random(dataclasses.replace(info, device="meta"), UnionConfig(members=["none", "ngram"]))
+    assert checked.members[1].config == alone
 
 
 def test_config_from_yaml_and_overrides():

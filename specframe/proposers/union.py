@@ -54,6 +54,21 @@ DEFAULT_MEMBERS = ("eagle", "ngram")
 CPU_MEMBER_OPTIONS = {"ngram": {"num_speculative_tokens": 6, "max_candidates": 1}}
 
 
+def member_configs_on(config: UnionConfig, device: torch.device | str) -> tuple[list[Any], list[str]]:
+    """Each member's config as it runs on `device`: on a CPU with CPU_MEMBER_OPTIONS filled in where
+    `proposer.options` does not set them; and those filled in, in words ("ngram num_speculative_tokens=6, ...")."""
+    configs, filled = [], []
+    for name, cfg in zip(config.members, config.member_configs, strict=True):
+        given = config.options.get(name) or {}
+        defaults = CPU_MEMBER_OPTIONS.get(name, {}) if torch.device(device).type == "cpu" else {}
+        defaults = {k: v for k, v in defaults.items() if k not in given and is_dataclass(cfg) and hasattr(cfg, k)}
+        if defaults:
+            cfg = replace(cfg, **defaults)
+            filled.append(f"{name} " + ", ".join(f"{k}={v}" for k, v in defaults.items()))
+        configs.append(cfg)
+    return configs, filled
+
+
 @dataclass
 class UnionConfig:
     # Member proposers by registered name, in order: their trees hang off the root in this order (earlier
@@ -194,14 +209,8 @@ class UnionProposer(Proposer):
 
         registry = get_registry()
         members = []
-        cpu_defaults = []  # (said in the bench's report through `shape_choice`)
-        for name, cfg in zip(config.members, config.member_configs, strict=True):
-            given = config.options.get(name) or {}
-            defaults = CPU_MEMBER_OPTIONS.get(name, {}) if torch.device(target.device).type == "cpu" else {}
-            defaults = {k: v for k, v in defaults.items() if k not in given and is_dataclass(cfg) and hasattr(cfg, k)}
-            if defaults:
-                cfg = replace(cfg, **defaults)
-                cpu_defaults.append(f"{name} " + ", ".join(f"{k}={v}" for k, v in defaults.items()))
+        configs, cpu_defaults = member_configs_on(config, target.device)  # (said in the bench's report)
+        for name, cfg in zip(config.members, configs, strict=True):
             try:
                 members.append(registry.get(name).cls.from_config(cfg, target))
             except BadInputError as e:  # keep the error's kind (exit code 2); say which member and which key
@@ -220,9 +229,10 @@ class UnionProposer(Proposer):
 
         config = config or UnionConfig()
         registry = get_registry()
+        configs, _ = member_configs_on(config, target.device)  # (as from_config: a check tests what runs there)
         members = [
             registry.get(name).cls.random(target, cfg, seed=seed + i)
-            for i, (name, cfg) in enumerate(zip(config.members, config.member_configs, strict=True))
+            for i, (name, cfg) in enumerate(zip(config.members, configs, strict=True))
         ]
         return cls(config, target, members)
 
