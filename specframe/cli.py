@@ -413,9 +413,23 @@ def add_target_load_flags(parser: argparse.ArgumentParser, role: str) -> None:
     )
 
 
+def load_target(args: argparse.Namespace, dtype: str):
+    """The target of `train` or `data distill`: --target on --device, loaded as the flags of
+    `add_target_load_flags` say."""
+    from specframe.models import load_model
+
+    return load_model(
+        args.target,
+        dtype=dtype,
+        device=args.device,
+        quiet=True,
+        adapter=args.adapter or None,
+        trust_remote_code=args.trust_remote_code,
+    )
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from specframe.config import recipe_for, structured
-    from specframe.models import load_model
     from specframe.plugins import get_registry
 
     entry = get_registry().get(args.proposer)
@@ -431,14 +445,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             "(and --device, --adapter, --trust-remote-code); it trains in float32, with the target as loaded from there"
         )
     config = structured(schema, recipe_for(entry.name, options, schema), "train")
-    loaded = load_model(
-        args.target,
-        dtype="float32",
-        device=args.device,
-        quiet=True,
-        adapter=args.adapter or None,
-        trust_remote_code=args.trust_remote_code,
-    )
+    loaded = load_target(args, dtype="float32")
     default = " (the default; --target chooses another)" if args.target == DEFAULT_TARGET else ""
     print(f"specframe: training {entry.name} for target {loaded.source}{default}", file=sys.stderr, flush=True)
     metrics = entry.cls.train(config, loaded.model, loaded.tokenizer, resume=args.resume)
@@ -458,7 +465,6 @@ def merged_options(path: str | None, overrides: list[str]) -> Any:
 def cmd_data_distill(args: argparse.Namespace) -> int:
     from specframe.bench import default_benchmark_turns
     from specframe.data import DEFAULT_PROMPTS, check_tag, distill, read_distill, read_prompts, shared_data_file
-    from specframe.models import load_model
     from specframe.sampling import check_sampling
 
     check_tag(args.tag)  # (distill checks these two too; here they fail before the model loads)
@@ -477,14 +483,7 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
         print(f"skipping {len(empty)} empty prompt{'s' * (len(empty) > 1)} in '{path}': {shown}", file=sys.stderr)
     if Path(args.out).is_file():  # (before the model loads; distill checks it again, then appends)
         read_distill(args.out, unfinished_tail=True)
-    loaded = load_model(
-        args.target,
-        dtype=args.dtype,
-        device=args.device,
-        quiet=True,
-        adapter=args.adapter or None,
-        trust_remote_code=args.trust_remote_code,
-    )
+    loaded = load_target(args, dtype=args.dtype)
     if loaded.tokenizer is None:
         raise BadInputError(f"target '{args.target}' has no tokenizer: distillation needs one to encode the prompts")
     added = distill(

@@ -154,8 +154,7 @@ class DraftProposer(Proposer):
             measure = check_shape_choice(meta.get("shape_choice"), f"{folder}/draft_config.json") == "measured"
             candidates = measured_gammas(meta, f"in {folder}/draft_config.json") if measure else []
             proposer = cls(config, target, model, vocab_ids=vocab_ids, saved_gamma=gamma, saved_threshold=threshold)
-            on_cpu = target.device.type == "cpu" and target.model is not None
-            if measure and on_cpu and config.num_speculative_tokens is None:
+            if measure and target.device.type == "cpu" and config.num_speculative_tokens is None:
                 proposer.use_fastest_gamma(candidates)
             return proposer
         try:
