@@ -293,9 +293,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def measured_shapes(proposer) -> str:
     """The proposal shapes `proposer` (or a union's members) chose by timing this machine at load, for the stats
     line ("" when none was: a saved or configured shape, or not a CPU); the benchmark gives the timings too."""
-    from specframe.bench import shape_choices
-
-    found = [c.split(" (measured")[0] for c in shape_choices(proposer) if "(measured" in c]
+    found, stack = [], [proposer]
+    while stack:
+        p = stack.pop(0)
+        if getattr(p, "measured_shape", None):
+            found.append(f"{p.name}: {p.measured_shape}")
+        stack += getattr(p, "members", None) or []
     return f"; {', '.join(found)}, chosen at load from this CPU's timings" if found else ""
 
 

@@ -203,17 +203,11 @@ def _number(value: Any, low: float, high: float) -> bool:
 
 
 def relative_cost(
-    call: Callable[[], Any],
-    costs: StepCosts,
-    timer: Callable[[], float] = time.perf_counter,
-    model: torch.nn.Module | None = None,
+    call: Callable[[], Any], model: torch.nn.Module, timer: Callable[[], float] = time.perf_counter
 ) -> float:
-    """`call`'s time (fastest of REPEATS after a warm-up) in one-token forwards of the target: with `model` (the
-    target), forwards timed now, alternating with the calls, so that a busy moment slows both alike (against
-    `costs`' kept time, one would make a drafter step look several times dearer than it is); else the time in
-    `costs`."""
-    if model is None:
-        return _time_min({0: call}, timer)[0] / costs.one_token_s
+    """`call`'s time in one-token forwards of the target `model` (fastest of REPEATS after a warm-up, each),
+    the forwards timed now, alternating with the calls, so that a busy moment slows both alike (against a kept
+    one-token time, one would make a drafter step look several times dearer than it is)."""
     times = _time_min({"call": call, "target": _forward_calls(model, (1,))[1]}, timer)
     return times["call"] / max(times["target"], 1e-9)
 

@@ -804,11 +804,11 @@ def test_a_drafter_may_have_its_cpu_shape_measured_on_the_machine(trained, tmp_p
     expected = {3: (three, "3-node tree over 2 levels"), 1: ((1, 1, 1), "chain of 1"), 2: ((2, 1, 2), "chain of 2")}
     for relative, nodes in (((1.0, 1.0, 1.0, 1.0), 3), ((1.0, 1.0, 9.0, 9.0), 1), ((1.0, 1.0, 1.05, 9.0), 2)):
         monkeypatch.setattr(eagle, "measure_step_costs", lambda model, r=relative: StepCosts(0.01, r))
-        monkeypatch.setattr(eagle, "relative_cost", lambda call, costs, model: call() or 0.0)  # (the step runs)
+        monkeypatch.setattr(eagle, "relative_cost", lambda call, model: call() or 0.0)  # (the step runs)
         p = EagleProposer.from_config(config, info)
         shape, described = expected[nodes]
         assert (p.depth, p.top_k, p.total_tokens) == shape and p.shape_choice.startswith(described), relative
-        assert "(measured: 3 shapes" in p.shape_choice
+        assert "(measured: 3 shapes" in p.shape_choice and p.measured_shape.startswith(described)
         dec = SpeculativeDecoder(target, p)  # it decodes, and exactly (as every shape)
         got = dec.generate([1, 2, 3], max_new_tokens=10)
         assert got.token_ids == reference_greedy(target, [1, 2, 3], 10)

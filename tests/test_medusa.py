@@ -453,6 +453,7 @@ def test_heads_may_have_their_cpu_tree_measured_on_the_machine(trained, tmp_path
         monkeypatch.setattr(medusa, "measure_step_costs", lambda model, r=relative: StepCosts(0.01, r))
         p = MedusaProposer.from_config(config, info)
         assert p.tree == best_tree(counts, nodes) and p.shape_choice.startswith(f"{nodes}-node tree (measured"), nodes
+        assert p.measured_shape == f"{nodes}-node tree"
         dec = SpeculativeDecoder(target, p)
         assert dec.generate([1, 2, 3], max_new_tokens=10).token_ids == reference_greedy(target, [1, 2, 3], 10)
     # Two nodes win when a third token costs more than its expected gain and a second one costs nothing.

@@ -129,6 +129,7 @@ class DraftProposer(Proposer):
         self.cached = 0  # how many leading tokens of the sequence the draft's cache holds
         self.fed_drafts = 0  # drafted tokens of the last proposal that were fed into the draft's cache
         self.shape_choice: str | None = None  # how γ was measured on this machine (use_fastest_gamma)
+        self.measured_shape: str | None = None  # that γ in a few words, "γ = 2" (None: not measured)
 
     @classmethod
     def from_config(cls, config: DraftConfig, target: TargetInfo) -> DraftProposer:
@@ -201,11 +202,13 @@ class DraftProposer(Proposer):
                 out.logits[0, -1].float()
                 cache.crop(-1)
 
-            draft_cost = relative_cost(step, costs, model=self.target.model)
+            draft_cost = relative_cost(step, self.target.model)
         best = fastest_shape(candidates, costs, draft_cost)
         self.gamma = best.shape
+        self.measured_shape = f"γ = {best.shape}"
         self.shape_choice = (
-            f"γ = {best.shape} (measured: γ of 1-{len(candidates)}, {costs.describe()}, a draft step {draft_cost:.2f})"
+            f"{self.measured_shape} (measured: γ of 1-{len(candidates)}, {costs.describe()}, "
+            f"a draft step {draft_cost:.2f})"
         )
         return best
 

@@ -443,6 +443,7 @@ class EagleProposer(Proposer):
         if config.tree:
             self._fit_tree_shape(config, vocab_ids.numel())
         self.shape_choice: str | None = None  # how the shape was measured on this machine (use_fastest_shape)
+        self.measured_shape: str | None = None  # that shape in a few words, e.g. "chain of 2" (None: not measured)
         threshold = resolve_confidence_threshold(
             config.confidence_threshold,
             shape.get("confidence_threshold"),
@@ -581,11 +582,12 @@ class EagleProposer(Proposer):
                 self.drafter.logits(out[0])
                 cache.crop(-1)
 
-            drafter_cost = relative_cost(step, costs, model=self.target.model)
+            drafter_cost = relative_cost(step, self.target.model)
         best = fastest_shape(candidates, costs, drafter_cost)
         self.depth, self.top_k, self.total_tokens = best.shape
+        self.measured_shape = best.shape.describe()
         self.shape_choice = (
-            f"{best.shape.describe()} (measured: {len(candidates)} shapes, {costs.describe()}, a drafter step "
+            f"{self.measured_shape} (measured: {len(candidates)} shapes, {costs.describe()}, a drafter step "
             f"{drafter_cost:.2f})"
         )
         return best

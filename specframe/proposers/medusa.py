@@ -315,6 +315,7 @@ class MedusaProposer(Proposer):
         self.used_heads = len(tree[-1])
         self.feature: torch.Tensor | None = None  # h at the position that produced the current root
         self.shape_choice: str | None = None  # how the tree was measured on this machine (fastest_tree)
+        self.measured_shape: str | None = None  # that tree in a few words, "2-node tree" (None: not measured)
         self.threshold = resolve_confidence_threshold(
             config.confidence_threshold, saved_threshold, "the confidence_threshold saved with the heads"
         )  # minimum path probability of a proposed node
@@ -371,6 +372,7 @@ class MedusaProposer(Proposer):
         check_confidence_threshold(saved, f"confidence_threshold in {path}/medusa_config.json")
         proposer = cls(config, target, heads, vocab_ids, tree, saved)
         proposer.shape_choice = measured
+        proposer.measured_shape = f"{len(tree)}-node tree" if measured else None
         return proposer
 
     @classmethod

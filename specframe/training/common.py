@@ -322,7 +322,9 @@ def resuming_from(
         # (checkpoints from before 2026-12-05 record no target)
         differ = [k for k in RUN_PARTS if (k in saved or k != "target") and saved.get(k) != run.get(k)]
         if differ:
-            raise ConfigError(f"the checkpoint in {ckpt} was trained with another {RUN_PARTS[differ[0]]}: {again}")
+            k = differ[0]
+            values = f": {saved[k]!r} then, {run.get(k)!r} now;" if k in ("seed", "max_length") else ":"
+            raise ConfigError(f"the checkpoint in {ckpt} was trained with another {RUN_PARTS[k]}{values} {again}")
         old, new = saved.get("options", {}), run.get("options", {})  # (checkpoints from before 2026-12-02: none)
         for k in sorted(old.keys() & new.keys()):
             if old[k] != new[k]:
