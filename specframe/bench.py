@@ -843,9 +843,10 @@ def timed_loop(
     they are made, when given), the failed methods and the questions that ran."""
     methods = list(setup.methods)
     failed: dict[str, str] = {}
+    first_turn_ids: dict[int, list[int]] = {}  # (the same for every method)
     for q in questions:  # a first turn longer than the context window: said now, not after the ones before it ran
         try:
-            conversation_ids(setup.encoder, q.turns[:1], [])
+            first_turn_ids[q.question_id] = conversation_ids(setup.encoder, q.turns[:1], [])
         except BadInputError as e:
             window = " (leave it out of --questions, or give a target with a longer one)" if "window" in str(e) else ""
             raise BadInputError(f"question {q.question_id} ({q.subtask}): {e}{window}") from e
@@ -881,7 +882,11 @@ def timed_loop(
                 answers: list[str] = []
                 try:
                     for turn in range(len(q.turns)):
-                        ids = conversation_ids(setup.encoder, q.turns[: turn + 1], answers)
+                        ids = (
+                            list(first_turn_ids[q.question_id])  # (a copy per method)
+                            if turn == 0
+                            else conversation_ids(setup.encoder, q.turns[: turn + 1], answers)
+                        )
                         out = m.run(ids, options.max_new_tokens, options.seed + 10 * q.question_id + turn)
                         answers.append(setup.tokenizer.decode(out.token_ids, skip_special_tokens=True).strip())
                         records.append(record(m, q, turn, ids, out))
