@@ -417,6 +417,11 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
                 for f in schema_fields
                 if str(f.type).removeprefix("typing.").startswith(("list[", "tuple[", "List[", "Tuple["))
             }
+            mapping_fields = {  # {name: an example key below it, from the field's metadata, or ""}
+                f.name: f.metadata.get("example", "")
+                for f in schema_fields
+                if str(f.type).removeprefix("typing.").startswith(("dict[", "Dict["))
+            }
             for key in values:
                 if OmegaConf.is_missing(values, key):  # `???` in YAML: the user must set it
                     raise ConfigError(f"{prefix}.{key}: missing mandatory value (set it with {prefix}.{key}=...)")
@@ -434,6 +439,11 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
                             f"(set a list field whole, e.g. {prefix}.{key}=[a,b])"
                         )
                     raise ConfigError(f"{prefix}.{key} must be a list, e.g. {prefix}.{key}=[{given}], got {given!r}")
+                if key in mapping_fields and not isinstance(values[key], DictConfig | None):
+                    given = values[key]
+                    given = OmegaConf.to_container(given) if isinstance(given, ListConfig) else given
+                    example = f" (e.g. {prefix}.{key}.{mapping_fields[key]})" if mapping_fields[key] else ""
+                    raise ConfigError(f"{prefix}.{key} must be a mapping{example}, got {given!r}")
             base = OmegaConf.merge(base, values)
         unset = [key for key in base if OmegaConf.is_missing(base, key)]  # (a schema field with no default)
         if unset:

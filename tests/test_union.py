@@ -1,5 +1,7 @@
 """`union`: merging members' trees, telling each member what it needs, config errors, and exactness."""
 
+import re
+
 import pytest
 import torch
 
@@ -186,6 +188,12 @@ def test_config_errors_name_the_key():
         ConfigError, match=r"^proposer\.membrs: Key 'membrs' not in 'UnionConfig'. Did you mean: 'members'\?$"
     ):
         load_config(overrides=["proposer.name=union", "proposer.membrs=[eagle]"])
+    for given in ("[1]", "3"):  # (OmegaConf's own words were "Cannot merge incompatible container types")
+        example = r"\(e\.g\. proposer\.options\.ngram\.num_speculative_tokens=6\)"
+        with pytest.raises(
+            ConfigError, match=rf"^proposer\.options must be a mapping {example}, got {re.escape(given)}$"
+        ):
+            load_config(overrides=["proposer.name=union", f"proposer.options={given}"])
 
 
 def test_a_member_that_is_installed_but_not_usable_is_named_so(monkeypatch):

@@ -76,7 +76,9 @@ class UnionConfig:
     members: list[str] = field(default_factory=lambda: list(DEFAULT_MEMBERS))
     # Each member's own options by member name, e.g. {ngram: {num_speculative_tokens: 6}}, on the command line
     # `proposer.options.ngram.num_speculative_tokens=6`. Validated by that member's config class.
-    options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    options: dict[str, dict[str, Any]] = field(
+        default_factory=dict, metadata={"example": "ngram.num_speculative_tokens=6"}
+    )
 
     @staticmethod
     def unknown_key_hint(key: str, prefix: str) -> str:
