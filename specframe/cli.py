@@ -434,6 +434,7 @@ def load_target(args: argparse.Namespace, dtype: str):
 def cmd_train(args: argparse.Namespace) -> int:
     from specframe.config import recipe_for, structured
     from specframe.plugins import get_registry
+    from specframe.training.common import TrainRunConfig, check_run_inputs
 
     entry = get_registry().get(args.proposer)
     if entry.cls.train_config_class is None:
@@ -448,6 +449,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             "(and --device, --adapter, --trust-remote-code); it trains in float32, with the target as loaded from there"
         )
     config = structured(schema, recipe_for(entry.name, options, schema), "train")
+    if isinstance(config, TrainRunConfig):  # (a built-in trainer's data and checkpoint: said before the target loads)
+        check_run_inputs(config, args.resume)
     loaded = load_target(args, dtype="float32")
     default = " (the default; --target chooses another)" if args.target == DEFAULT_TARGET else ""
     print(f"specframe: training {entry.name} for target {loaded.source}{default}", file=sys.stderr, flush=True)

@@ -64,12 +64,8 @@ class DistillExample:
         self.prompt_id = self.prompt_id or self.id
 
 
-def read_jsonl(
-    path: str | Path, what: str, hint: str = "", unfinished_tail: bool = False
-) -> Iterator[tuple[int, dict]]:
-    """(line number, object) for each non-blank line; a missing file or bad JSON is a BadInputError naming
-    `what` (e.g. "prompts file"), the file and the line. With `unfinished_tail`, a last line that has no line
-    end and is not JSON (an interrupted write) is skipped."""
+def existing_file(path: str | Path, what: str, hint: str = "") -> Path:
+    """`path` (with ~ expanded) when it is a regular file, else a BadInputError naming `what` and the path."""
     p = Path(user_path(str(path)))
     if p.is_dir():
         raise BadInputError(f"{what} '{path}' is a folder, not a file{hint}")
@@ -77,6 +73,16 @@ def read_jsonl(
         raise BadInputError(f"{what} '{path}' does not exist{hint}")
     if not p.is_file():
         raise BadInputError(f"{what} '{path}' is not a regular file{hint}")
+    return p
+
+
+def read_jsonl(
+    path: str | Path, what: str, hint: str = "", unfinished_tail: bool = False
+) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for each non-blank line; a missing file or bad JSON is a BadInputError naming
+    `what` (e.g. "prompts file"), the file and the line. With `unfinished_tail`, a last line that has no line
+    end and is not JSON (an interrupted write) is skipped."""
+    p = existing_file(path, what, hint)
     with p.open("rb") as f:
         for number, raw in enumerate(f, 1):
             try:
@@ -149,14 +155,15 @@ def read_prompts(
     return rows[:limit]
 
 
+DISTILL_HINT = " (make it with `specframe data distill`)"  # (after a distillation data file's errors)
+
+
 def read_distill(path: str | Path, unfinished_tail: bool = False) -> list[DistillExample]:
     """The rows of a distillation data file (`unfinished_tail`: as `read_jsonl`'s)."""
     out = []
     line_of: dict[str, int] = {}
     repeated = " (a further response to a prompt needs its own id: `distill --tag`)"
-    for number, row in read_jsonl(
-        path, "distillation data", " (make it with `specframe data distill`)", unfinished_tail
-    ):
+    for number, row in read_jsonl(path, "distillation data", DISTILL_HINT, unfinished_tail):
         try:
             example = DistillExample(
                 str(row["id"]),

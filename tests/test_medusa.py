@@ -407,6 +407,12 @@ def test_cli_trains_medusa(tmp_path, tiny_dirs, capsys):
     code = main(["train", "--proposer", "medusa", "--target", "/nonexistent", "--config", "train-draft.yaml"])
     err = capsys.readouterr().err
     assert code == 2 and "for proposer 'draft' (their `proposer` key), not 'medusa'" in err, err
+    # so are a missing data file and, with --resume, a missing checkpoint (the target at /nonexistent never loads)
+    nowhere = ["train", "--proposer", "medusa", "--target", "/nonexistent", f"out={tmp_path / 'none'}"]
+    assert main([*nowhere, f"data={tmp_path / 'no.jsonl'}"]) == 2
+    assert "distillation data '" in capsys.readouterr().err
+    assert main([*nowhere, f"data={tmp_path / 'd.jsonl'}", "--resume"]) == 2
+    assert "--resume: no checkpoint in " in capsys.readouterr().err
 
 
 def test_a_tree_tuned_on_a_cpu_is_rebuilt_for_other_devices(trained, tmp_path):

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from specframe.data import DistillExample
+from specframe.data import DISTILL_HINT, DistillExample, existing_file
 from specframe.errors import (
     BadInputError,
     ConfigError,
@@ -254,6 +254,8 @@ def check_checkpoint_params(folder: Path, named_params: dict[str, torch.Tensor])
         )
 
 
+NO_CHECKPOINT = "--resume: no checkpoint in {ckpt} (train without --resume to start a new run)"
+
 RUN_PARTS = {  # what a resumed run must share with its checkpoint (`run_identity`), in words, most specific first
     "target": "target (the weights of --target / target.model differ from those it was trained with)",
     "seed": "seed (it splits the data and orders the batches)",
@@ -304,6 +306,15 @@ def run_identity(
     }
 
 
+def check_run_inputs(cfg: TrainRunConfig, resume: bool) -> None:
+    """What a run needs that is cheap to check before the target loads (`specframe train`): its data file, and
+    with `resume`, a checkpoint in its out folder (both checked again, in full, by the trainer)."""
+    existing_file(cfg.data, "distillation data", DISTILL_HINT)
+    ckpt = recovered(Path(cfg.out) / "checkpoint")
+    if resume and not (ckpt / "state.json").is_file():
+        raise ConfigError(NO_CHECKPOINT.format(ckpt=ckpt))
+
+
 def resuming_from(
     ckpt: Path, named_params: dict[str, torch.Tensor], resume: bool, run: dict, epochs: int | None = None
 ) -> bool:
@@ -314,7 +325,7 @@ def resuming_from(
         check_new_run(ckpt)
         return False
     if not (ckpt / "state.json").is_file():  # (a mistyped `out` never silently starts a new run)
-        raise ConfigError(f"--resume: no checkpoint in {ckpt} (train without --resume to start a new run)")
+        raise ConfigError(NO_CHECKPOINT.format(ckpt=ckpt))
     state = checkpoint_state(ckpt)
     saved = state.get("run")
     again = "resume with the same data and options, or train into a new out folder"
