@@ -14,7 +14,16 @@ from specframe.acceptance import TreeAcceptance
 from specframe.config import stop_strings
 from specframe.cpu_kernels import ATTENTION, fast_kernels_on
 from specframe.cuda_graphs import graphed_target
-from specframe.errors import BadInputError, ProposerError, SpecframeError, brief, is_count, is_integer, is_number
+from specframe.errors import (
+    BadInputError,
+    ConfigError,
+    ProposerError,
+    SpecframeError,
+    brief,
+    is_count,
+    is_integer,
+    is_number,
+)
 from specframe.kv_cache import keep_positions, new_cache, tree_attention_mask
 from specframe.lean_forward import engine_forward
 from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo, validate_proposal
@@ -139,12 +148,18 @@ class SpeculativeDecoder:
                 f"SpeculativeDecoder.from_config takes a SpecframeConfig, got a {type(cfg).__name__}: make one with "
                 "specframe.config.load_config(path, ['proposer.name=eagle', ...])"
             )
+        entry = get_registry().get(cfg.proposer_name)
+        options = entry.cls.config_class() if cfg.proposer is None else cfg.proposer  # (a hand-built config)
+        if not isinstance(options, entry.cls.config_class):
+            raise ConfigError(
+                f"SpecframeConfig.proposer must be proposer '{entry.name}''s {entry.cls.config_class.__name__} "
+                f"(or None for its defaults), got a {type(options).__name__}"
+            )
         t = cfg.target
         loaded = load_target(t)
-        entry = get_registry().get(cfg.proposer_name)
         info = target_info(loaded.model, loaded.tokenizer, t.model)
         try:
-            proposer = entry.cls.from_config(cfg.proposer, info)
+            proposer = entry.cls.from_config(options, info)
         except SpecframeError:
             raise
         except Exception as e:  # a plugin's own bug: name it

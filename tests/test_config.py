@@ -282,10 +282,20 @@ def test_interpolations_cross_sections_and_reach_defaults(tmp_path):
         load_config(None, ["foo=${bar}"])
 
 
-def test_the_python_api_says_what_it_takes():
+def test_the_python_api_says_what_it_takes(tiny_dirs):
     from specframe import SpeculativeDecoder
+    from specframe.config import SpecframeConfig, TargetConfig
+    from specframe.proposers.draft import DraftConfig
 
     with pytest.raises(BadInputError, match="from_config takes a SpecframeConfig, got a dict: make one with"):
         SpeculativeDecoder.from_config({"proposer": {"name": "none"}})
+    # A hand-built SpecframeConfig: no proposer options are the proposer's defaults; another's are refused by name
+    # (before: "proposer 'draft' (plugin 'builtin') failed to build: 'NoneType' object has no attribute 'model'").
+    target = TargetConfig(model=str(tiny_dirs["target"]), device="cpu")
+    decoder = SpeculativeDecoder.from_config(SpecframeConfig(target=target, proposer_name="none"))
+    assert decoder.generate([1, 2], max_new_tokens=3).stats["new_tokens"] == 3
+    wrong = SpecframeConfig(target=TargetConfig(model="/nonexistent"), proposer_name="none", proposer=DraftConfig())
+    with pytest.raises(ConfigError, match="SpecframeConfig.proposer must be proposer 'none''s .*got a DraftConfig"):
+        SpeculativeDecoder.from_config(wrong)
     with pytest.raises(ConfigError, match="load_config takes a YAML file's path .* got a dict for the path"):
         load_config({"a": 1})
