@@ -259,6 +259,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     # (from standard input without the line end that `echo` or a file's last line adds, as --prompt has none)
+    if args.prompt is None and sys.stdin.isatty():  # (else it would wait without a word)
+        print(
+            "specframe: reading the prompt from standard input (end it with Ctrl-D; or give --prompt)", file=sys.stderr
+        )
     prompt = args.prompt if args.prompt is not None else sys.stdin.read().removesuffix("\n").removesuffix("\r")
     if not prompt.strip():
         raise BadInputError("the prompt is empty")

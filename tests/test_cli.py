@@ -1,3 +1,4 @@
+import io
 import json
 import subprocess
 import sys
@@ -9,8 +10,6 @@ from specframe.cli import main
 
 def run(capsys, *argv, stdin=None, monkeypatch=None):
     if stdin is not None:
-        import io
-
         monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
     code = main(list(argv))
     out, err = capsys.readouterr()
@@ -72,8 +71,16 @@ def test_generate_plain_text_and_stdin_prompt(capsys, tiny_dirs, monkeypatch):
     prompts, generate = [], SpeculativeDecoder.generate
     spy = lambda self, p, **kw: prompts.append(p) or generate(self, p, **kw)  # noqa: E731
     monkeypatch.setattr(SpeculativeDecoder, "generate", spy)
-    code, _, _ = run(capsys, *gen_args(tiny_dirs, "--proposer", "none"), stdin="a b\n", monkeypatch=monkeypatch)
-    assert code == 0 and prompts == ["a b"]
+    code, _, err = run(capsys, *gen_args(tiny_dirs, "--proposer", "none"), stdin="a b\n", monkeypatch=monkeypatch)
+    assert code == 0 and prompts == ["a b"] and "reading the prompt" not in err  # (a pipe: no word)
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Terminal("a b"))  # at a terminal, it says why it waits
+    code, _, err = run(capsys, *gen_args(tiny_dirs, "--proposer", "none"))
+    assert code == 0 and "specframe: reading the prompt from standard input (end it with Ctrl-D" in err
 
 
 def test_the_cli_s_default_target_is_the_models_default_alias():
