@@ -109,7 +109,7 @@ def find_config(path: str | Path) -> Path:
     if p.is_dir():
         raise ConfigError(f"config file '{path}' is a folder, not a YAML file")
     packaged = resources.files("specframe.configs") / p.name
-    if not p.is_absolute() and packaged.is_file():
+    if str(path) == p.name and packaged.is_file():  # (a bare name only: `typo/eagle.yaml` is not `eagle.yaml`)
         return Path(str(packaged))
     raise ConfigError(f"config file '{path}' does not exist (packaged configs: {', '.join(packaged_configs())})")
 

@@ -145,6 +145,10 @@ def test_shipped_config_files_load():
 def test_missing_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/no/such.yaml")
+    # Only a bare name is a packaged config: a path in a folder that does not exist is not its file name's
+    # packaged config (that loaded eagle.yaml for `typo/eagle.yaml`, without a word).
+    with pytest.raises(ConfigError, match="config file 'typo/eagle.yaml' does not exist"):
+        load_config("typo/eagle.yaml")
 
 
 @pytest.mark.parametrize("text", ["target: [unclosed\n", "target:\n\tmodel: x\n"])
