@@ -171,6 +171,8 @@ class BenchOptions:
         ):
             if value is not None and not is_count(value):
                 raise BadInputError(f"--{name} must be an integer >= 1, got {value!r}")
+        if self.threads is not None and self.threads >= 2**31:  # (torch.set_num_threads takes a C int)
+            raise BadInputError(f"--threads must be below 2**31, got {self.threads}")
         limit = self.time_limit_s
         number = isinstance(limit, (int, float)) and not isinstance(limit, bool)
         if limit is not None and not (number and 0 < limit < math.inf):

@@ -475,7 +475,7 @@ def merged_options(path: str | None, overrides: list[str]) -> Any:
 def cmd_data_distill(args: argparse.Namespace) -> int:
     from specframe.bench import default_benchmark_turns
     from specframe.data import DEFAULT_PROMPTS, check_tag, distill, read_distill, read_prompts, shared_data_file
-    from specframe.sampling import check_sampling
+    from specframe.sampling import check_sampling, check_seed
 
     check_tag(args.tag)  # (distill checks these two too; here they fail before the model loads)
     check_output_path(args.out, "--out", folder=False)
@@ -484,6 +484,7 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise BadInputError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     check_sampling(args.temperature, 0, 1.0, prefix="--")
+    check_seed(args.seed, "--seed", unset="")
     # (the benchmark's own questions are never training prompts, whatever file they come in)
     path = args.prompts or shared_data_file(DEFAULT_PROMPTS)
     empty: list[str] = []

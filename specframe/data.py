@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from specframe.errors import BadInputError, check_output_path, is_count, user_path
+from specframe.sampling import check_seed
 
 SHARED_DATA = Path("..") / "shared" / "data"  # from the project root
 DEFAULT_PROMPTS = "train_prompts/prompts.jsonl"  # under SHARED_DATA
@@ -273,6 +274,7 @@ def distill(
     from specframe.models import neutral_generation_config
 
     check_tag(tag)
+    check_seed(seed, "seed", unset="")
     if not raw and not getattr(tokenizer, "chat_template", None):
         raise BadInputError(
             "the target's tokenizer has no chat template: distill applies it to every prompt, as specframe generate "

@@ -35,10 +35,10 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def check_seed(seed: object, key: str = "sampling.seed") -> None:
+def check_seed(seed: object, key: str = "sampling.seed", unset: str = " or unset (a fresh seed)") -> None:
     """Raise ConfigError naming `key` unless `seed` is None or an integer a torch.Generator takes."""
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64):
-        raise ConfigError(f"{key} must be an integer in [-2**63, 2**64) or unset (a fresh seed), got {seed!r}")
+        raise ConfigError(f"{key} must be an integer in [-2**63, 2**64){unset}, got {seed!r}")
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float, prefix: str = "sampling.") -> None:

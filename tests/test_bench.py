@@ -420,6 +420,7 @@ def test_a_config_file_sets_options_and_flags_win(tiny_dirs, questions, tmp_path
             "union: Key 'proposer' not in 'UnionConfig' (bench takes a proposer's keys as union.<key>",
         ),
         (["--seed", str(10**23), "--temperature", "1"], "--seed must be an integer in [-2**63, 2**63)"),
+        (["--threads", str(10**20)], "--threads must be below 2**31"),  # (was torch's "Overflow", exit 1)
         # a flag and an override that disagree (before: the flag won silently; the record held both)
         (["--proposers", "none", "--dtype", "float32", "target.dtype=bfloat16"], "--dtype float32 and the override"),
         (["--proposers", "none", "target.model=/elsewhere"], "and the override target.model=/elsewhere set target"),

@@ -269,6 +269,9 @@ def test_cli_refuses_a_bad_tag_before_loading_the_target(capsys, tmp_path):
     code = distill_with_absent_target(tmp_path, "--prompts", str(tmp_path / "absent.jsonl"), "--tag", "a b")
     err = capsys.readouterr().err
     assert code == 2 and "distill tag" in err and "absent" not in err
+    code = distill_with_absent_target(tmp_path, "--prompts", str(tmp_path / "absent.jsonl"), "--seed", str(10**23))
+    err = capsys.readouterr().err  # (at --temperature 0 too: it was torch's "Overflow", exit 1, after the load)
+    assert code == 2 and "--seed must be an integer in [-2**63, 2**64), got 1000" in err and "absent" not in err
 
 
 @pytest.mark.parametrize(

@@ -458,6 +458,9 @@ def test_output_folders_that_cannot_be_written_are_refused_before_training(tmp_p
         DraftTrainConfig(features_cache=str(tmp_path / "file"))
     with pytest.raises(ConfigError, match="train.out '.*file' is a file; it must name a folder"):
         DraftTrainConfig(out=str(tmp_path / "file"))
+    # (a seed torch.manual_seed cannot take: it was torch's "Overflow when unpacking long long", exit 1)
+    with pytest.raises(ConfigError, match=r"^train.seed must be an integer in \[-2\*\*63, 2\*\*64\), got 10{23}$"):
+        DraftTrainConfig(seed=10**23)
     with pytest.raises(ConfigError, match="train.out '.*file/draft' lies under '.*file', which is a file"):
         DraftTrainConfig(out=str(tmp_path / "file" / "draft"))
 

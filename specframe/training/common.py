@@ -28,6 +28,7 @@ from specframe.errors import (
     user_path,
 )
 from specframe.fingerprint import artifact_kind, save_weights
+from specframe.sampling import check_seed
 
 # Options naming files or folders (those a trainer has), where a leading `~` is the home folder.
 PATH_OPTIONS = ("data", "out", "features_cache", "init_from", "init_heads")
@@ -80,6 +81,7 @@ class TrainRunConfig:
             value = getattr(self, key)
             if value < 1:  # (an integer: checked first)
                 raise ConfigError(f"train.{key} must be >= 1, got {value}")
+        check_seed(self.seed, "train.seed", unset="")  # (torch.manual_seed's range)
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError(f"train.lr must be a finite number > 0, got {self.lr}")
         if not 0 < self.heldout_fraction < 1:
