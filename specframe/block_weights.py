@@ -194,18 +194,23 @@ def _built_library() -> Path:
     path = cache_dir() / "kernels" / f"block_weights-{key}.so"
     if path.exists():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as work:  # (built aside, then renamed: processes may race)
-        built = Path(work) / path.name
-        try:
-            run = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=300
-            )
-        except (OSError, subprocess.SubprocessError) as e:
-            raise _NoKernel(f"compiling {SOURCE.name} failed: {e}") from e
-        if run.returncode != 0:
-            raise _NoKernel(f"compiling {SOURCE.name} failed: {run.stderr.strip()[-500:]}")
-        os.replace(built, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as work:  # (built aside, then renamed: processes may race)
+            built = Path(work) / path.name
+            try:
+                run = subprocess.run(
+                    [compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=300
+                )
+            except (OSError, subprocess.SubprocessError) as e:
+                raise _NoKernel(f"compiling {SOURCE.name} failed: {e}") from e
+            if run.returncode != 0:
+                raise _NoKernel(f"compiling {SOURCE.name} failed: {run.stderr.strip()[-500:]}")
+            os.replace(built, path)
+    except OSError as e:  # (an unusable cache folder: the kernel is optional, so the run goes on without it)
+        raise _NoKernel(
+            f"it cannot be kept in {path.parent} ({e.strerror or e}; $SPECFRAME_HOME chooses the cache folder)"
+        ) from e
     return path
 
 

@@ -173,6 +173,19 @@ def test_without_a_compiler_products_use_the_float32_weights(monkeypatch, tmp_pa
     assert block_kernel() is not None
 
 
+def test_a_cache_folder_that_cannot_hold_the_kernel_leaves_it_off(monkeypatch, tmp_path):
+    # (before: "[Errno 20] Not a directory", and every float32 CPU run failed, exit 1)
+    (tmp_path / "a-file").write_text("")
+    block_weights._kernel_or_problem.cache_clear()
+    try:
+        with monkeypatch.context() as unusable:
+            unusable.setenv("SPECFRAME_HOME", str(tmp_path / "a-file"))
+            assert block_kernel() is None
+            assert "cannot be kept in " in block_kernel_problem() and "$SPECFRAME_HOME" in block_kernel_problem()
+    finally:
+        block_weights._kernel_or_problem.cache_clear()
+
+
 def test_the_kernel_is_built_once_per_source_and_compiler(monkeypatch, tmp_path):
     block_weights._kernel_or_problem.cache_clear()
     try:
