@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 import warnings
@@ -624,12 +625,20 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, name, user_path(getattr(args, name)))
     run: Callable[[argparse.Namespace], int] = args.run
     try:
+        for given in sys.argv[1:] if argv is None else argv:  # (undecodable bytes reach Python as surrogates)
+            try:
+                given.encode("utf-8")
+            except UnicodeEncodeError:
+                raise BadInputError(f"the argument {ascii(given)} is not UTF-8 text") from None
         return run(args)
     except BadInputError as e:
         return fail(args, e, 2)
     except KeyboardInterrupt:
         print("specframe: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # (its reader has gone, e.g. `| head -1`: quietly, as cat does; nothing more to write)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception as e:
         return fail(args, e, 1)
 

@@ -322,6 +322,22 @@ def test_python_dash_m_entry_point():
     assert r.returncode == 2 and "unknown proposer 'zzz'" in r.stderr
 
 
+def test_a_reader_that_has_gone_ends_the_command_quietly():
+    # `specframe plugins --json | true`: was "specframe: error: [Errno 32] Broken pipe", exit 1
+    p = subprocess.Popen(
+        [sys.executable, "-m", "specframe", "plugins", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    p.stdout.close()  # (before it writes)
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and err == ""
+
+
+def test_an_argument_that_is_not_utf8_is_refused_by_name(capsys, tiny_dirs):
+    # (undecodable bytes reach Python as surrogates; they failed later, in YAML or a path, exit 1)
+    code, _, err = run(capsys, *gen_args(tiny_dirs, "--proposer", "none"), "generation.stop=[\udcff]")
+    assert code == 2 and "the argument 'generation.stop=[\\udcff]' is not UTF-8 text" in err
+
+
 def test_check_with_proposer_options_and_bad_option(capsys):
     code, out, _ = run(
         capsys, "check", "--proposer", "draft", "--quick", "--device", "cpu", "proposer.num_speculative_tokens=1"
