@@ -275,14 +275,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
     result = decoder.generate(prompt, raw=args.raw)
     if args.json:
-        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats}))
+        shapes = measured_shapes(decoder.proposer)  # (they decide which random numbers a sampled run draws)
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats, "shapes": shapes}))
     else:
         print(result.text)
         s = result.stats
         print(
             f"[{cfg.proposer_name}] {s['new_tokens']} tokens, {s['target_forwards']} target forwards, "
             f"mean accepted length {s['mean_accepted_length']:.2f}, {s['tokens_per_s']:.1f} tokens/s"
-            f"{measured_shapes(decoder.proposer)}",
+            f"{shapes_said(measured_shapes(decoder.proposer))}",
             file=sys.stderr,
         )
     if result.stats["finish_reason"] == "context":  # (never a silent cut: --json says it in its stats too)
@@ -295,16 +296,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def measured_shapes(proposer) -> str:
-    """The proposal shapes `proposer` (or a union's members) chose by timing this machine at load, for the stats
-    line ("" when none was: a saved or configured shape, or not a CPU); the benchmark gives the timings too."""
+def measured_shapes(proposer) -> list[str]:
+    """The proposal shapes `proposer` (or a union's members) chose by timing this machine at load, as
+    "eagle: chain of 2" (none when the shape was saved or configured, or not on a CPU); bench gives the timings."""
     found, stack = [], [proposer]
     while stack:
         p = stack.pop(0)
         if getattr(p, "measured_shape", None):
             found.append(f"{p.name}: {p.measured_shape}")
         stack += getattr(p, "members", None) or []
-    return f"; {', '.join(found)}, chosen at load from this CPU's timings" if found else ""
+    return found
+
+
+def shapes_said(shapes: list[str]) -> str:
+    """`measured_shapes` for the end of generate's stats line ("" when there are none)."""
+    return f"; {', '.join(shapes)}, chosen at load from this CPU's timings" if shapes else ""
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:

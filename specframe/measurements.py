@@ -10,9 +10,10 @@ CPU's name, family, model, stepping and instruction-set flags, the logical CPU c
 software (PyTorch's version, its CPU capability and MKL) and the source of the code that the timings measured,
 so a change to any of them makes a new file. Delete the folder to time again (e.g. after timing on a busy
 machine), or set `SPECFRAME_KEEP_TIMINGS=0` to neither read nor keep timings: these choices change speed, and
-at most float rounding, never what is computed. A damaged file is timed again and rewritten; where the cache
-cannot be read or written, each process times for itself, as before. Two processes timing at once may both
-write: the last one's file wins, and what the other kept is timed again when next needed.
+at most float rounding, never the output's distribution (a proposal shape chosen from the timings does change
+which random numbers a sampled run draws, so the tokens one seed gives). A damaged file is timed again and
+rewritten; where the cache cannot be read or written, each process times for itself, as before. Two processes
+timing at once may both write: the last one's file wins, and what the other kept is timed again when next needed.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def test_generate_json_with_a_draft(capsys, tiny_dirs):
     )
     assert code == 0, err
     res = json.loads(out)
-    assert set(res) == {"text", "token_ids", "stats"}
+    assert set(res) == {"text", "token_ids", "stats", "shapes"} and res["shapes"] == []  # (γ configured)
     # The target's own greedy continuation (up to its EOS), and stats that agree with it.
     from specframe.models import load_model
     from specframe.testing.conformance import reference_greedy

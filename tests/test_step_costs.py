@@ -8,7 +8,7 @@ import transformers
 
 from specframe import cpu_kernels, lean_forward, measurements, step_costs
 from specframe.bench import shape_choices
-from specframe.cli import measured_shapes
+from specframe.cli import measured_shapes, shapes_said
 from specframe.errors import ModelLoadError
 from specframe.step_costs import (
     MAX_VERIFY_TOKENS,
@@ -197,5 +197,6 @@ def test_the_benchmark_names_the_measured_shapes_of_a_proposer_and_its_members()
     # generate's stats line names the measured shapes only (a union's own CPU member options were not timed)
     union.shape_choice = "on this CPU, ngram: 6 tokens (union.CPU_MEMBER_OPTIONS)"
     union.members[0].measured_shape = "chain of 2"
-    assert measured_shapes(union) == "; eagle: chain of 2, chosen at load from this CPU's timings"
-    assert measured_shapes(P("none")) == ""
+    assert measured_shapes(union) == ["eagle: chain of 2"]
+    assert shapes_said(measured_shapes(union)) == "; eagle: chain of 2, chosen at load from this CPU's timings"
+    assert measured_shapes(P("none")) == [] and shapes_said([]) == ""

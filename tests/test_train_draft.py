@@ -673,6 +673,8 @@ def test_generate_names_the_gamma_a_trained_draft_chose_on_this_cpu(tmp_path, ti
     assert main(generate) == 0
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.search(r"tokens/s; draft: γ = [123], chosen at load from this CPU's timings$", line), line
+    assert main([*generate, "--json"]) == 0  # (--json says it too: a shape decides a sampled run's draws)
+    assert re.fullmatch(r"draft: γ = [123]", " ".join(json.loads(capsys.readouterr().out)["shapes"]))
     assert main([*generate, "proposer.num_speculative_tokens=2"]) == 0
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("[draft] ") and line.endswith(" tokens/s"), line
