@@ -126,7 +126,7 @@ def test_greedy_output_identical_across_proposers(capsys, tiny_dirs):
         (["--proposer", "none", "--top-k", "-2"], "sampling.top_k"),
         (["--proposer", "none", "--max-new-tokens", "0"], "generation.max_new_tokens"),
         (["--proposer", "none", "--prompt", "   "], "prompt is empty"),
-        (["--proposer", "none", "--prompt", "hi \udcff"], "the prompt is not valid UTF-8 text"),
+        (["--proposer", "none", "--prompt", "hi \udcff"], "the argument 'hi \\udcff' is not UTF-8 text"),
         (["--proposer", "none", "generation.stop=[!]"], "override 'generation.stop=[!]': the value is not valid YAML"),
         (["--proposer", "none", "notkeyvalue"], "not KEY=VALUE"),
         (["--proposer", "draft"], "proposer.model is required"),

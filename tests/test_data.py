@@ -452,5 +452,6 @@ def test_distill_and_train_for_a_target_with_an_adapter(capsys, tmp_path, tokeni
     code = main([*train, "--proposer", "medusa", f"out={tmp_path / 'm2'}", "stage=2", *options])
     err = capsys.readouterr().err
     assert code == 2 and "medusa stage 2 trains its own PEFT adapter, and this target already has one merged" in err
-    assert main(["train", "--proposer", "eagle", "--adapter", str(tmp_path / "nowhere"), "--target", str(target)]) == 2
+    nowhere = ["--adapter", str(tmp_path / "nowhere"), "--target", str(target), f"data={out}"]
+    assert main(["train", "--proposer", "eagle", *nowhere]) == 2
     assert "nowhere" in capsys.readouterr().err
