@@ -273,6 +273,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"target '{cfg.target.model}' has no tokenizer, so a text prompt cannot be encoded: add the "
             "tokenizer's files to the model folder, or call the Python API with the prompt as a list of token ids"
         )
+    if not args.raw and not getattr(decoder.tokenizer, "chat_template", None):  # (as bench says it)
+        print(
+            "specframe: note: the target's tokenizer has no chat template: the prompt is given as it is",
+            file=sys.stderr,
+        )
     result = decoder.generate(prompt, raw=args.raw)
     if args.json:
         shapes = measured_shapes(decoder.proposer)  # (they decide which random numbers a sampled run draws)

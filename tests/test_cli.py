@@ -65,6 +65,8 @@ def test_generate_json_with_a_draft(capsys, tiny_dirs):
 def test_generate_plain_text_and_stdin_prompt(capsys, tiny_dirs, monkeypatch):
     code, out, err = run(capsys, *gen_args(tiny_dirs, "--proposer", "none"), stdin="a b", monkeypatch=monkeypatch)
     assert code == 0 and out.strip() != "" and "mean accepted length 1.00" in err
+    # (the tiny tokenizer has no chat template: the prompt goes in as it is, and generate says so, as bench does)
+    assert "note: the target's tokenizer has no chat template: the prompt is given as it is" in err
     # The line end that `echo` adds is not part of the prompt (as with --prompt "a b").
     from specframe.decoder import SpeculativeDecoder
 
@@ -92,7 +94,7 @@ def test_the_cli_s_default_target_is_the_models_default_alias():
 
 def test_sampling_options_at_temperature_0_are_said_to_do_nothing(capsys, tiny_dirs):
     # (before: `--top-p 0.5` without --temperature decoded greedily without a word)
-    prompt = ("--prompt", "a b")
+    prompt = ("--prompt", "a b", "--raw")
     code, out, err = run(capsys, *gen_args(tiny_dirs, "--proposer", "none", *prompt, "--top-p", "0.5", "--seed", "3"))
     assert code == 0 and out.strip(), err
     assert "note: sampling.top_p, sampling.seed have no effect at temperature 0 (greedy decoding)" in err, err
