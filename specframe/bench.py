@@ -660,6 +660,9 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
 
     log = log or (lambda msg: print(f"specframe bench: {msg}", file=sys.stderr, flush=True))
     options.validate()
+    unused = [flag for flag, off in (("--top-p", options.top_p == 1.0), ("--top-k", options.top_k == 0)) if not off]
+    if options.greedy and unused:  # (as generate says it: greedy draws nothing)
+        log(f"note: {' and '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect at temperature 0 (greedy)")
     questions_path = (Path(options.questions) if options.questions else default_questions_path()).resolve()
     questions = read_questions(questions_path, options.subtasks, options.limit, log)
     started = datetime.datetime.now(datetime.timezone.utc)

@@ -813,3 +813,20 @@ def test_a_run_that_stops_early_keeps_the_records_made_so_far(tiny_dirs, tmp_pat
     partial = json.loads((out / "bench.partial.json").read_text())
     assert partial["partial"] and [(r["question_id"], r["turn"]) for r in partial["records"]] == [(1, 0), (2, 0)]
     assert "prompt_ids" not in partial["records"][0] and "stopped early: the 2 records" in err
+
+
+def test_sampling_flags_at_temperature_0_are_said_to_do_nothing(tmp_path):
+    from dataclasses import replace
+
+    # (before: `bench --top-p 0.5` ran greedily without a word, and the record held top_p 0.5 beside greedy)
+    said = []
+    options = bench.BenchOptions(
+        proposers=["none"], baselines=[], top_p=0.5, top_k=4, questions=str(tmp_path / "no.jsonl")
+    )
+    with pytest.raises(BadInputError, match="does not exist"):  # (stopped right after the note: no model loads)
+        bench.run_bench(options, log=said.append)
+    assert said == ["note: --top-p and --top-k have no effect at temperature 0 (greedy)"]
+    said.clear()
+    with pytest.raises(BadInputError, match="does not exist"):
+        bench.run_bench(replace(options, temperature=1.0), log=said.append)
+    assert said == []
