@@ -123,7 +123,7 @@ def packaged_configs() -> list[str]:
 def text_keeping_loader() -> type:
     """OmegaConf's YAML loader, except that a scalar YAML would read as a boolean or a number stays the text as
     typed unless it is that value's own spelling (`true`, `False`, `5`, `0.7`, `.inf`; YAML 1.2's booleans, not
-    YAML 1.1's `yes`, `no`, `on`, `off`): `No`, `on`, `1.10`, `0x10`, `01` and `1e3` stay text. A typed field
+    YAML 1.1's `yes`, `no`, `on`, `off`): `No`, `on`, `TRUE`, `1.10`, `0x10`, `01` and `1e3` stay text. A typed field
     converts the text (OmegaConf does): a bool field `yes`, `off`; a float field `1e3`, `1.10`; an int field
     decimal text (`1_000`, `+5`, `010`: 10, not YAML 1.1's octal 8), refusing `0x10` or `1:00`. A text field (a stop
     string, a model path) gets exactly what was typed, never `False`, `1.1`, `16` or `1000.0`. A field typed `Any`
@@ -143,7 +143,8 @@ def text_keeping_loader() -> type:
         def keep_text(loader: Any, node: yaml.ScalarNode, construct: Any = construct) -> Any:
             value = construct(loader, node)
             # (YAML's own spellings of infinity and NaN too, so that a float field can say it must be finite)
-            own_spelling = str(value) in (node.value, node.value.capitalize())
+            # (`true`, `True`, `false`, `False`: `TRUE` or `tRUE` stays text, as typed, in a text field)
+            own_spelling = str(value) == node.value or (isinstance(value, bool) and str(value).lower() == node.value)
             return value if own_spelling or node.value.lower().lstrip("+-") in (".inf", ".nan") else node.value
 
         TextKeepingLoader.add_constructor(tag, keep_text)

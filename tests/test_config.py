@@ -62,8 +62,11 @@ def test_typed_fields_still_read_their_values_from_text():
     for number in ("2", "-1", "0.5"):  # (OmegaConf would read any of them as true)
         with pytest.raises(ConfigError, match=f"^proposer.tree must be true or false, got {number}$"):
             load_config(None, ["proposer.name=eagle", f"proposer.tree={number}"])
-    # true and false are booleans (as in YAML 1.2), in any case: quote them for text
+    # true, True, false and False are booleans: quote them for text; other spellings stay text as typed (`TRUE`
+    # was the stop string 'True'), and a bool field reads them
     assert load_config(None, ["generation.stop=[true, 'false']"]).generation.stop == ["True", "false"]
+    assert load_config(None, ["generation.stop=[TRUE, tRUE]"]).generation.stop == ["TRUE", "tRUE"]
+    assert load_config(None, ["proposer.name=eagle", "proposer.tree=FALSE"]).proposer.tree is False
     with pytest.raises(ConfigError, match=r"^sampling.temperature must be a finite number >= 0.*got inf$"):
         load_config(None, ["sampling.temperature=.inf"])
     with pytest.raises(ConfigError, match=r"^generation.max_new_tokens: Value '0x10' of type 'str' could not be"):
