@@ -173,7 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a first difference is a near-tie if the top-2 logit gap <= this x max(1, |top-1 logit|) "
         "(default 1e-3; for a 16-bit target at least its dtype's eps)",
     )
-    b.add_argument("--out", help="output folder: bench.json, bench.md, *.png (default runs/bench)")
+    b.add_argument(
+        "--out",
+        help="output folder: bench.json, bench.md, *.png (default runs/bench; with --render, BENCH_JSON's own "
+        "folder, its report re-made in place)",
+    )
     b.add_argument("--results-doc", help="also write this Markdown results page, e.g. docs/results.md (default: none)")
     b.add_argument("--threads", type=int, help="torch threads for the run (default: torch's)")
     b.add_argument(
