@@ -142,10 +142,10 @@ def text_keeping_loader() -> type:
 
         def keep_text(loader: Any, node: yaml.ScalarNode, construct: Any = construct) -> Any:
             value = construct(loader, node)
-            # (YAML's own spellings of infinity and NaN too, so that a float field can say it must be finite)
-            # (`true`, `True`, `false`, `False`: `TRUE` or `tRUE` stays text, as typed, in a text field)
+            # (`true`, `True`, `false`, `False`: `TRUE` or `tRUE` stays text, as typed, in a text field; so does
+            # `.inf`, which a float field reads as infinity in `structured`, to say it must be finite)
             own_spelling = str(value) == node.value or (isinstance(value, bool) and str(value).lower() == node.value)
-            return value if own_spelling or node.value.lower().lstrip("+-") in (".inf", ".nan") else node.value
+            return value if own_spelling else node.value
 
         TextKeepingLoader.add_constructor(tag, keep_text)
     return TextKeepingLoader
@@ -412,6 +412,7 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
             schema_fields = fields(schema) if is_dataclass(schema) else ()
             text_fields = {f.name for f in schema_fields if f.type in ("str", str)}
             flag_fields = {f.name for f in schema_fields if f.type in ("bool", bool, "bool | None")}
+            float_fields = {f.name for f in schema_fields if f.type in ("float", float, "float | None")}
             one_or_many = {f.name for f in schema_fields if f.metadata.get("one_or_many")}  # text alone: a list of one
             list_fields = {
                 f.name
@@ -428,6 +429,9 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
                     raise ConfigError(f"{prefix}.{key}: missing mandatory value (set it with {prefix}.{key}=...)")
                 if key in flag_fields and type(values[key]) in (int, float) and values[key] not in (0, 1):
                     raise ConfigError(f"{prefix}.{key} must be true or false, got {values[key]!r}")  # (not "true")
+                given = values[key]
+                if key in float_fields and isinstance(given, str) and given.lower().lstrip("+-") in (".inf", ".nan"):
+                    values[key] = float(given.replace(".", "", 1))  # (YAML's spelling, kept as text by the loader)
                 if key in text_fields and values[key] is None:  # `KEY=` (a shell's KEY="") is the empty string
                     values[key] = ""
                 if key in one_or_many and isinstance(values[key], str | int | float):  # (`stop=5`: ["5"])

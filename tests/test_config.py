@@ -36,7 +36,9 @@ def test_one_stop_string_needs_no_brackets(tmp_path):
     assert load_config(f).generation.stop == ["###"]
 
 
-@pytest.mark.parametrize("typed", ["No", "off", "yes", "True", "Off", "1.50", "0x10", "01", "1e3", "1_000", "+5", ".5"])
+@pytest.mark.parametrize(
+    "typed", ["No", "off", "yes", "TRUE", "Off", "1.50", "0x10", "01", "1e3", "1_000", "+5", ".5", ".inf", "-.NaN"]
+)
 def test_text_stays_as_typed_where_yaml_would_read_a_value(typed, tmp_path):
     # A stop string or a model path gets exactly the text typed, never YAML's False, 1.5, 16 or 1000.0 written
     # back as text; in a list, alone, and in a config file alike.
