@@ -391,12 +391,14 @@ def note_graphs_turned_off(methods: list[Method]) -> None:
             method.description += "; " + status.replace("off:", "off during the run:", 1)
 
 
+def proposer_and_members(proposer: Any) -> list[Any]:
+    """`proposer`, then a union's members (and theirs), in order."""
+    return [proposer, *(p for member in getattr(proposer, "members", None) or [] for p in proposer_and_members(member))]
+
+
 def shape_choices(proposer: Any) -> list[str]:
     """How a proposer (or a union's members) chose its proposal shape on this machine, where it was measured."""
-    found = [f"{proposer.name}: {proposer.shape_choice}"] if getattr(proposer, "shape_choice", None) else []
-    for member in getattr(proposer, "members", None) or []:
-        found += shape_choices(member)
-    return found
+    return [f"{p.name}: {p.shape_choice}" for p in proposer_and_members(proposer) if getattr(p, "shape_choice", None)]
 
 
 def specframe_method(name: str, decoder: Any, options: BenchOptions, description: str) -> Method:

@@ -308,13 +308,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def measured_shapes(proposer) -> list[str]:
     """The proposal shapes `proposer` (or a union's members) chose by timing this machine at load, as
     "eagle: chain of 2" (none when the shape was saved or configured, or not on a CPU); bench gives the timings."""
-    found, stack = [], [proposer]
-    while stack:
-        p = stack.pop(0)
-        if getattr(p, "measured_shape", None):
-            found.append(f"{p.name}: {p.measured_shape}")
-        stack += getattr(p, "members", None) or []
-    return found
+    from specframe.bench import proposer_and_members
+
+    return [
+        f"{p.name}: {p.measured_shape}" for p in proposer_and_members(proposer) if getattr(p, "measured_shape", None)
+    ]
 
 
 def shapes_said(shapes: list[str]) -> str:
