@@ -254,11 +254,27 @@ def with_overrides(raw: DictConfig, overrides: list[str]) -> DictConfig:
             override = OmegaConf.create()
             OmegaConf.update(override, key, yaml.load(text, Loader=text_keeping_loader()))
             raw = OmegaConf.merge(raw, override)
+        except TypeError as e:  # OmegaConf's "Cannot merge incompatible container types": a list over a mapping
+            raise ConfigError(f"override '{item}': {container_clash(raw, override, key)}") from e
         except OmegaConfBaseException as e:
             raise ConfigError(f"bad config: {one_line(e)}") from e
         except yaml.YAMLError as e:  # (a value is parsed as YAML)
             raise ConfigError(f"override '{item}': the value is not valid YAML ({' '.join(str(e).split())})") from e
     return raw
+
+
+def container_clash(raw: DictConfig, override: DictConfig, key: str) -> str:
+    """Which key of `raw` is a mapping (or list) that the `override` of `key` gives as a list (or mapping)."""
+    path: list[str] = []
+    for part in key.split("."):
+        path.append(part)
+        where = ".".join(path)
+        before, after = OmegaConf.select(raw, where), OmegaConf.select(override, where)
+        if isinstance(before, DictConfig) and not isinstance(after, DictConfig):
+            return f"{where} is a mapping; set its keys one by one ({where}.KEY=VALUE)"
+        if isinstance(before, ListConfig) and not isinstance(after, ListConfig):
+            return f"{where} is a list; set it whole ({where}=[a,b])"
+    return f"{key} cannot take this value here"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> SpecframeConfig:
@@ -424,6 +440,9 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
                 for f in schema_fields
                 if str(f.type).removeprefix("typing.").startswith(("dict[", "Dict["))
             }
+            mappings_of_mappings = {
+                f.name for f in schema_fields if str(f.type).removeprefix("typing.").startswith(("dict[str, dict[",))
+            }
             for key in values:
                 if OmegaConf.is_missing(values, key):  # `???` in YAML: the user must set it
                     raise ConfigError(f"{prefix}.{key}: missing mandatory value (set it with {prefix}.{key}=...)")
@@ -449,6 +468,17 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
                     given = OmegaConf.to_container(given) if isinstance(given, ListConfig) else given
                     example = f" (e.g. {prefix}.{key}.{mapping_fields[key]})" if mapping_fields[key] else ""
                     raise ConfigError(f"{prefix}.{key} must be a mapping{example}, got {given!r}")
+                if key in mappings_of_mappings and isinstance(values[key], DictConfig):
+                    for name in values[key]:  # (e.g. union's `options.ngram`: that member's options)
+                        given = values[key][name]
+                        if given is None:  # (`options.ngram=`: no options of its own)
+                            values[key][name] = {}
+                        elif not isinstance(given, DictConfig):
+                            given = OmegaConf.to_container(given) if isinstance(given, ListConfig) else given
+                            raise ConfigError(
+                                f"{prefix}.{key}.{name} must be a mapping of {name}'s options, got {given!r} "
+                                f"(e.g. {prefix}.{key}.{name}.OPTION=VALUE)"
+                            )
             base = OmegaConf.merge(base, values)
         unset = [key for key in base if OmegaConf.is_missing(base, key)]  # (a schema field with no default)
         if unset:

@@ -194,6 +194,15 @@ def test_config_errors_name_the_key():
             ConfigError, match=rf"^proposer\.options must be a mapping {example}, got {re.escape(given)}$"
         ):
             load_config(overrides=["proposer.name=union", f"proposer.options={given}"])
+    for given in ("[1]", "3"):  # a member's options, through the config loader (was "'ListConfig' is incompatible")
+        words = r"^proposer\.options\.ngram must be a mapping of ngram's options, got "
+        with pytest.raises(ConfigError, match=words + re.escape(given)):
+            load_config(overrides=["proposer.name=union", f"proposer.options.ngram={given}"])
+    # `KEY=` gives a member no options of its own; a list over the file's mapping names the key (it was a TypeError,
+    # "Cannot merge incompatible container types", naming none)
+    assert load_config(overrides=["proposer.name=union", "proposer.options.ngram="]).proposer.options["ngram"] == {}
+    with pytest.raises(ConfigError, match=r"^override 'proposer\.options=\[1\]': proposer\.options is a mapping; "):
+        load_config("union.yaml", ["proposer.options=[1]"])
 
 
 def test_a_member_that_is_installed_but_not_usable_is_named_so(monkeypatch):
