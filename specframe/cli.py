@@ -525,7 +525,7 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
         raw=args.raw,
     )
     created = "" if Path(args.out).exists() else f" ('{args.out}' was not created)"
-    print(f"added {added} responses to {args.out}{created}", file=sys.stderr)
+    print(f"added {added} response{'' if added == 1 else 's'} to {args.out}{created}", file=sys.stderr)
     return 0
 
 

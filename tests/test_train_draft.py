@@ -13,7 +13,7 @@ from specframe.proposers.draft import DraftConfig, DraftProposer
 from specframe.shared_draft import as_full_vocab_model, load_shared_draft
 from specframe.testing.conformance import reference_greedy
 from specframe.testing.tiny import tiny_llama, write_distill_data
-from specframe.training.common import optimizer_step, split_heldout
+from specframe.training.common import check_fits_half_precision, optimizer_step, split_heldout
 from specframe.training.draft import DraftTrainConfig, train_draft
 
 
@@ -331,6 +331,21 @@ def test_a_loss_that_is_not_finite_stops_training_before_it_reaches_the_weights(
         with pytest.raises(TrainingError, match=f"training diverged: the loss is {bad}"):
             optimizer_step((weight * bad).sum(), {"w": weight}, optimizer, schedule, None)
         assert weight.tolist() == [1.0, 1.0, 1.0] and weight.grad is None
+
+
+def test_weights_that_outgrow_float16_stop_training_before_anything_is_saved(trained, tmp_path):
+    # A learning rate far too high can leave the loss finite while the weights grow past float16's range: the run
+    # ended "saved" with an artifact of infs that generate refused. It stops at the epoch's checkpoint now.
+    target, cfg, _ = trained
+    wild = DraftTrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "wild"), "lr": 1e7, "epochs": 1})
+    with pytest.raises(TrainingError, match=r"^training diverged: the weight '[^']+' reached .* range of float16"):
+        train_draft(wild, target, None, resume=False, log=lambda m: None)
+    assert not (tmp_path / "wild" / "model.safetensors").exists()
+    assert not (tmp_path / "wild" / "checkpoint").exists()
+    check_fits_half_precision({"w": torch.tensor([65504.0, -65504.0]), "ids": torch.tensor([10**6])})
+    for bad in (65600.0, float("inf"), float("nan")):
+        with pytest.raises(TrainingError, match="the weight 'w' reached"):
+            check_fits_half_precision({"w": torch.tensor([0.0, bad])})
 
 
 def test_resume_without_a_checkpoint_is_refused(trained, tmp_path):

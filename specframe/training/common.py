@@ -161,12 +161,32 @@ def on_device(tensors: tuple[torch.Tensor, ...], device: torch.device) -> tuple[
     return tuple(t.to(device) for t in tensors)
 
 
+def check_fits_half_precision(params: dict[str, torch.Tensor]) -> None:
+    """Trained artifacts keep their weights in float16: a weight beyond its range (65504) would be saved as inf,
+    and the artifact refused at load. Such a run has diverged (a learning rate too high) though its loss may
+    have stayed finite, so it stops here, before the epoch's checkpoint: the one before stays."""
+    for name, p in params.items():
+        if p.is_floating_point() and p.numel():
+            peak = p.detach().abs().max().item()
+            if not peak <= HALF_MAX:  # (nan too)
+                raise TrainingError(
+                    f"training diverged: the weight '{name}' reached {peak:.3g}, beyond the range of float16 "
+                    f"({HALF_MAX:g}) that trained artifacts are saved in (a learning rate too high); nothing more "
+                    "is saved: lower train.lr, and resume from the last checkpoint or start again"
+                )
+
+
+HALF_MAX = torch.finfo(torch.float16).max
+
+
 def save_checkpoint(
     folder: Path, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, state: dict
 ) -> None:
     """Weights and optimizer moments as safetensors (never pickle), progress as JSON. Written whole into
     `<folder>.tmp` (state.json last), then swapped in by renames: a run killed at any point leaves a whole
-    checkpoint, the new or the old one, which `recovered` puts back in place."""
+    checkpoint, the new or the old one, which `recovered` puts back in place. Weights that outgrew float16 stop
+    the run first (`check_fits_half_precision`)."""
+    check_fits_half_precision(params)
     tmp = folder.with_name(folder.name + ".tmp")
     if tmp.exists():  # (a save that was cut short: never mixed with this one's files)
         shutil.rmtree(tmp)
