@@ -510,10 +510,11 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
     """Load the target once and build every method on it; methods with nothing trained for this target are skipped
     with a reason (one whose `model` option names an artifact that cannot load ends the run)."""
     from specframe.config import load_config, models_named
-    from specframe.decoder import SpeculativeDecoder, eos_token_ids, target_info
+    from specframe.decoder import SpeculativeDecoder, eos_token_ids, proposer_who, target_info
     from specframe.errors import ModelLoadError
     from specframe.models import load_target
     from specframe.plugins import get_registry
+    from specframe.proposer import built_proposer
 
     shared, own = split_overrides(options.overrides, options.override_heads())
     shared = shared + options.target_overrides()
@@ -539,7 +540,9 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
 
     def proposer(name: str) -> Any:
         """Build proposer `name` on the shared target; raises BadInputError when it cannot be built for it."""
-        return registry.get(name).cls.from_config(configs[name] if name in configs else proposer_config(name), info)
+        entry = registry.get(name)
+        built = entry.cls.from_config(configs[name] if name in configs else proposer_config(name), info)
+        return built_proposer(built, proposer_who(entry.name, entry.plugin), "from_config")
 
     def cannot_build(name: str, e: BadInputError) -> str:
         """Why `name` is skipped: nothing trained for this target. An artifact the user named (a `model`

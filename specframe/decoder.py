@@ -26,7 +26,16 @@ from specframe.errors import (
 )
 from specframe.kv_cache import keep_positions, new_cache, tree_attention_mask
 from specframe.lean_forward import engine_forward
-from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, TargetInfo, validate_proposal
+from specframe.proposer import (
+    Acceptance,
+    DecodeState,
+    Proposal,
+    Proposer,
+    TargetInfo,
+    built_proposer,
+    given_in_words,
+    validate_proposal,
+)
 from specframe.sampling import SamplingParams, check_sampling, check_seed
 
 Prompt = str | list[int] | list[dict[str, str]] | torch.Tensor
@@ -72,6 +81,11 @@ class SpeculativeDecoder:
         plugin: str = "",
         cuda_graphs: bool = True,
     ) -> None:
+        if not isinstance(proposer, Proposer):
+            raise BadInputError(
+                f"SpeculativeDecoder takes a Proposer instance, got {given_in_words(proposer)}: build one, e.g. "
+                "with its class's from_config(config, specframe.decoder.target_info(model, tokenizer))"
+            )
         self.model = model
         self.tokenizer = tokenizer
         self.proposer = proposer
@@ -158,12 +172,13 @@ class SpeculativeDecoder:
         t = cfg.target
         loaded = load_target(t)
         info = target_info(loaded.model, loaded.tokenizer, t.model)
+        who = proposer_who(entry.name, entry.plugin)
         try:
-            proposer = entry.cls.from_config(options, info)
+            proposer = built_proposer(entry.cls.from_config(options, info), who, "from_config")
         except SpecframeError:
             raise
         except Exception as e:  # a plugin's own bug: name it
-            raise ProposerError(f"{proposer_who(entry.name, entry.plugin)} failed to build: {e}") from e
+            raise ProposerError(f"{who} failed to build: {e}") from e
         s = cfg.sampling
         return cls(
             loaded.model,

@@ -43,6 +43,7 @@ class ContestedName(PluginError):
     def __init__(self, message: str, name: str) -> None:
         super().__init__(message)
         self.name = name
+        self.plugin_names: list[str] = []  # every proposer name the refused plugin registers (`register_plugin`)
 
 
 class Registry:
@@ -50,6 +51,8 @@ class Registry:
         self.proposers: dict[str, ProposerEntry] = {}
         self.failures: list[str] = []  # one message per plugin that could not be loaded
         self.contested: dict[str, str] = {}  # proposer name -> the plugins that both register it, in words
+        # A contested plugin's other proposer names -> why they are not used (their plugin was taken out whole)
+        self.withdrawn: dict[str, str] = {}
         self.autoload = True  # whether installed plugins were loaded (off: only the builtin proposers)
 
     def add(self, cls: type, plugin: str, distribution: str, version: str) -> None:
@@ -82,7 +85,17 @@ class Registry:
         ours = [n for n, e in self.proposers.items() if (e.plugin, e.distribution) == (held.plugin, held.distribution)]
         for n in ours:
             del self.proposers[n]
+        self.withdraw([n for n in ours if n != name], held.plugin, held.distribution, name)
         return held
+
+    def withdraw(self, names: list[str], plugin: str, distribution: str, contested: str) -> None:
+        """Record why `names`, registered by a plugin that was not used for its `contested` name, are missing."""
+        for n in names:
+            if n not in self.proposers and n not in self.contested:
+                self.withdrawn[n] = (
+                    f"its plugin '{plugin}' ({distribution}) is not used: its proposer '{contested}' is registered "
+                    "by another plugin too (uninstall one of them)"
+                )
 
     def get(self, name: str) -> ProposerEntry:
         if name in self.contested:
@@ -90,6 +103,8 @@ class Registry:
                 f"proposer '{name}' is registered by two plugins, {self.contested[name]}: neither is used; "
                 "uninstall one of them"
             )
+        if name in self.withdrawn and name not in self.proposers:
+            raise BadInputError(f"proposer '{name}' is not available: {self.withdrawn[name]}")
         if name not in self.proposers:
             off = "" if self.autoload else f" (plugins are not loaded: {DISABLE_ENV} is set)"
             raise BadInputError(f"unknown proposer '{name}'; installed: {', '.join(sorted(self.proposers))}{off}")
@@ -139,8 +154,10 @@ def register_plugin(
         try:
             for cls in found:
                 registry.add(cls, plugin, dist, version)
-        except Exception:
+        except Exception as e:
             registry.proposers = before
+            if isinstance(e, ContestedName):
+                e.plugin_names = [getattr(cls, "name", "") for cls in found]
             raise
     except Exception:
         pm.unregister(module)
@@ -170,6 +187,8 @@ def build_registry(autoload: bool | None = None) -> Registry:
         except Exception as e:
             not_loaded(registry, ep.name, dist, ver, f"{type(e).__name__}: {brief(e, 300)}")
             held = registry.contest(e.name, ep.name, dist) if isinstance(e, ContestedName) else None
+            if isinstance(e, ContestedName):
+                registry.withdraw([n for n in e.plugin_names if n != e.name], ep.name, dist, e.name)
             if held is not None:
                 why = f"plugin '{ep.name}' ({dist}) registers proposer '{e.name}' too: neither is used (uninstall one)"
                 not_loaded(registry, held.plugin, held.distribution, held.version, f"ContestedName: {why}")

@@ -154,6 +154,23 @@ class Proposer(ABC):
         """Learn what was kept, and roll back any state built on rejected nodes."""
 
 
+def built_proposer(built: Any, who: str, how: str) -> Proposer:
+    """`built`, what a proposer class's `how` (`from_config`, `random`) returned, when it is a Proposer; else a
+    ProposerError naming the proposer (`who`) and what came back, rather than a failure later on its attributes."""
+    if isinstance(built, Proposer):
+        return built
+    raise ProposerError(f"{who}'s {how}() returned {given_in_words(built)}, not a Proposer instance")
+
+
+def given_in_words(given: Any) -> str:
+    """What was given where another kind of object belongs, in words: None, a list, the class X (not an instance)."""
+    if given is None:
+        return "None"
+    if isinstance(given, type):
+        return f"the class {given.__name__} (not an instance of it)"
+    return f"a {type(given).__name__}"
+
+
 def check_confidence_threshold(value: Any, what: str = "proposer.confidence_threshold") -> None:
     """Raise ConfigError unless `value` (named `what` in the message) is None or a number in [0, 1)."""
     if value is None:
@@ -246,8 +263,8 @@ def validate_proposal(
     if not all(deterministic):
         q = p.draft_probs
         if not isinstance(q, torch.Tensor) or q.shape != (n, vocab_size):
-            shape = None if not isinstance(q, torch.Tensor) else tuple(q.shape)
-            raise bad(f"draft_probs must be [{n}, {vocab_size}] for sampled nodes, got {shape}")
+            got = f"shape {tuple(q.shape)}" if isinstance(q, torch.Tensor) else given_in_words(q)
+            raise bad(f"draft_probs must be a [{n}, {vocab_size}] tensor for sampled nodes, got {got}")
         if device is not None and q.device != device:  # (acceptance compares q with the target's p)
             raise bad(f"draft_probs is on {q.device}, the target's logits on {device}")
         # Rows of deterministic nodes are not read, so not checked; the three checks come back in one transfer.

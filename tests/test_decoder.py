@@ -334,7 +334,18 @@ L = torch.long
         (lambda s: Proposal(torch.tensor([1, 2]), torch.tensor([-1, 1]), torch.ones(2, dtype=torch.bool)), "parent"),
         (lambda s: Proposal(torch.tensor([1, 2]), torch.tensor([1, -1]), torch.ones(2, dtype=torch.bool)), "parent"),
         (lambda s: Proposal(torch.tensor([1, 2]), torch.tensor([-1]), torch.ones(2, dtype=torch.bool)), "shape"),
-        (lambda s: Proposal(torch.tensor([1]), torch.tensor([-1]), torch.zeros(1, dtype=torch.bool)), "draft_probs"),
+        (
+            lambda s: Proposal(torch.tensor([1]), torch.tensor([-1]), torch.zeros(1, dtype=torch.bool)),
+            "draft_probs must be a [1, 8] tensor for sampled nodes, got None",
+        ),
+        (  # (was "got None" too)
+            lambda s: Proposal(torch.tensor([1]), torch.tensor([-1]), torch.zeros(1, dtype=torch.bool), [[1.0] * 8]),
+            "draft_probs must be a [1, 8] tensor for sampled nodes, got a list",
+        ),
+        (
+            lambda s: Proposal(torch.tensor([1]), torch.tensor([-1]), torch.zeros(1, dtype=torch.bool), torch.ones(8)),
+            "draft_probs must be a [1, 8] tensor for sampled nodes, got shape (8,)",
+        ),
         (
             lambda s: Proposal(
                 torch.tensor([1]), torch.tensor([-1]), torch.zeros(1, dtype=torch.bool), torch.full((1, 8), 0.5)

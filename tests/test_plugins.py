@@ -1,3 +1,4 @@
+import re
 import types
 from dataclasses import dataclass
 
@@ -198,6 +199,13 @@ def test_a_name_two_plugins_register_is_used_by_neither(entry_points, order):
     assert "echo" not in reg.names() and "echo2" not in reg.names()  # (the rivals are out whole, either way round)
     with pytest.raises(BadInputError, match=r"proposer 'echo' is registered by two plugins, plugin '.*' \(.*\) and"):
         reg.get("echo")
+    # (the contested plugin's other proposer is named so, not "unknown", either way round)
+    with pytest.raises(
+        BadInputError,
+        match=r"^proposer 'echo2' is not available: its plugin 'echo-plugin' \(acme-specframe\) is not used: its "
+        r"proposer 'echo' is registered by another plugin too \(uninstall one of them\)$",
+    ):
+        reg.get("echo2")
     assert len(reg.failures) == 3 and all(any(f"plugin '{m[0]}'" in f for f in reg.failures) for m in makers)
 
 
@@ -280,3 +288,47 @@ def test_a_config_field_called_name_is_refused_at_registration():
 
     with pytest.raises(PluginError, match="NamedConfig has a field called 'name'"):
         Registry().add(Named, "named-plugin", "acme-specframe", "1")
+
+
+class BuildsNothing(Echo):
+    """A plugin bug: from_config and random return None instead of an instance."""
+
+    name = "builds_nothing"
+
+    @classmethod
+    def from_config(cls, config, target):
+        return None
+
+    @classmethod
+    def random(cls, target, config=None, seed=0):
+        return None
+
+
+def test_a_build_that_returns_no_proposer_is_named_so(monkeypatch, tiny_dirs):
+    # Before: "'NoneType' object has no attribute 'name'", naming neither the plugin nor what it returned.
+    from specframe import SpeculativeDecoder
+    from specframe.config import load_config
+    from specframe.errors import ProposerError
+    from specframe.testing import conformance
+    from specframe.testing.tiny import tiny_llama
+
+    registry = build_registry(autoload=False)
+    registry.add(BuildsNothing, "acme", "acme-specframe", "1.0")
+    monkeypatch.setattr(plugins_mod, "_registry", registry)
+    cfg = load_config(None, ["proposer.name=builds_nothing", f"target.model={tiny_dirs['target']}"])
+    words = r"^proposer 'builds_nothing' \(plugin 'acme'\)'s from_config\(\) returned None, not a Proposer instance$"
+    with pytest.raises(ProposerError, match=words):
+        SpeculativeDecoder.from_config(cfg)
+    cfg = load_config(None, ["proposer.name=union", "proposer.members=[builds_nothing]"])
+    cfg.target.model = str(tiny_dirs["target"])
+    with pytest.raises(ProposerError, match=r"^union member 'builds_nothing''s from_config\(\) returned None"):
+        SpeculativeDecoder.from_config(cfg)
+    report = conformance.run_suite(BuildsNothing, devices=["cpu"], quick=True, power=False)
+    assert not report.passed and "'s random() returned None, not a Proposer instance" in report.results[0].detail
+    # The Python API: a class where an instance belongs, or something else, is refused by name.
+    model = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
+    for given, said in ((Echo, "the class Echo (not an instance of it)"), (object(), "a object"), (None, "None")):
+        with pytest.raises(
+            BadInputError, match=rf"^SpeculativeDecoder takes a Proposer instance, got {re.escape(said)}"
+        ):
+            SpeculativeDecoder(model, given)

@@ -41,6 +41,7 @@ from specframe.proposer import (
     ProposalStructure,
     Proposer,
     TargetInfo,
+    built_proposer,
     validate_proposal,
 )
 
@@ -214,11 +215,12 @@ class UnionProposer(Proposer):
         configs, cpu_defaults = member_configs_on(config, target.device)  # (said in the bench's report)
         for name, cfg in zip(config.members, configs, strict=True):
             try:
-                members.append(registry.get(name).cls.from_config(cfg, target))
+                member = registry.get(name).cls.from_config(cfg, target)
             except BadInputError as e:  # keep the error's kind (exit code 2); say which member and which key
                 raise type(e)(f"union member '{name}': {member_keys(str(e), name)}") from e
             except Exception as e:
                 raise ProposerError(f"union member '{name}' failed to build: {type(e).__name__}: {e}") from e
+            members.append(built_proposer(member, f"union member '{name}'", "from_config"))
         union = cls(config, target, members)
         if cpu_defaults:
             union.shape_choice = "on this CPU, " + "; ".join(cpu_defaults) + " (union.CPU_MEMBER_OPTIONS)"
@@ -232,10 +234,10 @@ class UnionProposer(Proposer):
         config = config or UnionConfig()
         registry = get_registry()
         configs, _ = member_configs_on(config, target.device)  # (as from_config: a check tests what runs there)
-        members = [
-            registry.get(name).cls.random(target, cfg, seed=seed + i)
-            for i, (name, cfg) in enumerate(zip(config.members, configs, strict=True))
-        ]
+        members = []
+        for i, (name, cfg) in enumerate(zip(config.members, configs, strict=True)):
+            member = registry.get(name).cls.random(target, cfg, seed=seed + i)
+            members.append(built_proposer(member, f"union member '{name}'", "random"))
         return cls(config, target, members)
 
     def _name_member(self, m: int) -> str:

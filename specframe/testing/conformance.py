@@ -46,7 +46,7 @@ from specframe.decoder import SpeculativeDecoder, proposer_who, target_info
 from specframe.errors import BadInputError, ProposerError, SpecframeError, brief
 from specframe.kv_cache import new_cache
 from specframe.models import resolve_device, resolve_dtype
-from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer
+from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, built_proposer
 from specframe.sampling import SamplingParams, sampling_probs
 from specframe.testing.tiny import available_devices, one_thread, tiny_llama
 
@@ -155,7 +155,8 @@ def make_decoder(
     target = reference_target(vocab_size, device, dtype, seed)
     plugin = plugin_of(proposer_cls)
     try:
-        proposer = proposer_cls.random(target_info(target), config, seed=seed + 1)
+        built = proposer_cls.random(target_info(target), config, seed=seed + 1)
+        proposer = built_proposer(built, proposer_who(proposer_cls.name, plugin), "random")
     except SpecframeError:
         raise
     except Exception as e:  # a plugin's own bug: name it
