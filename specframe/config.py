@@ -108,9 +108,11 @@ def find_config(path: str | Path) -> Path:
         return p
     if p.is_dir():
         raise ConfigError(f"config file '{path}' is a folder, not a YAML file")
-    packaged = resources.files("specframe.configs") / p.name
-    if str(path) == p.name and packaged.is_file():  # (a bare name only: `typo/eagle.yaml` is not `eagle.yaml`)
-        return Path(str(packaged))
+    if str(path) == p.name:  # (a bare name only: `typo/eagle.yaml` is not `eagle.yaml`; `eagle` is)
+        for name in (p.name, p.name + ".yaml"):
+            packaged = resources.files("specframe.configs") / name
+            if packaged.is_file():
+                return Path(str(packaged))
     raise ConfigError(f"config file '{path}' does not exist (packaged configs: {', '.join(packaged_configs())})")
 
 

@@ -79,6 +79,10 @@ def test_packaged_configs_load_by_name():
     assert {"none.yaml", "draft.yaml"} <= set(packaged_configs())
     assert load_config("none.yaml").proposer_name == "none"
     assert load_config("configs/draft.yaml", ["proposer.model=x"]).proposer.model == "x"
+    assert load_config("eagle").proposer_name == "eagle"  # (a packaged config's name without .yaml, as Hydra's)
+    for elsewhere in ("typo/eagle", "typo/eagle.yaml"):
+        with pytest.raises(ConfigError, match=f"config file '{elsewhere}' does not exist"):
+            load_config(elsewhere)
 
 
 @pytest.mark.parametrize(
