@@ -504,6 +504,7 @@ class Setup:
     target: str
     dtype: str
     device: str
+    adapter: str = ""  # target.adapter, merged into the target (also said in the report)
 
 
 def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
@@ -611,7 +612,8 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
     if not getattr(tokenizer, "chat_template", None):
         log("the target's tokenizer has no chat template: each conversation is given as its turns' texts, one a line")
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return Setup(model, tokenizer, encoder, methods, skipped, counter, eos_ids, t.model, dtype, str(info.device))
+    device = str(info.device)
+    return Setup(model, tokenizer, encoder, methods, skipped, counter, eos_ids, t.model, dtype, device, t.adapter or "")
 
 
 # ------------------------------------------------------------------------------------------------ identity
@@ -686,8 +688,17 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
             except BaseException:  # an error or Ctrl-C after questions were timed: their records are kept
                 if made:
                     log(f"stopped early: the {len(made)} records made so far are in {save_partial(made, options)}")
+                    earlier = Path(options.out) / "bench.json"
+                    if earlier.is_file():  # (it would read as this run's report)
+                        log(f"note: {earlier} beside it is an earlier run's report, not this run's")
                 raise
             note_graphs_turned_off(setup.methods)
+            cut = cut_by_context_window(records, setup.model, options.max_new_tokens)
+            if cut:
+                log(
+                    f"note: {cut} of {len(records)} turns stopped at the target's context window before "
+                    f"--max-new-tokens {options.max_new_tokens} (tokens/s count the tokens made)"
+                )
             if options.greedy and any(m.name == REFERENCE for m in setup.methods) and REFERENCE not in failed:
                 check_identity(records, setup, tie)
         run_threads = torch.get_num_threads()
@@ -711,6 +722,7 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
             **{k: v for k, v in asdict(options).items() if k not in ("progress", "threads")},
             "questions": str(questions_path),
             "target": setup.target,
+            "adapter": setup.adapter,
             "dtype": setup.dtype,
             "device": setup.device,
             "greedy": options.greedy,
@@ -726,6 +738,7 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
             "forward" + (" (a 16-bit target's dtype eps, above --tie-threshold)" if tie > options.tie_threshold else "")
         },
         "summary": summarize(records, [m.name for m in methods], options.subtasks),
+        "turns_cut_by_context_window": cut,
         "records": records,
     }
     write_outputs(doc, Path(options.out), options.results_doc)
@@ -766,6 +779,8 @@ def check_report_paths(out: str | Path, results_doc: str | None) -> None:
         raise BadInputError("--out must name a folder (it would write the report into the current one)")
     check_output_path(out, "--out", folder=True)
     if results_doc:
+        if Path(results_doc).resolve() == Path(out).resolve():  # (a folder the run is about to make)
+            raise BadInputError(f"--results-doc '{results_doc}' is the --out folder: name a Markdown file")
         check_output_path(results_doc, "--results-doc", folder=False)
         own = {(Path(out) / name).resolve() for name in REPORT_FILES}
         if Path(results_doc).resolve() in own:
@@ -935,6 +950,12 @@ def record(m: Method, q: Question, turn: int, prompt: list[int], out: Output) ->
         "context_differs": None,
         "difference": None,
     }
+
+
+def cut_by_context_window(records: list[dict[str, Any]], model: Any, max_new_tokens: int) -> int:
+    """How many turns stopped short of `max_new_tokens` because prompt and answer filled the context window."""
+    window = getattr(model.config, "max_position_embeddings", None) or 10**9
+    return sum(r["prompt_tokens"] + r["new_tokens"] >= window and r["new_tokens"] < max_new_tokens for r in records)
 
 
 def tie_threshold(model: torch.nn.Module, options: BenchOptions) -> float:
@@ -1226,11 +1247,15 @@ def markdown(doc: dict[str, Any], plots: bool = True) -> str:
     planned, ran = s.get("questions_planned"), sum(s["questions_run"].values())
     if planned is not None and ran < planned:
         per += f"; stopped by the time limit ({s['time_limit_s']:g} s) after {ran} of {planned} questions"
+    adapter = f" with adapter `{s['adapter']}` merged" if s.get("adapter") else ""  # (reports before 2026-12-06: none)
+    cut = doc.get("turns_cut_by_context_window")
+    if cut:
+        per += f"; {cut} turns stopped at the target's context window before max_new_tokens"
     lines = [
         f"- command: `{doc['command']}`",
         f"- date: {doc['date']} (took {doc['duration_s']:.0f} s)",
-        f"- target: `{s['target']}` ({s['dtype']}, {s['device']}); {mode}; max_new_tokens {s['max_new_tokens']}; "
-        f"batch 1; torch threads {s['torch_threads']}",
+        f"- target: `{s['target']}`{adapter} ({s['dtype']}, {s['device']}); {mode}; "
+        f"max_new_tokens {s['max_new_tokens']}; batch 1; torch threads {s['torch_threads']}",
         f"- questions: {per} (from `{s['questions']}`)",
         f"- machine: {mach['nproc']} CPUs ({mach['cpu']}){', GPU ' + mach['gpu'] if 'gpu' in mach else ''}; "
         f"Python {mach['python']}, torch {mach['torch']}, transformers {mach['transformers']}",

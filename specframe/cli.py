@@ -572,13 +572,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "its own options (e.g. bench-cpu.yaml: proposers, baselines, limit, max_new_tokens, ...; a proposer's "
             "options as overrides, e.g. eagle.depth=6)"
         )
-    options = structured(BenchOptions, from_file, "bench")
+    try:
+        options = structured(BenchOptions, from_file, "bench")
+    except BadInputError as e:  # (name the file and its key: `bench.subtasks` is no key the user could type)
+        raise BadInputError(f"--config {args.config}: {str(e).replace('bench.', '')}") from e
     typed = key_values(flags.pop("overrides", []))
     # A flag and an override typed together that disagree are refused (a file's options give way to both).
     target_flags = {key: (flag, flags.get(flag.removeprefix("--"))) for key, flag in TARGET_FLAGS.items()}
     flag_overrides(target_flags, [item for item in typed if item.startswith("target.")])
     overrides = [*options.overrides, *typed]
     options = dataclasses.replace(options, **flags, overrides=overrides)
+    try:
+        options.validate()  # (run_bench's own first step, here to say where a bad value came from)
+    except BadInputError as e:
+        flag = str(e).split()[0] if str(e).startswith("--") else ""
+        key = flag.removeprefix("--").replace("-", "_")
+        if flag and key not in flags and from_file is not None and key in from_file:  # (the file's, not a flag's)
+            raise BadInputError(f"--config {args.config}: {key}{str(e)[len(flag) :]}") from e
+        raise
     doc = run_bench(options)
     print("\n".join(main_table(doc)))
     wrote = [f"{options.out}/bench.json", f"{options.out}/bench.md", f"{options.out}/*.png"]

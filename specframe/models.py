@@ -156,8 +156,10 @@ def _cache_problem(path: Path, checksums: bool = False) -> str | None:
     Copies cached before the pull recorded its files are taken as they are."""
     try:
         marker = json.loads((path / _MARKER).read_text())
-    except (OSError, ValueError):
+    except FileNotFoundError:  # (the pull writes it last: without it, nothing whole was cached)
         return "not cached"
+    except (OSError, ValueError):
+        return f"damaged: {_MARKER} is unreadable"
     if not (path / "config.json").is_file():
         return "not cached"
     files = marker.get("files", {}) if isinstance(marker, dict) else None

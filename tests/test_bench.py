@@ -146,6 +146,10 @@ def test_every_markdown_table_row_has_its_header_s_cells(full_run):
             body = [r for r in itertools.takewhile(lambda r: r.startswith("|"), rows[i + 1 :])]
             assert all(r.count("|") == width for r in body), (rows[i - 1], body)
     assert tables >= 3 and "tree proposals: not a chain" in markdown(doc)
+    # the target line names an adapter merged into it (it was in the echoed command only)
+    assert doc["settings"]["adapter"] == "" and "with adapter" not in markdown(doc)
+    doc["settings"]["adapter"] = "runs/lora"
+    assert "- target: `" in markdown(doc) and "` with adapter `runs/lora` merged (" in markdown(doc)
 
 
 def test_render_remakes_the_report_from_the_json(full_run, tmp_path):
@@ -380,7 +384,16 @@ def test_a_config_file_sets_options_and_flags_win(tiny_dirs, questions, tmp_path
     ]  # the file's, then the command line's
     (tmp_path / "bad.yaml").write_text("limits: 3\n")
     code, _, err = run_cli("bench", "--config", str(tmp_path / "bad.yaml"))
-    assert code == 2 and "bench.limits" in err, err
+    assert code == 2 and f"--config {tmp_path / 'bad.yaml'}: limits: Key 'limits' not in 'BenchOptions'" in err, err
+    # the file's key is named, not a flag the user did not give, nor a `bench.` key that cannot be typed
+    for text, said in (("limit: 0\n", "limit must be an integer >= 1, got 0"),
+                       ("subtasks: qa\n", "subtasks must be a list, e.g. subtasks=[qa], got 'qa'")):  # fmt: skip
+        (tmp_path / "bad.yaml").write_text(text)
+        code, _, err = run_cli("bench", "--config", str(tmp_path / "bad.yaml"))
+        assert code == 2 and f"error: --config {tmp_path / 'bad.yaml'}: {said}" in err, err
+    (tmp_path / "bad.yaml").write_text("limit: 3\n")
+    code, _, err = run_cli("bench", "--config", str(tmp_path / "bad.yaml"), "--limit", "0")
+    assert code == 2 and "error: --limit must be an integer >= 1, got 0" in err, err  # (the flag's own value)
     code, _, err = run_cli("bench", "--config", "eagle.yaml")  # (a packaged `generate` config)
     assert code == 2 and "--config eagle.yaml is a `specframe generate` config (it has target, proposer" in err, err
 
@@ -467,6 +480,11 @@ def test_render_takes_only_where_to_write(full_run, tmp_path, monkeypatch):
         "bench", "--render", source, "--out", str(tmp_path / "o"), "--results-doc", str(tmp_path / "o" / "bench.json")
     )
     assert code == 2 and "is one of the report's own files" in err, err
+    # nor be the --out folder itself (found only at the end, "[Errno 21] Is a directory", exit 1)
+    code, _, err = run_cli(
+        "bench", "--render", source, "--out", str(tmp_path / "o2"), "--results-doc", str(tmp_path / "o2")
+    )
+    assert code == 2 and "is the --out folder: name a Markdown file" in err and not (tmp_path / "o2").exists(), err
 
 
 def test_a_time_limit_stops_between_questions_and_says_so(tiny_dirs, questions, tmp_path):
@@ -813,6 +831,30 @@ def test_a_run_that_stops_early_keeps_the_records_made_so_far(tiny_dirs, tmp_pat
     partial = json.loads((out / "bench.partial.json").read_text())
     assert partial["partial"] and [(r["question_id"], r["turn"]) for r in partial["records"]] == [(1, 0), (2, 0)]
     assert "prompt_ids" not in partial["records"][0] and "stopped early: the 2 records" in err
+    assert "an earlier run's report" not in err
+    # a report of an earlier run in the same folder is said not to be this run's (it stays, as the user's)
+    (out / "bench.json").write_text("{}")
+    code, _, err = run_cli(*args, "--proposers", "none", "--baselines", "", "--max-new-tokens", "2", "--out", str(out))
+    assert code == 2 and f"note: {out / 'bench.json'} beside it is an earlier run's report, not this run's" in err
+
+
+def test_turns_cut_by_the_context_window_are_said_so(tiny_dirs, tmp_path):
+    # (before: each turn stopped at the window without a word, the report saying max_new_tokens as asked)
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["b"]}) + "\n")  # (no EOS: 7 new)
+    out = tmp_path / "out"
+    args = ["bench", "--target", str(tiny_dirs["short"]), "--questions", str(path), "--subtasks", "mt_bench"]
+    code, _, err = run_cli(*args, "--proposers", "none", "--baselines", "", "--max-new-tokens", "50", "--out", str(out))
+    assert code == 0 and "note: 1 of 1 turns stopped at the target's context window before --max-new-tokens 50" in err
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["turns_cut_by_context_window"] == 1 and doc["records"][0]["new_tokens"] < 50
+    assert "1 turns stopped at the target's context window" in (out / "bench.md").read_text()
+    code, _, err = run_cli(*args, "--proposers", "none", "--baselines", "", "--max-new-tokens", "2", "--out", str(out))
+    assert (
+        code == 0
+        and "context window" not in err
+        and json.loads((out / "bench.json").read_text())["turns_cut_by_context_window"] == 0
+    )
 
 
 def test_sampling_flags_at_temperature_0_are_said_to_do_nothing(tmp_path):

@@ -755,8 +755,10 @@ def test_a_damaged_cached_copy_is_named_and_pulled_again(
         load_model("tiny-test", quiet=True)
     assert main(["models", "pull", "--force", "tiny-test"]) == 0 and weights.read_bytes() == whole
     # A record that is valid JSON of another shape is damage too (not a crash), and the repair still works.
-    for junk in ([], {"files": {"config.json": 3}}, {"files": {"config.json": {}}}, {"files": {"../x": {}}}):
-        (cached / sm._MARKER).write_text(json.dumps(junk))
+    for junk in ([], {"files": {"config.json": 3}}, {"files": {"config.json": {}}}, {"files": {"../x": {}}}, "{not"):
+        (cached / sm._MARKER).write_text(
+            junk if isinstance(junk, str) else json.dumps(junk)
+        )  # ("{not": was "not cached")
         row = next(r for r in list_models() if r["alias"] == "tiny-test")
         assert row["status"] == f"damaged: {sm._MARKER} is unreadable", junk
     assert main(["models", "pull", "tiny-test"]) == 0 and sm._is_cached(cached)
