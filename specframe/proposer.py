@@ -168,7 +168,8 @@ def given_in_words(given: Any) -> str:
         return "None"
     if isinstance(given, type):
         return f"the class {given.__name__} (not an instance of it)"
-    return f"a {type(given).__name__}"
+    name = type(given).__name__
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
 
 
 def check_confidence_threshold(value: Any, what: str = "proposer.confidence_threshold") -> None:

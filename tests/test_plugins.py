@@ -327,7 +327,12 @@ def test_a_build_that_returns_no_proposer_is_named_so(monkeypatch, tiny_dirs):
     assert not report.passed and "'s random() returned None, not a Proposer instance" in report.results[0].detail
     # The Python API: a class where an instance belongs, or something else, is refused by name.
     model = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
-    for given, said in ((Echo, "the class Echo (not an instance of it)"), (object(), "a object"), (None, "None")):
+    for given, said in (
+        (Echo, "the class Echo (not an instance of it)"),
+        (object(), "an object"),
+        ([], "a list"),
+        (None, "None"),
+    ):
         with pytest.raises(
             BadInputError, match=rf"^SpeculativeDecoder takes a Proposer instance, got {re.escape(said)}"
         ):
