@@ -161,6 +161,9 @@ def on_device(tensors: tuple[torch.Tensor, ...], device: torch.device) -> tuple[
     return tuple(t.to(device) for t in tensors)
 
 
+HALF_MAX = torch.finfo(torch.float16).max  # the largest float16, the dtype trained artifacts are saved in
+
+
 def check_fits_half_precision(params: dict[str, torch.Tensor]) -> None:
     """Trained artifacts keep their weights in float16: a weight beyond its range (65504) would be saved as inf,
     and the artifact refused at load. Such a run has diverged (a learning rate too high) though its loss may
@@ -174,9 +177,6 @@ def check_fits_half_precision(params: dict[str, torch.Tensor]) -> None:
                     f"({HALF_MAX:g}) that trained artifacts are saved in (a learning rate too high); nothing more "
                     "is saved: lower train.lr, and resume from the last checkpoint or start again"
                 )
-
-
-HALF_MAX = torch.finfo(torch.float16).max
 
 
 def save_checkpoint(
