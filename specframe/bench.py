@@ -693,7 +693,7 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
                         log(f"note: {earlier} beside it is an earlier run's report, not this run's")
                 raise
             note_graphs_turned_off(setup.methods)
-            cut = cut_by_context_window(records, setup.model, options.max_new_tokens)
+            cut = cut_by_context_window(records, setup.encoder.context_window, options.max_new_tokens)
             if cut:
                 log(
                     f"note: {cut} of {len(records)} turns stopped at the target's context window before "
@@ -952,9 +952,8 @@ def record(m: Method, q: Question, turn: int, prompt: list[int], out: Output) ->
     }
 
 
-def cut_by_context_window(records: list[dict[str, Any]], model: Any, max_new_tokens: int) -> int:
-    """How many turns stopped short of `max_new_tokens` because prompt and answer filled the context window."""
-    window = getattr(model.config, "max_position_embeddings", None) or 10**9
+def cut_by_context_window(records: list[dict[str, Any]], window: int, max_new_tokens: int) -> int:
+    """How many turns stopped short of `max_new_tokens` because prompt and answer filled the context `window`."""
     return sum(r["prompt_tokens"] + r["new_tokens"] >= window and r["new_tokens"] < max_new_tokens for r in records)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import traceback
 import warnings
@@ -575,7 +576,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         options = structured(BenchOptions, from_file, "bench")
     except BadInputError as e:  # (name the file and its key: `bench.subtasks` is no key the user could type)
-        raise BadInputError(f"--config {args.config}: {str(e).replace('bench.', '')}") from e
+        # (where `structured` names a key: first, and in its examples; not `bench.` in, say, a file's name)
+        said = re.sub(r"(^|with |e\.g\. )bench\.", r"\1", str(e))
+        raise BadInputError(f"--config {args.config}: {said}") from e
     typed = key_values(flags.pop("overrides", []))
     # A flag and an override typed together that disagree are refused (a file's options give way to both).
     target_flags = {key: (flag, flags.get(flag.removeprefix("--"))) for key, flag in TARGET_FLAGS.items()}
