@@ -3,117 +3,173 @@
 # specframe without dependencies, run the conformance suite for every registered proposer on CUDA in float32
 # and bfloat16, and benchmark every proposer on a Spec-Bench subset against transformers' plain generate,
 # assisted generation and prompt lookup (optionally the fast test suite too). Results go under $OUT
-# (default runs/gpu-check): summary.txt and gpu-check.tar.gz (every report, log and the bench folder),
-# written even when a phase fails or the run is cut short. Exit status: 0 when every check passed.
+# (default runs/gpu-check): summary.txt and gpu-check.tar.gz (every report, log and the bench folder), remade
+# after every phase, so a call stopped anywhere returns what it had. Exit status: 0 when no check failed
+# (summary.txt's last line says whether runs were cut off by their time limit: its CUT lines).
 #
 # Prepare first, where pip works: scripts/gpu_prepare.sh (it says which device calls carry what).
 #
-#   scripts/gpu_check.sh stage     keep the carried model part in /tmp/gpu-model (the staging calls: a carried path
-#                                  replaces its folder, so .gpu-model holds only this call's part) and list them
-#   scripts/gpu_check.sh           the whole check
+#   scripts/gpu_check.sh stage   keep the carried model part in /tmp/gpu-model (the staging calls: a carried path
+#                                replaces its folder, so .gpu-model holds only this call's part) and list them
+#   scripts/gpu_check.sh         the conformance suite's greedy, rollback and isolation checks (77 s on the H200),
+#                                then the benchmarks: at most GPU_CHECK_S (480) seconds in all
+#   scripts/gpu_check.sh suite   the whole conformance suite (its sampling statistics and power checks too) and
+#                                nothing else, within GPU_CHECK_S: a call of its own, as twelve processes' statistics
+#                                on one GPU do not fit beside the benchmarks (docs/gpu.md)
 #
 # Settings (environment): GPU_CHECK_DEVICE (cuda), GPU_CHECK_LIMIT (2 questions per subtask),
 # GPU_CHECK_SUBTASKS (all six), GPU_CHECK_MAX_NEW_TOKENS (128), GPU_CHECK_DTYPES ("float32 bfloat16"),
-# GPU_CHECK_QUICK (conformance: greedy, rollback and isolation only), GPU_CHECK_TESTS (set: also the fast test suite),
-# GPU_CHECK_CONFORMANCE_S (180), GPU_CHECK_TESTS_S (150), GPU_CHECK_BENCH_S (210): each phase's time limit,
+# GPU_CHECK_TESTS (set: also the fast test suite), GPU_CHECK_S (480: the call's budget from its start; each phase
+# ends at its own limit or at what the budget leaves it, and one left under 100 s is skipped and said),
+# GPU_CHECK_CONFORMANCE_S (150; with `suite`, the budget), GPU_CHECK_TESTS_S (150), GPU_CHECK_BENCH_S (210),
 # GPU_CHECK_BENCH_TIMED_S (120): the bench's --time-limit (no question starts after it; the report says where it
-# stopped, so a cut run still writes its results), GPU_CHECK_SKIP_INSTALL; the comparison run with CUDA graphs off
-# (none and union against hf, 2 questions): GPU_CHECK_EAGER_S (110), GPU_CHECK_EAGER_TIMED_S (50), GPU_CHECK_SKIP_EAGER. With GPU_CHECK_DEVICE=cpu and small settings it runs here as a smoke test.
+# stopped; at most the bench's own limit less 90 s), GPU_CHECK_SKIP_INSTALL; the comparison run with CUDA graphs
+# off (none and union against hf, 2 questions): GPU_CHECK_EAGER_S (110), GPU_CHECK_EAGER_TIMED_S (50),
+# GPU_CHECK_SKIP_EAGER. A bench stopped by its limit gets SIGINT (not SIGTERM, which would end it on the spot), so
+# it keeps the turns it finished (bench.partial.json). With GPU_CHECK_DEVICE=cpu and small settings it runs here
+# as a smoke test.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 NAME=gpu-check
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
-source scripts/gpu_common.sh  # (`stage` exits there; defines say, fail, install_specframe, default_model, ...)
+MODE=${1:-}
+case "$MODE" in
+    "" | suite | stage) ;;
+    *) echo "gpu_check.sh: unknown mode '$MODE' (give none, 'suite' or 'stage')" >&2; exit 2 ;;
+esac
+source scripts/gpu_common.sh  # (`stage` exits there; defines say, fail, left, phase_limit, archive, ...)
+BUDGET=${GPU_CHECK_S:-480}
 LIMIT=${GPU_CHECK_LIMIT:-2}
 MAX_NEW=${GPU_CHECK_MAX_NEW_TOKENS:-128}
 SUBTASKS=${GPU_CHECK_SUBTASKS:-mt_bench,translation,summarization,qa,math_reasoning,rag}
 DTYPES=${GPU_CHECK_DTYPES:-float32 bfloat16}
-mkdir -p "$WORK/check"
 
-# --- 1. install, 2. the default target
+# --- 1. install, 2. the default target (the suite needs none: its targets are tiny random models)
 install_specframe || exit 1
 "${SF[@]}" plugins | tee -a "$SUMMARY"
-default_model
-[ "$MODEL_OK" = 1 ] || say "SKIP bench: no default model (above)"
+if [ "$MODE" != suite ]; then
+    # whether specframe's lean Llama forward (prefill and eager steps) gives transformers' results bit for bit
+    # here: where it does not (a fused kernel, say), transformers' forward runs instead, slower and unsaid
+    "$PY" - "$DEVICE" << 'PYEOF' 2>&1 | tee -a "$SUMMARY"
+import sys, torch
+from specframe.lean_forward import same_as_transformers
+from specframe.testing.tiny import tiny_llama
+for dtype in (torch.float32, torch.bfloat16):
+    same = same_as_transformers(tiny_llama(vocab_size=64, hidden_size=64, device=sys.argv[1], dtype=dtype))
+    print(f"lean forward, {sys.argv[1]} {dtype}: {'used (the same' if same else 'NOT used (not the same'} as transformers')")
+PYEOF
+    default_model
+    [ "$MODEL_OK" = 1 ] || say "SKIP bench: no default model (above)"
+fi
+archive
 
 # --- 3. conformance: one process per proposer and dtype, in parallel (tiny models are launch-bound). Each
 # writes a line per check as it finishes, so one cut off by its time limit still reports the checks it ran.
 proposers=$("${SF[@]}" plugins --json | "$PY" -c "import json,sys; print(' '.join(r['name'] for r in json.load(sys.stdin)['proposers']))")
-pids=()
-runs=()
-for p in $proposers; do
-    for t in $DTYPES; do
-        mode=--no-power
-        [ "$p" = none ] && mode=  # the power checks test the suite itself: once per device and dtype
-        [ -n "${GPU_CHECK_QUICK:-}" ] && mode=--quick
-        OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 timeout "${GPU_CHECK_CONFORMANCE_S:-180}" "${SF[@]}" check \
-            --proposer "$p" --device "$DEVICE" --dtype "$t" $mode > "$WORK/check/$p-$t.txt" 2> "$WORK/check/$p-$t.err" &
-        pids+=($!)
-        runs+=("$p-$t")
+conformance() {  # conformance <folder in $WORK> <seconds> <what, for the summary> <--quick, or "" for the whole suite>
+    local dir=$WORK/$1 seconds=$2 what=$3 quick=$4 p t i mode pids=() runs=()
+    mkdir -p "$dir"
+    for p in $proposers; do
+        for t in $DTYPES; do
+            mode=$quick
+            [ -z "$quick" ] && [ "$p" != none ] && mode=--no-power  # (the power checks test the suite itself: once)
+            OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 timeout -k 10 "$seconds" "${SF[@]}" check --proposer "$p" \
+                --device "$DEVICE" --dtype "$t" $mode > "$dir/$p-$t.txt" 2> "$dir/$p-$t.err" &
+            pids+=($!)
+            runs+=("$p-$t")
+        done
     done
-done
-for i in "${!pids[@]}"; do  # each one's exit status beside its report (124: stopped by its time limit)
-    wait "${pids[$i]}"
-    echo $? > "$WORK/check/${runs[$i]}.rc"
-done
-"$PY" - "$WORK/check" << 'EOF' 2>&1 | tee -a "$SUMMARY"
+    for i in "${!pids[@]}"; do  # each one's exit status beside its report (124: stopped by its time limit)
+        wait "${pids[$i]}"
+        echo $? > "$dir/${runs[$i]}.rc"
+    done
+    "$PY" - "$dir" "$what" "$seconds" << 'EOF' 2>&1 | tee -a "$SUMMARY"
 import pathlib, re, sys
-for f in sorted(pathlib.Path(sys.argv[1]).glob("*.txt")):
+folder, what, seconds = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+for f in sorted(folder.glob("*.txt")):
     lines = f.read_text().splitlines()
     checks = [line.strip() for line in lines if re.match(r"\s+(PASS|FAIL)\s", line)]
     failed = [c for c in checks if c.startswith("FAIL")]
     finished = bool(lines) and re.match(r"\d+ passed, \d+ failed( \(|$)", lines[-1].strip()) is not None
     err = f.with_suffix(".err").read_text().strip().splitlines()
     rc = f.with_suffix(".rc").read_text().strip()
-    why = "cut off by the time limit" if rc == "124" else f"exit {rc}: {err[-1] if err else 'no message'}"
+    cut = not finished and rc == "124"  # (stopped by its time limit: CUT, unless a check it ran failed)
+    why = f"cut off by its {seconds} s time limit" if cut else f"exit {rc}: {err[-1] if err else 'no message'}"
     stopped = "" if finished else f", then stopped ({why})"
-    print(f"{'PASS' if finished and checks and not failed else 'FAIL'} conformance {f.stem}: "
-          f"{len(checks) - len(failed)}/{len(checks)} checks passed{stopped}")
+    status = "FAIL" if failed or not (finished or cut) or (finished and not checks) else "CUT" if cut else "PASS"
+    print(f"{status} conformance ({what}) {f.stem}: {len(checks) - len(failed)}/{len(checks)} checks passed{stopped}")
     for c in failed if finished else checks:  # (an unfinished run: every check it got through)
         print(f"    {c}")
 EOF
-grep -q "^FAIL" "$SUMMARY" && FAILED=1
-say "[$(elapsed)] conformance done"
+    grep -q "^FAIL" "$SUMMARY" && FAILED=1
+    grep -q "^CUT" "$SUMMARY" && FINISHED_OK="no check failed, but runs were cut off by their time limit (CUT above)"
+    say "[$(elapsed)] conformance ($what) done"
+    archive
+}
+if [ "$MODE" = suite ]; then
+    conformance suite "$(phase_limit "${GPU_CHECK_CONFORMANCE_S:-100000}" "$BUDGET")" "whole suite" ""
+    exit "$FAILED"
+fi
+conformance check "$(phase_limit "${GPU_CHECK_CONFORMANCE_S:-150}" "$BUDGET")" "greedy, rollback, isolation" --quick
 
 # --- 4. optionally the fast test suite there (the tests parametrized over devices also run on CUDA)
 if [ -n "${GPU_CHECK_TESTS:-}" ]; then
     parallel=()
     "$PY" -c "import xdist" 2> /dev/null && parallel=(-n 8)  # pytest-xdist is in the GPU image
-    timeout "${GPU_CHECK_TESTS_S:-150}" "$PY" -m pytest -q -m "not slow" -p no:cacheprovider ${parallel[@]+"${parallel[@]}"} \
-        tests > "$WORK/pytest.log" 2>&1 || fail "pytest (exit $?)"
+    seconds=$(phase_limit "${GPU_CHECK_TESTS_S:-150}" "$BUDGET")
+    timeout -k 10 "$seconds" "$PY" -m pytest -q -m "not slow" -p no:cacheprovider ${parallel[@]+"${parallel[@]}"} \
+        tests > "$WORK/pytest.log" 2>&1 || { rc=$?; fail "pytest ($(why "$rc" "$seconds"))"; }
     say "pytest (fast suite): $(tail -1 "$WORK/pytest.log")"
+    archive
 fi
 
-# --- 5. Spec-Bench subset: every proposer against transformers' plain, assisted and prompt-lookup generate
+# --- 5. Spec-Bench subsets. bench <folder in $WORK> <seconds> <timed seconds> <bench options...>; at its limit it
+# gets SIGINT and keeps the turns it finished in bench.partial.json; its rows go into the summary.
+bench() {
+    local name=$1 seconds=$2 timed=$3 rc
+    shift 3
+    [ "$timed" -gt $((seconds - 90)) ] && timed=$((seconds - 90))  # (loading and building the methods come first)
+    timeout -s INT -k 20 "$seconds" "${SF[@]}" bench --max-new-tokens "$MAX_NEW" --device "$DEVICE" \
+        --questions "$questions" --out "$WORK/$name" --results-doc "$WORK/$name/results.md" --time-limit "$timed" \
+        --no-progress "$@" >> "$LOG" 2>&1
+    rc=$?
+    if [ "$rc" != 0 ] && [ -f "$WORK/$name/bench.partial.json" ]; then
+        fail "$name ($(why "$rc" "$seconds")): no report; the turns it finished are in $name/bench.partial.json"
+    elif [ "$rc" != 0 ]; then
+        fail "$name ($(why "$rc" "$seconds")): $(tail -2 "$LOG")"
+    fi
+    if [ -f "$WORK/$name/results.md" ]; then
+        awk '/^## Speed/ {f = 1; next} /^## / {f = 0} f && /^\| (subtask|overall) /' "$WORK/$name/results.md" \
+            | tee -a "$SUMMARY"
+        grep -o "verification forwards as CUDA graphs\|CUDA graphs off: [^|]*" "$WORK/$name/results.md" | sort \
+            | uniq -c | sed 's/^/    methods: /' | tee -a "$SUMMARY"
+    fi
+    archive
+}
+enough() {  # enough <seconds> <what>: whether a bench given that many seconds is worth starting (else said)
+    [ "$1" -ge 100 ] && return 0
+    say "SKIP $2: $1 s of the budget left for it"
+    return 1
+}
 if [ "$MODEL_OK" = 1 ]; then
     questions=.gpu-data/question.jsonl
     [ -f "$questions" ] || questions=../shared/data/spec_bench/question.jsonl
     methods=none
     for p in $proposers; do [ "$p" != none ] && methods="$methods,$p"; done
-    timeout "${GPU_CHECK_BENCH_S:-210}" "${SF[@]}" bench --proposers "$methods" \
-        --baselines hf,hf-assisted,hf-pld --limit "$LIMIT" --subtasks "$SUBTASKS" --max-new-tokens "$MAX_NEW" \
-        --device "$DEVICE" --questions "$questions" --out "$WORK/bench" --results-doc "$WORK/bench/results.md" \
-        --time-limit "${GPU_CHECK_BENCH_TIMED_S:-120}" --no-progress >> "$LOG" 2>&1 || fail "bench (exit $?): $(tail -2 "$LOG")"
-    if [ -f "$WORK/bench/results.md" ]; then
-        awk '/^## Speed/ {f = 1; next} /^## / {f = 0} f && /^\| (subtask|overall) /' "$WORK/bench/results.md" \
-            | tee -a "$SUMMARY"
-        grep -o "verification forwards as CUDA graphs\|CUDA graphs off: [^|]*" "$WORK/bench/results.md" | sort | uniq -c \
-            | sed 's/^/    methods: /' | tee -a "$SUMMARY"
+    # every proposer against transformers' plain, assisted and prompt-lookup generate
+    seconds=$(phase_limit "${GPU_CHECK_BENCH_S:-210}" "$BUDGET")
+    if enough "$seconds" bench; then
+        bench bench "$seconds" "${GPU_CHECK_BENCH_TIMED_S:-120}" --proposers "$methods" \
+            --baselines hf,hf-assisted,hf-pld --limit "$LIMIT" --subtasks "$SUBTASKS"
     fi
     # --- 6. what the CUDA graphs gave: plain decoding and union again with the eager forwards, against hf in the
     # same (shorter) run: one question each of mt_bench and translation (docs/gpu.md, step 5)
-    if [ -z "${GPU_CHECK_SKIP_EAGER:-}" ]; then
-        timeout "${GPU_CHECK_EAGER_S:-110}" "${SF[@]}" bench --proposers none,union --baselines hf \
-            --limit 1 --subtasks mt_bench,translation --max-new-tokens "$MAX_NEW" --device "$DEVICE" \
-            --questions "$questions" --out "$WORK/bench-eager" --results-doc "$WORK/bench-eager/results.md" \
-            --time-limit "${GPU_CHECK_EAGER_TIMED_S:-50}" --no-progress target.cuda_graphs=false >> "$LOG" 2>&1 \
-            || fail "bench with target.cuda_graphs=false (exit $?): $(tail -2 "$LOG")"
-        if [ -f "$WORK/bench-eager/results.md" ]; then
-            say "eager forwards (target.cuda_graphs=false):"
-            awk '/^## Speed/ {f = 1; next} /^## / {f = 0} f && /^\| (subtask|overall) /' "$WORK/bench-eager/results.md" \
-                | tee -a "$SUMMARY"
-        fi
+    seconds=$(phase_limit "${GPU_CHECK_EAGER_S:-110}" "$BUDGET")
+    if [ -z "${GPU_CHECK_SKIP_EAGER:-}" ] && enough "$seconds" "bench with target.cuda_graphs=false"; then
+        say "eager forwards (target.cuda_graphs=false):"
+        bench bench-eager "$seconds" "${GPU_CHECK_EAGER_TIMED_S:-50}" --proposers none,union --baselines hf \
+            --limit 1 --subtasks mt_bench,translation target.cuda_graphs=false
     fi
 fi
 [ "$FAILED" = 0 ]

@@ -23,11 +23,18 @@ say() { echo "$*" | tee -a "$SUMMARY"; }
 fail() { say "FAIL $*"; FAILED=1; }
 elapsed() { echo "$(($(date +%s) - START))s"; }
 left() { echo "$(($1 - ($(date +%s) - START)))"; }  # seconds left of a budget of $1 seconds from the start
-finish() {  # always: the archive of everything in $WORK so far (no file over the device tool's 16 MiB)
+# A phase's time limit: its own ($1), or what is left of the budget ($2) less 20 s for what follows, if less.
+phase_limit() { local l; l=$(left "$2"); l=$((l - 20)); echo $(($1 < l ? $1 : l)); }
+why() { [ "$1" = 124 ] && echo "cut off by its $2 s time limit" || echo "exit $1"; }  # why <rc> <limit>
+archive() {  # the archive of everything in $WORK so far (no file over the device tool's 16 MiB), made after
+    # every phase, not only at the end: a call that the device tool stops at its timeout never runs the trap
     rm -f "$WORK/model.gguf"
-    say "[$(elapsed)] finished: $([ "$FAILED" = 0 ] && echo 'every step passed' || echo 'FAILURES above')"
     cp "$SUMMARY" "$WORK/"
-    tar -czf "$OUT/$NAME.tar.gz" -C "$WORK" . && rm -rf "$WORK"
+    tar -czf "$OUT/$NAME.tar.gz.part" -C "$WORK" . && mv "$OUT/$NAME.tar.gz.part" "$OUT/$NAME.tar.gz"
+}
+finish() {  # always
+    say "[$(elapsed)] finished: $([ "$FAILED" = 0 ] && echo "${FINISHED_OK:-every step passed}" || echo 'FAILURES above')"
+    archive && rm -rf "$WORK"
 }
 trap finish EXIT
 

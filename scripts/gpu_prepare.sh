@@ -3,7 +3,8 @@
 # has no network (the device tool's H200: Python 3.12 with torch, transformers 5.17 and peft, no omegaconf or
 # gguf). Run from the repository root; it writes three folders that git ignores (.git/info/exclude):
 #
-#   .whl/        wheels the GPU image lacks or has too old: transformers 5.24 (specframe's pin), omegaconf, gguf
+#   .whl/        wheels the GPU image lacks or has too old: transformers 5.24 (specframe's lowest: 5.25 needs
+#                huggingface-hub 2.4 and the `kernels` package, and the image has hub 1.33), omegaconf, gguf
 #   .gpu-data/   Spec-Bench's question.jsonl and the training prompts (read from ../shared/data; carried, never
 #                committed)
 #   .gpu-model/  the default target's GGUF (98 MB) in three parts of at most 32 MiB, with its sha256
@@ -15,7 +16,11 @@
 #   run  command="scripts/gpu_check.sh stage"                carry=[".gpu-model/part-00"]
 #   run  command="scripts/gpu_check.sh stage"                carry=[".gpu-model/part-01"]
 #   run  command="scripts/gpu_check.sh stage"                carry=[".gpu-model/part-02"]
-#   run  command="scripts/gpu_check.sh"  timeout_s=590       carry=[".whl", ".gpu-data", ".gpu-model/SHA256"]
+#   run  command="scripts/gpu_check.sh"  timeout_s=540       carry=[".whl", ".gpu-data", ".gpu-model/SHA256"]
+#
+# and, with what is left of the session, the conformance suite's statistics (docs/gpu.md):
+#
+#   run  command="GPU_CHECK_S=<seconds> scripts/gpu_check.sh suite"   carry=[".whl"]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -82,6 +82,7 @@ rows = read_distill(sys.argv[1])
 print(f"text: {len(rows)} responses to {len({r.prompt_id for r in rows})} prompts, "
       f"{sum(len(r.response_ids) for r in rows)} response tokens")
 EOF
+archive  # (after every phase: a call the device tool stops never runs the trap)
 gzip -c "$DATA" > "$OUT/distill.jsonl.gz"
 if [ "$(stat -c %s "$OUT/distill.jsonl.gz")" -gt $((16 * 1024 * 1024)) ]; then
     rm "$OUT/distill.jsonl.gz"
@@ -114,5 +115,6 @@ for p in $PROPOSERS; do
         rm -rf "$WORK/$p/checkpoint"
         fail "train $p (exit $rc$([ "$rc" = 124 ] && echo ': cut off by the budget')): $(tail -1 "$WORK/train-$p.log")"
     fi
+    archive
 done
 [ "$FAILED" = 0 ]

@@ -31,14 +31,24 @@ def test_summary_reads_passing_failing_and_cut_off_reports(tmp_path, quick):
     reports = {"none-bfloat16": (ok.summary(), "0"), "draft-bfloat16": (bad.summary(), "1")}
     cut = "\n".join(ok.summary().splitlines()[:-1])  # (no totals line: stopped by its time limit)
     reports["eagle-bfloat16"] = (cut, "124")
+    reports["medusa-bfloat16"] = ("\n".join(bad.summary().splitlines()[:-1]), "124")
+    reports["union-bfloat16"] = (cut, "1")
     for stem, (text, rc) in reports.items():
         (tmp_path / f"{stem}.txt").write_text(text + "\n")
-        (tmp_path / f"{stem}.err").write_text("")
+        (tmp_path / f"{stem}.err").write_text("Traceback\n" if rc == "1" and stem == "union-bfloat16" else "")
         (tmp_path / f"{stem}.rc").write_text(rc + "\n")
     run = subprocess.run(
-        [sys.executable, "-", str(tmp_path)], input=summary_program(), capture_output=True, text=True, check=True
+        [sys.executable, "-", str(tmp_path), "quick", "150"],
+        input=summary_program(),
+        capture_output=True,
+        text=True,
+        check=True,
     )
     lines = run.stdout.splitlines()
-    assert "PASS conformance none-bfloat16: 2/2 checks passed" in lines, run.stdout
-    assert "FAIL conformance draft-bfloat16: 1/2 checks passed" in lines, run.stdout
-    assert "FAIL conformance eagle-bfloat16: 2/2 checks passed, then stopped (cut off by the time limit)" in lines
+    assert "PASS conformance (quick) none-bfloat16: 2/2 checks passed" in lines, run.stdout
+    assert "FAIL conformance (quick) draft-bfloat16: 1/2 checks passed" in lines, run.stdout
+    # cut off with no check failed: CUT (said, not a failure); cut off after a failed check, or another exit: FAIL
+    stopped = "then stopped (cut off by its 150 s time limit)"
+    assert f"CUT conformance (quick) eagle-bfloat16: 2/2 checks passed, {stopped}" in lines, run.stdout
+    assert f"FAIL conformance (quick) medusa-bfloat16: 1/2 checks passed, {stopped}" in lines, run.stdout
+    assert "FAIL conformance (quick) union-bfloat16: 2/2 checks passed, then stopped (exit 1: Traceback)" in lines
