@@ -440,7 +440,10 @@ def hf_method(
 
     def run(ids: list[int], max_new: int, seed: int) -> Output:
         if len(ids) >= window:
-            raise BadInputError(f"the prompt has {len(ids)} tokens; the target's context window is {window}")
+            raise BadInputError(
+                f"the prompt has {len(ids)} tokens; the target's context window is {window}, which leaves no room "
+                "for a new token"
+            )
         max_new = min(max_new, window - len(ids))
         x = torch.tensor([ids], device=model.device)
         kwargs: dict[str, Any] = {"max_new_tokens": max_new, "eos_token_id": eos_ids or None, "pad_token_id": pad}

@@ -251,6 +251,8 @@ def with_overrides(raw: DictConfig, overrides: list[str]) -> DictConfig:
         if not isinstance(item, str) or "=" not in item:
             raise ConfigError(f"override {item!r} is not a 'KEY=VALUE' string")
         key, text = split_override(item)
+        if text.lstrip().startswith("#"):  # (YAML reads it as a comment: nothing, not the text)
+            raise ConfigError(f"override '{item}': the value is a YAML comment; quote text that starts with '#'")
         try:
             # (as OmegaConf.from_dotlist, but the value's text kept as typed where YAML would change it)
             override = OmegaConf.create()
@@ -261,7 +263,9 @@ def with_overrides(raw: DictConfig, overrides: list[str]) -> DictConfig:
         except OmegaConfBaseException as e:
             raise ConfigError(f"bad config: {one_line(e)}") from e
         except yaml.YAMLError as e:  # (a value is parsed as YAML)
-            raise ConfigError(f"override '{item}': the value is not valid YAML ({' '.join(str(e).split())})") from e
+            hint = "; quote text that holds ':' or '#', e.g. KEY='\"a: b\"'" if any(c in text for c in ":#") else ""
+            why = " ".join(str(e).split())
+            raise ConfigError(f"override '{item}': the value is not valid YAML ({why}){hint}") from e
     return raw
 
 
@@ -432,6 +436,7 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
             flag_fields = {f.name for f in schema_fields if f.type in ("bool", bool, "bool | None")}
             float_fields = {f.name for f in schema_fields if f.type in ("float", float, "float | None")}
             one_or_many = {f.name for f in schema_fields if f.metadata.get("one_or_many")}  # text alone: a list of one
+            text_lists = {f.name for f in schema_fields if str(f.type).removeprefix("typing.") in ("list[str]",)}
             list_fields = {
                 f.name
                 for f in schema_fields
@@ -457,8 +462,17 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
                     values[key] = ""
                 if key in one_or_many and isinstance(values[key], str | int | float):  # (`stop=5`: ["5"])
                     values[key] = [values[key]]
+                if key in one_or_many and values[key] is None:  # (`stop=`: none, as `KEY=` is "" for text)
+                    values[key] = []
                 if key in list_fields and not isinstance(values[key], ListConfig | None):
                     given = values[key]
+                    words = OmegaConf.to_container(given) if isinstance(given, DictConfig) else None
+                    if key in text_lists and words and list(words.values()) == [None]:  # (`stop=User:` is YAML's
+                        meant = f"{next(iter(words))}:"  # mapping {'User': None}: the user meant the text)
+                        raise ConfigError(
+                            f"{prefix}.{key}: {meant} reads as a YAML mapping; quote text that ends in ':' or holds "
+                            f"': ', e.g. '{prefix}.{key}=\"{meant}\"'"
+                        )
                     if isinstance(given, DictConfig):  # (e.g. from `KEY.0=x`: a dotlist index makes a mapping)
                         raise ConfigError(
                             f"{prefix}.{key} must be a list, got {OmegaConf.to_container(given)!r} "

@@ -267,7 +267,8 @@ class SpeculativeDecoder:
             raise BadInputError(why)
         if len(ids) >= self.context_window:
             raise BadInputError(
-                f"the prompt has {len(ids)} tokens; the target's context window is {self.context_window}"
+                f"the prompt has {len(ids)} tokens; the target's context window is {self.context_window}, which "
+                "leaves no room for a new token"
             )
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 

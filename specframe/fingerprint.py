@@ -9,8 +9,8 @@ parameter (embeddings, every decoder layer, norms, head), with the parameters' n
 model, or the same embeddings with other layers, does not match.
 
 A PEFT adapter merged at load time (`target.adapter`) is fingerprinted as the base model's weights plus the
-adapter file's sha256: merging in bfloat16 rounds differently from merging in float32, so the merged weights
-themselves could not be matched across dtypes.
+sha256 of the adapter's weights file and config: merging in bfloat16 rounds differently from merging in
+float32, so the merged weights themselves could not be matched across dtypes.
 
 `read_artifact` reads such an artifact's folder, and `check_vocab_ids` the target's token ids that its reduced
 output vocabulary lists, refusing a list that does not fit the target.
@@ -74,17 +74,37 @@ def same_data_target(recorded: dict[str, str], model_print: dict[str, str]) -> b
     return any(recorded.get(name) == digest for name, digest in model_print.items())
 
 
-def mark_adapter(merged: torch.nn.Module, base: dict[str, Any], adapter_file: str | Path) -> None:
-    """Record on `merged` that it is the model fingerprinted `base` with the adapter in `adapter_file` merged."""
-    digest = hashlib.sha256(Path(adapter_file).read_bytes()).hexdigest()
-    object.__setattr__(merged, _OWN, {**base, ADAPTER_KEY: digest})
+# adapter_config.json's fields that say where an adapter came from, not what model it makes
+ADAPTER_PROVENANCE = ("base_model_name_or_path", "revision", "inference_mode", "peft_version", "auto_mapping")
+
+
+def adapter_digest(folder: str | Path) -> str:
+    """sha256 of a PEFT adapter folder's weights file and of its config's other fields than ADAPTER_PROVENANCE: the
+    same weights with another `lora_alpha` (or rank pattern, rsLoRA...) merge into another model."""
+    folder = Path(folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    kept = {k: v for k, v in config.items() if k not in ADAPTER_PROVENANCE}
+    h = hashlib.sha256((folder / "adapter_model.safetensors").read_bytes())
+    h.update(json.dumps(kept, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def mark_adapter(merged: torch.nn.Module, base: dict[str, Any], adapter_folder: str | Path) -> None:
+    """Record on `merged` that it is the model fingerprinted `base` with the adapter in `adapter_folder` merged."""
+    object.__setattr__(merged, _OWN, {**base, ADAPTER_KEY: adapter_digest(adapter_folder)})
 
 
 def fingerprint_mismatch(saved: Any, model: torch.nn.Module, adapter: bool = True) -> str | None:
     """Why `saved` (a `target_fingerprint`) is not `model`'s, in words; None when it is. With `adapter` False a
     merged adapter is not compared (the base model's weights are): for artifacts that only propose, whose
     exactness never depends on the target, while Medusa-2 heads are trained together with their adapter."""
-    have = target_fingerprint(model)
+    dtype = model.get_input_embeddings().weight.dtype
+    name = next((n for n, d in DTYPES.items() if d == dtype), "float32")
+    return fingerprint_difference(saved, target_fingerprint(model), name, adapter)
+
+
+def fingerprint_difference(saved: Any, have: dict[str, Any], dtype: str, adapter: bool = True) -> str | None:
+    """Why the fingerprint `saved` is not `have` (a target in `dtype`), in words; None when they match."""
     if not isinstance(saved, dict) or not isinstance(saved.get("weights_sha256"), dict):
         return "its target fingerprint is missing or in an older format (retrain it with this specframe)"
     for key in ("vocab_size", "hidden_size"):
@@ -96,10 +116,8 @@ def fingerprint_mismatch(saved: Any, model: torch.nn.Module, adapter: bool = Tru
         if have.get(ADAPTER_KEY) is None:
             return "it was made for the target with a PEFT adapter merged (target.adapter), and this one has none"
         return "it was made for the target with another PEFT adapter merged"
-    dtype = model.get_input_embeddings().weight.dtype
-    name = next((n for n, d in DTYPES.items() if d == dtype), "float32")
-    if saved["weights_sha256"].get(name) != have["weights_sha256"][name]:
-        return f"the weights differ (compared in {name})"
+    if saved["weights_sha256"].get(dtype) != have["weights_sha256"][dtype]:
+        return f"the weights differ (compared in {dtype})"
     return None
 
 

@@ -778,6 +778,14 @@ def _apply_adapter(model: Any, adapter: str, base: str, base_dir: Path | None = 
         raise ModelLoadError(f"adapter {path} is damaged: {type(e).__name__}: {_first_line(e)}") from e
     if not isinstance(adapter_config, dict):
         raise ModelLoadError(f"adapter {path} is damaged: adapter_config.json holds no JSON object")
+    from peft import PeftType
+
+    peft_type = adapter_config.get("peft_type")
+    if not isinstance(peft_type, str) or peft_type not in PeftType.__members__:
+        raise ModelLoadError(
+            f"adapter {path} is damaged: adapter_config.json's peft_type is {peft_type!r}, not one this peft knows"
+            + ("" if peft_type is None else f" ({', '.join(PeftType.__members__)})")
+        )
     named = adapter_config.get("base_model_name_or_path")
     named_path = Path(named).expanduser() if isinstance(named, str) and named.strip() else None
     # (an absolute path only: a relative one was relative to wherever the adapter was made)
@@ -793,6 +801,7 @@ def _apply_adapter(model: Any, adapter: str, base: str, base_dir: Path | None = 
             )
     misfit = f"adapter {path} does not fit the base model {base}"
     base_fingerprint = target_fingerprint(model)  # (before PEFT wraps the model's modules)
+    untie_adapted_embeddings(model, saved)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # peft's missing-key warning is replaced by the check below
@@ -814,9 +823,34 @@ def _apply_adapter(model: Any, adapter: str, base: str, base_dir: Path | None = 
         if missing:
             detail.append(f"{len(missing)} expected tensor(s) are missing (e.g. {missing[0]})")
         raise ModelLoadError(f"{misfit}: {'; '.join(detail)}")
+    if peft_model.peft_config["default"].is_prompt_learning or not hasattr(peft_model.base_model, "merge_and_unload"):
+        raise ModelLoadError(
+            f"adapter {path} is a {peft_type} adapter, which adds to the input instead of changing weights: "
+            "target.adapter takes adapters that merge into the weights (LoRA, IA3, LoHa, ...)"
+        )
     merged = peft_model.merge_and_unload()
-    mark_adapter(merged, base_fingerprint, weights)  # artifacts trained with this adapter recognise the model
+    mark_adapter(merged, base_fingerprint, path)  # artifacts trained with this adapter recognise the model
     return merged
+
+
+def tied_embedding_names(model: Any) -> set[str]:
+    """The module names of `model`'s input and output embeddings when the two share one weight (SmolLM2's
+    `tie_word_embeddings`), else an empty set."""
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    if inp is None or out is None or out.weight is not inp.weight:
+        return set()
+    return {name for name, module in model.named_modules() if module is inp or module is out}
+
+
+def untie_adapted_embeddings(model: Any, adapter_keys: set[str]) -> None:
+    """Give the output embeddings a weight of their own when an adapter (its tensors named `adapter_keys`) adapts
+    tied embeddings: merged into the one shared weight, a LoRA on the LM head would change the input embeddings
+    too, and a LoRA on the embeddings the LM head, a model that the adapter (as PEFT runs it unmerged) is not."""
+    names = tied_embedding_names(model)
+    if any(f".{name}." in f".{key}" for key in adapter_keys for name in names):
+        out = model.get_output_embeddings()
+        out.weight = torch.nn.Parameter(out.weight.detach().clone(), requires_grad=False)
+        model.config.tie_word_embeddings = False  # (so that nothing ties them again)
 
 
 # ------------------------------------------------------------------------------------------------ pulling aliases

@@ -107,6 +107,14 @@ def test_packaged_configs_load_by_name():
         ),
         (["generation.stop={a: 1}"], r"^generation.stop must be a list, got \{'a': 1\} \(set a list field whole"),
         (["generation.stop=${oops}"], r"^generation.stop: Interpolation key 'oops' not found"),
+        # Stop strings YAML would read as something else: a mapping, a comment (before: "must be a list, got
+        # {'User': None}", "field 'stop' is not Optional")
+        (
+            ["generation.stop=User:"],
+            r"""^generation.stop: User: reads as a YAML mapping; quote .* 'generation.stop="User:"'""",
+        ),
+        (["generation.stop=[User:]"], r"not valid YAML .*; quote text that holds ':' or '#'"),
+        (["generation.stop=#"], r"^override 'generation.stop=#': the value is a YAML comment; quote text that starts"),
         (["proposer.name=medusa", "proposer.tree=0"], r"^proposer.tree must be a list, e.g. proposer.tree=\[0\]"),
         # Interpolations that cannot be resolved, of a value and of a whole section: named, never doubled.
         (["target.model=${oops}"], r"^target.model: Interpolation key 'oops' not found"),
@@ -117,6 +125,12 @@ def test_packaged_configs_load_by_name():
 def test_bad_config_names_the_full_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=overrides)
+
+
+def test_stop_strings_quoted_or_none():
+    assert load_config(overrides=['generation.stop="User:"']).generation.stop == ["User:"]
+    assert load_config(overrides=['generation.stop="# end"']).generation.stop == ["# end"]
+    assert load_config(overrides=["generation.stop="]).generation.stop == []  # (`KEY=`: none, as "" for text)
 
 
 @pytest.mark.parametrize(

@@ -44,21 +44,32 @@ def test_an_old_format_or_missing_fingerprint_is_named(model):
     assert "missing" in fingerprint_mismatch(None, model)
 
 
-def test_a_merged_adapter_is_the_base_fingerprint_plus_the_adapter_file(model, tmp_path):
+def adapter_folder(folder, weights: bytes, **config):
+    folder.mkdir()
+    (folder / "adapter_model.safetensors").write_bytes(weights)
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "base_model_name_or_path": str(folder), **config}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_merged_adapter_is_the_base_fingerprint_plus_the_adapter_files(model, tmp_path):
     base = target_fingerprint(model)
-    (tmp_path / "a.safetensors").write_bytes(b"adapter one")
-    (tmp_path / "b.safetensors").write_bytes(b"adapter two")
     merged = copy.deepcopy(model)
     with torch.no_grad():
         merged.model.layers[0].mlp.down_proj.weight.add_(0.01)  # what merging changes is not what is compared
-    mark_adapter(merged, base, tmp_path / "a.safetensors")
+    mark_adapter(merged, base, adapter_folder(tmp_path / "a", b"adapter one"))
     saved = target_fingerprint(merged)
     assert fingerprint_mismatch(saved, merged) is None
     assert "has one merged" in fingerprint_mismatch(base, merged)
     assert "this one has none" in fingerprint_mismatch(saved, model)
     other = copy.deepcopy(model)
-    mark_adapter(other, base, tmp_path / "b.safetensors")
+    mark_adapter(other, base, adapter_folder(tmp_path / "b", b"adapter two"))
     assert "another PEFT adapter" in fingerprint_mismatch(saved, other)
+    # The same weights file with another scaling is another model; a copy that names another base path is not.
+    mark_adapter(other, base, adapter_folder(tmp_path / "c", b"adapter one", lora_alpha=64))
+    assert "another PEFT adapter" in fingerprint_mismatch(saved, other)
+    mark_adapter(other, base, adapter_folder(tmp_path / "d", b"adapter one", inference_mode=True))
+    assert fingerprint_mismatch(saved, other) is None
     # An artifact that only proposes (a draft, an EAGLE drafter) compares the base weights alone.
     assert fingerprint_mismatch(base, merged, adapter=False) is None
 

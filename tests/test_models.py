@@ -56,7 +56,7 @@ def tiny_config(hidden: int = 32, layers: int = 2) -> LlamaConfig:
 
 def untied_llama(hidden: int = 32, layers: int = 2, seed: int = 0) -> LlamaForCausalLM:
     """A tiny random Llama with its own LM head (not tied to the embeddings) and 64 tokens, as the GGUF and
-    adapter tests need (specframe.testing.tiny's models tie them)."""
+    adapter tests need (as specframe.testing.tiny's, by transformers' default)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return LlamaForCausalLM(tiny_config(hidden, layers)).eval()
@@ -504,6 +504,50 @@ def test_a_damaged_adapter_is_named_as_damaged(
         (adapter / "adapter_config.json").write_text("{oops" if damage == "config-text" else "[1]")
     with pytest.raises(ModelLoadError, match=f"adapter {adapter} {message}"):
         load_model(str(tiny_dir), adapter=str(adapter), quiet=True)
+
+
+def test_an_adapter_that_does_not_merge_is_refused_by_its_type(tmp_path: Path, tiny_dir: Path, lora_dir: Path) -> None:
+    # (prefix tuning adds virtual tokens instead of changing weights: before, "object has no attribute
+    # 'merge_and_unload'", exit 1)
+    from peft import PrefixTuningConfig
+
+    prefix = get_peft_model(untied_llama(), PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    prefix.save_pretrained(tmp_path / "prefix")
+    with pytest.raises(ModelLoadError, match="is a PREFIX_TUNING adapter, which adds to the input"):
+        load_model(str(tiny_dir), adapter=str(tmp_path / "prefix"), quiet=True)
+    adapter = tmp_path / "typeless"  # (a config without its type, or with one peft does not know: damaged)
+    shutil.copytree(lora_dir, adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    for peft_type, shown in ((None, "None"), ("FOO", "'FOO'")):
+        (adapter / "adapter_config.json").write_text(json.dumps({**config, "peft_type": peft_type}))
+        with pytest.raises(ModelLoadError, match=rf"is damaged: adapter_config.json's peft_type is {shown}"):
+            load_model(str(tiny_dir), adapter=str(adapter), quiet=True)
+
+
+def test_a_lora_on_tied_embeddings_adapts_only_what_it_names(tmp_path: Path) -> None:
+    # SmolLM2 ties its LM head to its input embeddings. Merged into the one shared weight, a LoRA on the LM head
+    # changed the embeddings too: another model than the adapter as PEFT runs it (unmerged).
+    from peft import PeftModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        config = tiny_config()
+        config.tie_word_embeddings = True
+        tied = LlamaForCausalLM(config).eval()
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    tied.save_pretrained(tmp_path / "tied")
+    for modules in (["q_proj", "lm_head"], ["embed_tokens"]):
+        base = LlamaForCausalLM.from_pretrained(tmp_path / "tied").eval()
+        lora = LoraConfig(r=4, target_modules=modules, init_lora_weights=False)
+        adapter = tmp_path / "-".join(modules)
+        get_peft_model(base, lora).save_pretrained(adapter)
+        unmerged = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(tmp_path / "tied").eval(), str(adapter))
+        with torch.no_grad():
+            expected = unmerged(IDS).logits
+        lm = load_model(str(tmp_path / "tied"), adapter=str(adapter), quiet=True)
+        assert torch.allclose(logits(lm.model), expected, atol=1e-5), modules
+    plain = load_model(str(tmp_path / "tied"), quiet=True).model  # (an adapter that leaves them alone: still tied)
+    assert plain.lm_head.weight is plain.model.embed_tokens.weight
 
 
 def test_adapter_given_as_model(lora_dir: Path) -> None:

@@ -136,7 +136,7 @@ def test_resume_on_another_target_is_refused(tmp_path, name, monkeypatch):
     logs: list[str] = []
     with monkeypatch.context() as patched:
         forbid_feature_extraction(patched)
-        with pytest.raises(ConfigError, match=r"checkpoint in .* was trained with another target \(the weights of"):
+        with pytest.raises(ConfigError, match=r"checkpoint in .* was trained with another target: the weights differ"):
             run(1, resume=True, log=logs.append)
     assert any("were written by another model than this target" in m for m in logs), logs  # (the data's seed-0)
     assert (tmp_path / "out" / "checkpoint" / "state.json").read_text() == state

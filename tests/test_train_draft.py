@@ -637,7 +637,8 @@ def test_a_draft_for_the_base_model_serves_it_with_an_adapter_merged(trained, tm
     target, cfg, _ = trained
     adapted = copy.deepcopy(target)
     (tmp_path / "adapter_model.safetensors").write_bytes(b"an adapter")
-    mark_adapter(adapted, target_fingerprint(target), tmp_path / "adapter_model.safetensors")
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    mark_adapter(adapted, target_fingerprint(target), tmp_path)
     load_shared_draft(cfg.out, adapted)  # (exactness never depends on the draft; Medusa heads do refuse this)
 
 

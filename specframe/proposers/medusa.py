@@ -219,6 +219,8 @@ def load_heads(path: str | Path, target: torch.nn.Module) -> tuple[MedusaHeads, 
     why = fingerprint_mismatch(meta.get("target"), target)
     if why is not None:
         adapter = meta.get("adapter")
+        if adapter and (Path(path) / "adapter" / "adapter_config.json").is_file():  # (a copied run folder: its own)
+            adapter = str(Path(path) / "adapter")
         hint = f" (they were trained with the Medusa-2 adapter '{adapter}': target.adapter=...)" if adapter else ""
         raise ModelLoadError(f"medusa heads '{path}' were made for another target: {why}{hint}")
     vocab_ids = check_vocab_ids(listed, vocab, f"medusa heads '{path}'", "medusa_vocab.json")

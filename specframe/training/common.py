@@ -279,7 +279,7 @@ def check_checkpoint_params(folder: Path, named_params: dict[str, torch.Tensor])
 NO_CHECKPOINT = "--resume: no checkpoint in {ckpt} (train without --resume to start a new run)"
 
 RUN_PARTS = {  # what a resumed run must share with its checkpoint (`run_identity`), in words, most specific first
-    "target": "target (the weights of --target / target.model differ from those it was trained with)",
+    "target": "target",  # (said in words by fingerprint_difference)
     "seed": "seed (it splits the data and orders the batches)",
     "max_length": "max_length",
     "heldout": "held-out split (data or heldout_fraction)",
@@ -356,6 +356,12 @@ def resuming_from(
         differ = [k for k in RUN_PARTS if (k in saved or k != "target") and saved.get(k) != run.get(k)]
         if differ:
             k = differ[0]
+            if k == "target":  # (in words: the weights, or an adapter merged or not)
+                from specframe.fingerprint import fingerprint_difference
+
+                why = fingerprint_difference(saved[k], run[k], "float32") or "another fingerprint"
+                why = why.replace("(target.adapter)", "(--adapter)").replace("this target", "this run's target")
+                raise ConfigError(f"the checkpoint in {ckpt} was trained with another target: {why}; {again}")
             values = f": {saved[k]!r} then, {run.get(k)!r} now;" if k in ("seed", "max_length") else ":"
             raise ConfigError(f"the checkpoint in {ckpt} was trained with another {RUN_PARTS[k]}{values} {again}")
         old, new = saved.get("options", {}), run.get("options", {})  # (checkpoints from before 2026-12-02: none)

@@ -367,6 +367,16 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
             "medusa stage 2 trains its own PEFT adapter, and this target already has one merged (--adapter / "
             "target.adapter): train stage 2 on the base target, or stage 1 on this one"
         )
+    from specframe.models import tied_embedding_names
+
+    tied = tied_embedding_names(target)
+    shared = [m for m in cfg.lora_modules if any(name == m or name.endswith(f".{m}") for name in tied)]
+    if shared:  # (merged into the one weight they share, a LoRA on either would change both)
+        raise ConfigError(
+            f"train.lora_modules names {shared[0]!r}, which shares its weight with the target's "
+            f"{'output' if 'embed' in shared[0] else 'input'} embeddings (tie_word_embeddings): the merged adapter "
+            "would change both; leave it out"
+        )
     try:
         with warnings.catch_warnings():  # (PEFT reads a property transformers deprecated: not the user's to act on)
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
@@ -440,6 +450,8 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
         save_checkpoint(ckpt, params, optimizer, {"epoch": epoch + 1, "history": history, "run": run})
     if not history:
         raise ConfigError(f"nothing to train: the checkpoint in {ckpt} already has {start} epochs")
+    if start == cfg.epochs:  # (a resumed run with nothing left to train still saves; its held-out size is said)
+        n_held = heldout()[1]
     final, tree = _final(history, cfg, sum(len(s.ids) for s in seqs), n_held)
     adapter_dir = out / "adapter"
     model.save_pretrained(str(adapter_dir))  # PEFT's own format (adapter_config.json + safetensors)
@@ -447,5 +459,5 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
         if f.is_file():
             readable(f)
     merged = model.merge_and_unload()  # the model generation will verify with: the base plus this adapter
-    mark_adapter(merged, base_fingerprint, adapter_dir / "adapter_model.safetensors")
-    return final, tree, merged, {"adapter": str(adapter_dir)}
+    mark_adapter(merged, base_fingerprint, adapter_dir)
+    return final, tree, merged, {"adapter": str(adapter_dir.resolve())}
