@@ -23,7 +23,7 @@
 # ends at its own limit or at what the budget leaves it, and one left under 100 s is skipped and said),
 # GPU_CHECK_CONFORMANCE_S (150; with `suite`, the budget), GPU_CHECK_TESTS_S (150), GPU_CHECK_BENCH_S (210),
 # GPU_CHECK_BENCH_TIMED_S (120): the bench's --time-limit (no question starts after it; the report says where it
-# stopped; at most the bench's own limit less 90 s), GPU_CHECK_SKIP_INSTALL; the comparison run with CUDA graphs
+# stopped; at most the bench's own limit less 60 s), GPU_CHECK_SKIP_INSTALL; the comparison run with CUDA graphs
 # off (none and union against hf, 2 questions): GPU_CHECK_EAGER_S (110), GPU_CHECK_EAGER_TIMED_S (50),
 # GPU_CHECK_SKIP_EAGER. A bench stopped by its limit gets SIGINT (not SIGTERM, which would end it on the spot), so
 # it keeps the turns it finished (bench.partial.json). With GPU_CHECK_DEVICE=cpu and small settings it runs here
@@ -129,7 +129,7 @@ fi
 bench() {
     local name=$1 seconds=$2 timed=$3 rc
     shift 3
-    [ "$timed" -gt $((seconds - 90)) ] && timed=$((seconds - 90))  # (loading and building the methods come first)
+    [ "$timed" -gt $((seconds - 60)) ] && timed=$((seconds - 60))  # (loading, building, and a question that overruns)
     timeout -s INT -k 20 "$seconds" "${SF[@]}" bench --max-new-tokens "$MAX_NEW" --device "$DEVICE" \
         --questions "$questions" --out "$WORK/$name" --results-doc "$WORK/$name/results.md" --time-limit "$timed" \
         --no-progress "$@" >> "$LOG" 2>&1

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, help="sampling.seed (default: unset, a fresh seed per run)")
     g.add_argument("--config", help="YAML config file (or the name of a packaged one, e.g. draft.yaml)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats, shapes")
     g.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides (OmegaConf dotlist)")
     g.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     g.set_defaults(run=cmd_generate)

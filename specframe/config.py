@@ -1,8 +1,8 @@
 """Typed configuration: schema dataclasses -> YAML file -> dotlist overrides -> validated objects.
 
 `proposer.*` is validated by the chosen proposer's own `config_class`, picked by `proposer.name`.
-YAML files may live anywhere; a bare name such as `medusa.yaml` (or `configs/medusa.yaml` when no such file
-exists in the working directory) resolves to the copy shipped inside the installed package.
+YAML files may live anywhere; a bare name such as `medusa.yaml` or `medusa` (or `configs/medusa.yaml` when no
+such file exists in the working directory) resolves to the copy shipped inside the installed package.
 """
 
 from __future__ import annotations
@@ -108,7 +108,9 @@ def find_config(path: str | Path) -> Path:
         return p
     if p.is_dir():
         raise ConfigError(f"config file '{path}' is a folder, not a YAML file")
-    if str(path) == p.name:  # (a bare name only: `typo/eagle.yaml` is not `eagle.yaml`; `eagle` is)
+    # A bare name (`eagle`, `eagle.yaml`), or `configs/<name>` as the repository lays them out (DESIGN's example,
+    # from any folder); not another folder's: `typo/eagle.yaml` is not `eagle.yaml`.
+    if str(path) == p.name or Path(str(path)).parts == ("configs", p.name):
         for name in (p.name, p.name + ".yaml"):
             packaged = resources.files("specframe.configs") / name
             if packaged.is_file():

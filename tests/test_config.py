@@ -75,12 +75,14 @@ def test_typed_fields_still_read_their_values_from_text():
         load_config(None, ["generation.max_new_tokens=0x10"])
 
 
-def test_packaged_configs_load_by_name():
+def test_packaged_configs_load_by_name(tmp_path, monkeypatch):
     assert {"none.yaml", "draft.yaml"} <= set(packaged_configs())
+    monkeypatch.chdir(tmp_path)  # (away from the repository's own configs/)
     assert load_config("none.yaml").proposer_name == "none"
+    # (DESIGN's `load_config("configs/medusa.yaml")`, from any folder: before, only from the repository's root)
     assert load_config("configs/draft.yaml", ["proposer.model=x"]).proposer.model == "x"
     assert load_config("eagle").proposer_name == "eagle"  # (a packaged config's name without .yaml, as Hydra's)
-    for elsewhere in ("typo/eagle", "typo/eagle.yaml"):
+    for elsewhere in ("typo/eagle", "typo/eagle.yaml", "configs/nothing.yaml", "x/configs/eagle.yaml"):
         with pytest.raises(ConfigError, match=f"config file '{elsewhere}' does not exist"):
             load_config(elsewhere)
 
