@@ -450,7 +450,8 @@ def hf_method(
         if options.greedy:
             kwargs["do_sample"] = False
         else:
-            # Same transform as specframe's T: temperature, top-k (0 = off), top-p.
+            # The transform of specframe's T: temperature, top-k (0 = off), top-p (at a top-p cut inside a run of
+            # tied logits the two may keep different tokens of equal mass: specframe.sampling).
             kwargs.update(do_sample=True, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
             torch.manual_seed(seed)
         assistant = extra.get("assistant_model")  # (on the stock kernels too, as a transformers user runs it)
@@ -1268,6 +1269,15 @@ def markdown(doc: dict[str, Any], plots: bool = True) -> str:
         "",
         *main_table(doc),
         "",
+        *(
+            []
+            if s["greedy"]
+            else [
+                "Sampled outputs are not compared with `hf`'s (identity is a greedy check); that sampling keeps the "
+                "target's distribution is what `specframe check` tests, statistically.",
+                "",
+            ]
+        ),
     ]
     overall = doc["summary"].get(OVERALL, {})
     pos = {m: v["acceptance_by_position"] for m, v in overall.items() if v["acceptance_by_position"]}

@@ -504,7 +504,10 @@ def proposer_who(name: str, plugin: str = "") -> str:
 
 
 def _as_int(value: object) -> object:
-    """Integer scalars of any library as Python ints; anything else unchanged, for the checks to name."""
+    """Integer scalars of any library (a 0-d integer tensor's too, as `_as_float` takes one) as Python ints;
+    anything else unchanged, for the checks to name."""
+    if isinstance(value, torch.Tensor) and is_number(value) and not value.is_floating_point():
+        return int(value)
     return int(value) if is_integer(value) else value
 
 

@@ -350,7 +350,9 @@ def test_sampling_reports_speed_not_identity(tiny_dirs, questions, tmp_path):
     assert doc["settings"]["torch_threads"] == 1 and "--threads 1" in doc["command"]
     s = doc["summary"]["overall"]
     assert s["none"]["tokens_per_s"] > 0 and s["none"]["identity"] is None
-    assert "--temperature 0.8" in doc["command"] and "sampling (temperature 0.8" in (tmp_path / "bench.md").read_text()
+    report = (tmp_path / "bench.md").read_text()
+    assert "--temperature 0.8" in doc["command"] and "sampling (temperature 0.8" in report
+    assert "Sampled outputs are not compared with `hf`'s" in report and "`specframe check` tests" in report
 
 
 def test_a_config_file_sets_options_and_flags_win(tiny_dirs, questions, tmp_path):

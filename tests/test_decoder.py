@@ -483,6 +483,11 @@ def test_numpy_integers_are_integers_and_stop_strings_need_a_tokenizer(target):
     got = dec.generate(list(np.array([1, 2, 3])), max_new_tokens=np.int64(4), temperature=1.0, top_k=np.int64(2),
                        seed=np.int64(5)).token_ids  # fmt: skip
     assert got == want
+    # 0-d integer tensors too, as 0-d float tensors are numbers (before: "must be an integer ..., got tensor(2)")
+    assert dec.generate([1, 2, 3], max_new_tokens=torch.tensor(4), temperature=1.0, top_k=torch.tensor(2),
+                        seed=torch.tensor(5)).token_ids == want  # fmt: skip
+    with pytest.raises(BadInputError, match=r"top_k must be an integer"):
+        dec.generate([1, 2, 3], max_new_tokens=4, temperature=1.0, top_k=torch.tensor(2.0))
     with pytest.raises(BadInputError, match=r"stop strings \['x'\] need the target's tokenizer"):
         dec.generate([1, 2, 3], max_new_tokens=4, stop="x")
     with pytest.raises(BadInputError, match=r"^top_k must be an integer >= 1, or 0 or -1 for off, got -2"):
