@@ -304,28 +304,13 @@ def test_bad_training_options(field, value):
         MedusaTrainConfig(**{field: value})
 
 
-def test_stage2_lora_modules_the_target_lacks_are_named(tmp_path):
+def stage2_with_lora_on(modules, tmp_path, tied=False):
+    """Medusa-2 training of a tiny target (its LM head tied to its embeddings, as SmolLM2's, with `tied`) with
+    LoRA on `modules`."""
     target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
-    write_distill_data(tmp_path / "d.jsonl", target, n=20)
-    cfg = MedusaTrainConfig(
-        data=str(tmp_path / "d.jsonl"),
-        out=str(tmp_path / "m"),
-        stage=2,
-        num_heads=2,
-        heldout_fraction=0.2,
-        lora_modules=("qq_proj",),
-        features_cache="",
-    )
-    with pytest.raises(ConfigError, match=r"train.lora_modules \['qq_proj'\]"):
-        train_medusa(cfg, target, None, log=lambda m: None)
-
-
-@pytest.mark.parametrize("modules, named", [(("q_proj", "lm_head"), "lm_head"), (("model.embed_tokens",), "embed")])
-def test_stage2_lora_on_tied_embeddings_is_refused(tmp_path, modules, named):
-    # (trained unmerged, on the LM head alone; merged into the weight it shares with the embeddings, both change)
-    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
-    target.lm_head.weight = target.model.embed_tokens.weight  # (as SmolLM2's tie_word_embeddings)
-    target.config.tie_word_embeddings = True
+    if tied:
+        target.lm_head.weight = target.model.embed_tokens.weight
+        target.config.tie_word_embeddings = True
     write_distill_data(tmp_path / "d.jsonl", target, n=20)
     cfg = MedusaTrainConfig(
         data=str(tmp_path / "d.jsonl"),
@@ -336,8 +321,19 @@ def test_stage2_lora_on_tied_embeddings_is_refused(tmp_path, modules, named):
         lora_modules=modules,
         features_cache="",
     )
+    return train_medusa(cfg, target, None, log=lambda m: None)
+
+
+def test_stage2_lora_modules_the_target_lacks_are_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"train.lora_modules \['qq_proj'\]"):
+        stage2_with_lora_on(("qq_proj",), tmp_path)
+
+
+@pytest.mark.parametrize("modules, named", [(("q_proj", "lm_head"), "lm_head"), (("model.embed_tokens",), "embed")])
+def test_stage2_lora_on_tied_embeddings_is_refused(tmp_path, modules, named):
+    # (trained unmerged, on the LM head alone; merged into the weight it shares with the embeddings, both change)
     with pytest.raises(ConfigError, match=rf"train.lora_modules names '[a-z_.]*{named}[a-z_]*', which shares"):
-        train_medusa(cfg, target, None, log=lambda m: None)
+        stage2_with_lora_on(modules, tmp_path, tied=True)
 
 
 def test_a_target_not_laid_out_like_llama_is_refused_by_the_trainers(tmp_path):
