@@ -20,7 +20,8 @@
 # Settings (environment): GPU_CHECK_DEVICE (cuda), GPU_CHECK_LIMIT (2 questions per subtask),
 # GPU_CHECK_SUBTASKS (all six), GPU_CHECK_MAX_NEW_TOKENS (128), GPU_CHECK_DTYPES ("float32 bfloat16"),
 # GPU_CHECK_TESTS (set: also the fast test suite), GPU_CHECK_S (480: the call's budget from its start; each phase
-# ends at its own limit or at what the budget leaves it, and one left under 100 s is skipped and said),
+# ends at its own limit or at what the budget leaves it, and one left too little, under 100 s for a bench and 30 s
+# for the others, is skipped and said),
 # GPU_CHECK_CONFORMANCE_S (150; with `suite`, the budget), GPU_CHECK_TESTS_S (150), GPU_CHECK_BENCH_S (210),
 # GPU_CHECK_BENCH_TIMED_S (120): the bench's --time-limit (no question starts after it; the report says where it
 # stopped; at most the bench's own limit less 60 s), GPU_CHECK_SKIP_INSTALL; the comparison run with CUDA graphs
@@ -94,50 +95,60 @@ for f in sorted(folder.glob("*.txt")):
     finished = bool(lines) and re.match(r"\d+ passed, \d+ failed( \(|$)", lines[-1].strip()) is not None
     err = f.with_suffix(".err").read_text().strip().splitlines()
     rc = f.with_suffix(".rc").read_text().strip()
-    cut = not finished and rc == "124"  # (stopped by its time limit: CUT, unless a check it ran failed)
+    cut = not finished and rc in ("124", "137")  # (stopped by its time limit: CUT, unless a check failed)
     why = f"cut off by its {seconds} s time limit" if cut else f"exit {rc}: {err[-1] if err else 'no message'}"
     stopped = "" if finished else f", then stopped ({why})"
-    status = "FAIL" if failed or not (finished or cut) or (finished and not checks) else "CUT" if cut else "PASS"
+    status = "FAIL" if failed or not (finished or cut) or not checks else "CUT" if cut else "PASS"  # (0 run: FAIL)
     print(f"{status} conformance ({what}) {f.stem}: {len(checks) - len(failed)}/{len(checks)} checks passed{stopped}")
     for c in failed if finished else checks:  # (an unfinished run: every check it got through)
         print(f"    {c}")
 EOF
     grep -q "^FAIL" "$SUMMARY" && FAILED=1
-    grep -q "^CUT" "$SUMMARY" && FINISHED_OK="no check failed, but runs were cut off by their time limit (CUT above)"
+    grep -q "^CUT" "$SUMMARY" && FINISHED_OK=$INCOMPLETE
     say "[$(elapsed)] conformance ($what) done"
     archive
 }
 if [ "$MODE" = suite ]; then
-    conformance suite "$(phase_limit "${GPU_CHECK_CONFORMANCE_S:-100000}" "$BUDGET")" "whole suite" ""
+    seconds=$(phase_limit "${GPU_CHECK_CONFORMANCE_S:-100000}" "$BUDGET")
+    enough "$seconds" "conformance (whole suite)" 30 && conformance suite "$seconds" "whole suite" ""
     exit "$FAILED"
 fi
-conformance check "$(phase_limit "${GPU_CHECK_CONFORMANCE_S:-150}" "$BUDGET")" "greedy, rollback, isolation" --quick
+seconds=$(phase_limit "${GPU_CHECK_CONFORMANCE_S:-150}" "$BUDGET")
+if enough "$seconds" "conformance (greedy, rollback, isolation)" 30; then
+    conformance check "$seconds" "greedy, rollback, isolation" --quick
+fi
 
 # --- 4. optionally the fast test suite there (the tests parametrized over devices also run on CUDA)
 if [ -n "${GPU_CHECK_TESTS:-}" ]; then
     parallel=()
     "$PY" -c "import xdist" 2> /dev/null && parallel=(-n 8)  # pytest-xdist is in the GPU image
     seconds=$(phase_limit "${GPU_CHECK_TESTS_S:-150}" "$BUDGET")
-    timeout -k 10 "$seconds" "$PY" -m pytest -q -m "not slow" -p no:cacheprovider ${parallel[@]+"${parallel[@]}"} \
-        tests > "$WORK/pytest.log" 2>&1 || { rc=$?; fail "pytest ($(why "$rc" "$seconds"))"; }
-    say "pytest (fast suite): $(tail -1 "$WORK/pytest.log")"
-    archive
+    if enough "$seconds" "pytest (fast suite)" 30; then
+        timeout -k 10 "$seconds" "$PY" -m pytest -q -m "not slow" -p no:cacheprovider ${parallel[@]+"${parallel[@]}"} \
+            tests > "$WORK/pytest.log" 2>&1 || { rc=$?; fail "pytest ($(why "$rc" "$seconds"))"; }
+        say "pytest (fast suite): $(tail -1 "$WORK/pytest.log")"
+        archive
+    fi
 fi
 
 # --- 5. Spec-Bench subsets. bench <folder in $WORK> <seconds> <timed seconds> <bench options...>; at its limit it
 # gets SIGINT and keeps the turns it finished in bench.partial.json; its rows go into the summary.
 bench() {
-    local name=$1 seconds=$2 timed=$3 rc
+    local name=$1 seconds=$2 timed=$3 rc mark
     shift 3
+    mark=$(wc -l < "$LOG")  # (its own lines of the log, for its error: not an earlier phase's)
     [ "$timed" -gt $((seconds - 60)) ] && timed=$((seconds - 60))  # (loading, building, and a question that overruns)
     timeout -s INT -k 20 "$seconds" "${SF[@]}" bench --max-new-tokens "$MAX_NEW" --device "$DEVICE" \
         --questions "$questions" --out "$WORK/$name" --results-doc "$WORK/$name/results.md" --time-limit "$timed" \
         --no-progress "$@" >> "$LOG" 2>&1
     rc=$?
-    if [ "$rc" != 0 ] && [ -f "$WORK/$name/bench.partial.json" ]; then
-        fail "$name ($(why "$rc" "$seconds")): no report; the turns it finished are in $name/bench.partial.json"
+    if cut_off "$rc"; then  # (as a cut conformance run: said, not a failure of what it ran)
+        local kept="nothing finished"
+        [ -f "$WORK/$name/bench.partial.json" ] && kept="the turns it finished are in $name/bench.partial.json"
+        say "CUT $name ($(why "$rc" "$seconds")): no report; $kept"
+        FINISHED_OK=$INCOMPLETE
     elif [ "$rc" != 0 ]; then
-        fail "$name ($(why "$rc" "$seconds")): $(tail -2 "$LOG")"
+        fail "$name ($(why "$rc" "$seconds")): $(tail -n +$((mark + 1)) "$LOG" | tail -2)"
     fi
     if [ -f "$WORK/$name/results.md" ]; then
         awk '/^## Speed/ {f = 1; next} /^## / {f = 0} f && /^\| (subtask|overall) /' "$WORK/$name/results.md" \
@@ -147,26 +158,27 @@ bench() {
     fi
     archive
 }
-enough() {  # enough <seconds> <what>: whether a bench given that many seconds is worth starting (else said)
-    [ "$1" -ge 100 ] && return 0
-    say "SKIP $2: $1 s of the budget left for it"
-    return 1
-}
 if [ "$MODEL_OK" = 1 ]; then
     questions=.gpu-data/question.jsonl
     [ -f "$questions" ] || questions=../shared/data/spec_bench/question.jsonl
+    if [ ! -f "$questions" ]; then
+        say "SKIP benches: no Spec-Bench questions (.gpu-data/question.jsonl: see scripts/gpu_prepare.sh)"
+        MODEL_OK=0
+    fi
+fi
+if [ "$MODEL_OK" = 1 ]; then
     methods=none
     for p in $proposers; do [ "$p" != none ] && methods="$methods,$p"; done
     # every proposer against transformers' plain, assisted and prompt-lookup generate
     seconds=$(phase_limit "${GPU_CHECK_BENCH_S:-210}" "$BUDGET")
-    if enough "$seconds" bench; then
+    if enough "$seconds" bench 100; then
         bench bench "$seconds" "${GPU_CHECK_BENCH_TIMED_S:-120}" --proposers "$methods" \
             --baselines hf,hf-assisted,hf-pld --limit "$LIMIT" --subtasks "$SUBTASKS"
     fi
     # --- 6. what the CUDA graphs gave: plain decoding and union again with the eager forwards, against hf in the
     # same (shorter) run: one question each of mt_bench and translation (docs/gpu.md, step 5)
     seconds=$(phase_limit "${GPU_CHECK_EAGER_S:-110}" "$BUDGET")
-    if [ -z "${GPU_CHECK_SKIP_EAGER:-}" ] && enough "$seconds" "bench with target.cuda_graphs=false"; then
+    if [ -z "${GPU_CHECK_SKIP_EAGER:-}" ] && enough "$seconds" "bench with target.cuda_graphs=false" 100; then
         say "eager forwards (target.cuda_graphs=false):"
         bench bench-eager "$seconds" "${GPU_CHECK_EAGER_TIMED_S:-50}" --proposers none,union --baselines hf \
             --limit 1 --subtasks mt_bench,translation target.cuda_graphs=false

@@ -23,9 +23,18 @@ say() { echo "$*" | tee -a "$SUMMARY"; }
 fail() { say "FAIL $*"; FAILED=1; }
 elapsed() { echo "$(($(date +%s) - START))s"; }
 left() { echo "$(($1 - ($(date +%s) - START)))"; }  # seconds left of a budget of $1 seconds from the start
-# A phase's time limit: its own ($1), or what is left of the budget ($2) less 20 s for what follows, if less.
-phase_limit() { local l; l=$(left "$2"); l=$((l - 20)); echo $(($1 < l ? $1 : l)); }
-why() { [ "$1" = 124 ] && echo "cut off by its $2 s time limit" || echo "exit $1"; }  # why <rc> <limit>
+# A phase's time limit: its own ($1), or what is left of the budget ($2) less 20 s for what follows, if less;
+# never below 0 (a phase given too little is skipped by `enough`: `timeout 0` would mean no limit at all).
+phase_limit() { local l; l=$(($(left "$2") - 20)); l=$((l < 0 ? 0 : l)); echo $(($1 < l ? $1 : l)); }
+enough() {  # enough <seconds> <what> <least>: whether a phase given that many seconds is worth starting (else said)
+    [ "$1" -ge "$3" ] && return 0
+    say "SKIP $2: $1 s of the budget left for it"
+    FINISHED_OK=$INCOMPLETE
+    return 1
+}
+INCOMPLETE="no check failed, but not every phase ran to its end (SKIP or CUT above)"
+cut_off() { [ "$1" = 124 ] || [ "$1" = 137 ]; }  # timeout's status for a command it stopped (137: by SIGKILL, after -k)
+why() { cut_off "$1" && echo "cut off by its $2 s time limit" || echo "exit $1"; }  # why <rc> <limit>
 archive() {  # the archive of everything in $WORK so far (no file over the device tool's 16 MiB), made after
     # every phase, not only at the end: a call that the device tool stops at its timeout never runs the trap
     rm -f "$WORK/model.gguf"

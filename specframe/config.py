@@ -255,10 +255,15 @@ def with_overrides(raw: DictConfig, overrides: list[str]) -> DictConfig:
         key, text = split_override(item)
         if text.lstrip().startswith("#"):  # (YAML reads it as a comment: nothing, not the text)
             raise ConfigError(f"override '{item}': the value is a YAML comment; quote text that starts with '#'")
+        if text.startswith("- "):  # (a YAML block list's item: `stop=- a` was ['a'] without a word)
+            raise ConfigError(f"override '{item}': '- ' starts a YAML list item; give a list as [a,b], quote text")
         try:
             # (as OmegaConf.from_dotlist, but the value's text kept as typed where YAML would change it)
             override = OmegaConf.create()
-            OmegaConf.update(override, key, yaml.load(text, Loader=text_keeping_loader()))
+            value = yaml.load(text, Loader=text_keeping_loader())
+            if re.search(r"\s#", text) and "#" not in repr(value):  # (`stop=a #b` was 'a': the rest a comment)
+                raise ConfigError(f"override '{item}': ' #' starts a YAML comment, dropping the rest; quote the text")
+            OmegaConf.update(override, key, value)
             raw = OmegaConf.merge(raw, override)
         except TypeError as e:  # OmegaConf's "Cannot merge incompatible container types": a list over a mapping
             raise ConfigError(f"override '{item}': {container_clash(raw, override, key)}") from e
@@ -476,9 +481,13 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
                             f"': ', e.g. '{prefix}.{key}=\"{meant}\"'"
                         )
                     if isinstance(given, DictConfig):  # (e.g. from `KEY.0=x`: a dotlist index makes a mapping)
+                        text = ""
+                        if key in text_lists and len(words) == 1 and not str(next(iter(words))).isdigit():
+                            ((word, after),) = words.items()  # (`stop=User: hi`: meant as text? `stop.0=x`: not)
+                            text = f"; for the text '{word}: {after}', quote it: {prefix}.{key}='\"{word}: {after}\"'"
                         raise ConfigError(
                             f"{prefix}.{key} must be a list, got {OmegaConf.to_container(given)!r} "
-                            f"(set a list field whole, e.g. {prefix}.{key}=[a,b])"
+                            f"(set a list field whole, e.g. {prefix}.{key}=[a,b]{text})"
                         )
                     raise ConfigError(f"{prefix}.{key} must be a list, e.g. {prefix}.{key}=[{given}], got {given!r}")
                 if key in mapping_fields and not isinstance(values[key], DictConfig | None):

@@ -83,7 +83,13 @@ def adapter_digest(folder: str | Path) -> str:
     same weights with another `lora_alpha` (or rank pattern, rsLoRA...) merge into another model."""
     folder = Path(folder)
     config = json.loads((folder / "adapter_config.json").read_text())
-    kept = {k: v for k, v in config.items() if k not in ADAPTER_PROVENANCE}
+    # (lists of names sorted: PEFT saves `target_modules` from a set, so one adapter saved twice lists them in
+    # two orders)
+    kept = {
+        k: sorted(v) if isinstance(v, list) and all(isinstance(x, str) for x in v) else v
+        for k, v in config.items()
+        if k not in ADAPTER_PROVENANCE
+    }
     h = hashlib.sha256((folder / "adapter_model.safetensors").read_bytes())
     h.update(json.dumps(kept, sort_keys=True).encode())
     return h.hexdigest()
@@ -115,7 +121,10 @@ def fingerprint_difference(saved: Any, have: dict[str, Any], dtype: str, adapter
             return "it was made for the target without an adapter, and this target has one merged"
         if have.get(ADAPTER_KEY) is None:
             return "it was made for the target with a PEFT adapter merged (target.adapter), and this one has none"
-        return "it was made for the target with another PEFT adapter merged"
+        return (
+            "it was made for the target with another PEFT adapter merged (or before 2026-12-06, when the adapter's "
+            "config joined its fingerprint: remake it)"
+        )
     if saved["weights_sha256"].get(dtype) != have["weights_sha256"][dtype]:
         return f"the weights differ (compared in {dtype})"
     return None

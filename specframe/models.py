@@ -782,9 +782,11 @@ def _apply_adapter(model: Any, adapter: str, base: str, base_dir: Path | None = 
 
     peft_type = adapter_config.get("peft_type")
     if not isinstance(peft_type, str) or peft_type not in PeftType.__members__:
+        import peft
+
         raise ModelLoadError(
-            f"adapter {path} is damaged: adapter_config.json's peft_type is {peft_type!r}, not one this peft knows"
-            + ("" if peft_type is None else f" ({', '.join(PeftType.__members__)})")
+            f"adapter {path}: adapter_config.json's peft_type is {peft_type!r}, not one peft {peft.__version__} "
+            f"knows ({', '.join(PeftType.__members__)}): a damaged config, or an adapter of a newer peft"
         )
     named = adapter_config.get("base_model_name_or_path")
     named_path = Path(named).expanduser() if isinstance(named, str) and named.strip() else None
@@ -801,6 +803,11 @@ def _apply_adapter(model: Any, adapter: str, base: str, base_dir: Path | None = 
             )
     misfit = f"adapter {path} does not fit the base model {base}"
     base_fingerprint = target_fingerprint(model)  # (before PEFT wraps the model's modules)
+    if adapter_config.get("ensure_weight_tying") and tied_embedding_names(model):
+        raise ModelLoadError(  # (merged, it gave other logits than PEFT's unmerged model; untied, it fits nothing)
+            f"adapter {path} was made with PEFT's ensure_weight_tying (one LoRA on the tied embeddings and LM head), "
+            "which specframe cannot merge into the model PEFT runs: make it without that option"
+        )
     untie_adapted_embeddings(model, saved)
     try:
         with warnings.catch_warnings():

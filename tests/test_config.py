@@ -117,6 +117,10 @@ def test_packaged_configs_load_by_name(tmp_path, monkeypatch):
         ),
         (["generation.stop=[User:]"], r"not valid YAML .*; quote text that holds ':' or '#'"),
         (["generation.stop=#"], r"^override 'generation.stop=#': the value is a YAML comment; quote text that starts"),
+        (["generation.stop=a #b"], r"' #' starts a YAML comment, dropping the rest; quote the text"),  # (was ['a'])
+        (["generation.stop=- a"], r"'- ' starts a YAML list item"),  # (was ['a'])
+        (["generation.stop=User: hi"], r"""for the text 'User: hi', quote it: generation.stop='"User: hi"'\)$"""),
+        (["generation.stop.0=x"], r"\(set a list field whole, e.g. generation.stop=\[a,b\]\)$"),
         (["proposer.name=medusa", "proposer.tree=0"], r"^proposer.tree must be a list, e.g. proposer.tree=\[0\]"),
         # Interpolations that cannot be resolved, of a value and of a whole section: named, never doubled.
         (["target.model=${oops}"], r"^target.model: Interpolation key 'oops' not found"),
@@ -132,6 +136,7 @@ def test_bad_config_names_the_full_key(overrides, message):
 def test_stop_strings_quoted_or_none():
     assert load_config(overrides=['generation.stop="User:"']).generation.stop == ["User:"]
     assert load_config(overrides=['generation.stop="# end"']).generation.stop == ["# end"]
+    assert load_config(overrides=['generation.stop=[a, "b #c"]', "target.model=a#b"]).generation.stop == ["a", "b #c"]
     assert load_config(overrides=["generation.stop="]).generation.stop == []  # (`KEY=`: none, as "" for text)
 
 

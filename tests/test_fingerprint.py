@@ -70,6 +70,11 @@ def test_a_merged_adapter_is_the_base_fingerprint_plus_the_adapter_files(model, 
     assert "another PEFT adapter" in fingerprint_mismatch(saved, other)
     mark_adapter(other, base, adapter_folder(tmp_path / "d", b"adapter one", inference_mode=True))
     assert fingerprint_mismatch(saved, other) is None
+    # PEFT saves target_modules from a set: the same adapter saved again may list them in another order
+    one = adapter_folder(tmp_path / "e", b"adapter one", target_modules=["q_proj", "v_proj"])
+    mark_adapter(merged, base, one)
+    mark_adapter(other, base, adapter_folder(tmp_path / "f", b"adapter one", target_modules=["v_proj", "q_proj"]))
+    assert fingerprint_mismatch(target_fingerprint(merged), other) is None
     # An artifact that only proposes (a draft, an EAGLE drafter) compares the base weights alone.
     assert fingerprint_mismatch(base, merged, adapter=False) is None
 

@@ -33,6 +33,8 @@ def test_summary_reads_passing_failing_and_cut_off_reports(tmp_path, quick):
     reports["eagle-bfloat16"] = (cut, "124")
     reports["medusa-bfloat16"] = ("\n".join(bad.summary().splitlines()[:-1]), "124")
     reports["union-bfloat16"] = (cut, "1")
+    reports["ngram-bfloat16"] = (cut, "137")  # (killed after timeout's -k grace: cut off too)
+    reports["repeat_last-bfloat16"] = ("", "124")  # (cut off before any check finished: nothing checked)
     for stem, (text, rc) in reports.items():
         (tmp_path / f"{stem}.txt").write_text(text + "\n")
         (tmp_path / f"{stem}.err").write_text("Traceback\n" if rc == "1" and stem == "union-bfloat16" else "")
@@ -52,3 +54,5 @@ def test_summary_reads_passing_failing_and_cut_off_reports(tmp_path, quick):
     assert f"CUT conformance (quick) eagle-bfloat16: 2/2 checks passed, {stopped}" in lines, run.stdout
     assert f"FAIL conformance (quick) medusa-bfloat16: 1/2 checks passed, {stopped}" in lines, run.stdout
     assert "FAIL conformance (quick) union-bfloat16: 2/2 checks passed, then stopped (exit 1: Traceback)" in lines
+    assert f"CUT conformance (quick) ngram-bfloat16: 2/2 checks passed, {stopped}" in lines, run.stdout
+    assert f"FAIL conformance (quick) repeat_last-bfloat16: 0/0 checks passed, {stopped}" in lines, run.stdout

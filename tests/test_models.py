@@ -520,7 +520,9 @@ def test_an_adapter_that_does_not_merge_is_refused_by_its_type(tmp_path: Path, t
     config = json.loads((adapter / "adapter_config.json").read_text())
     for peft_type, shown in ((None, "None"), ("FOO", "'FOO'")):
         (adapter / "adapter_config.json").write_text(json.dumps({**config, "peft_type": peft_type}))
-        with pytest.raises(ModelLoadError, match=rf"is damaged: adapter_config.json's peft_type is {shown}"):
+        with pytest.raises(
+            ModelLoadError, match=rf": adapter_config.json's peft_type is {shown}, not one peft .* knows"
+        ):
             load_model(str(tiny_dir), adapter=str(adapter), quiet=True)
 
 
@@ -548,6 +550,12 @@ def test_a_lora_on_tied_embeddings_adapts_only_what_it_names(tmp_path: Path) -> 
         assert torch.allclose(logits(lm.model), expected, atol=1e-5), modules
     plain = load_model(str(tmp_path / "tied"), quiet=True).model  # (an adapter that leaves them alone: still tied)
     assert plain.lm_head.weight is plain.model.embed_tokens.weight
+    # PEFT's ensure_weight_tying (one LoRA for both): merged, it gave other logits than PEFT unmerged; refused
+    base = LlamaForCausalLM.from_pretrained(tmp_path / "tied").eval()
+    lora = LoraConfig(r=4, target_modules=["embed_tokens"], ensure_weight_tying=True, init_lora_weights=False)
+    get_peft_model(base, lora).save_pretrained(tmp_path / "one-for-both")
+    with pytest.raises(ModelLoadError, match="was made with PEFT's ensure_weight_tying"):
+        load_model(str(tmp_path / "tied"), adapter=str(tmp_path / "one-for-both"), quiet=True)
 
 
 def test_adapter_given_as_model(lora_dir: Path) -> None:

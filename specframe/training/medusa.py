@@ -374,8 +374,8 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     if shared:  # (merged into the one weight they share, a LoRA on either would change both)
         raise ConfigError(
             f"train.lora_modules names {shared[0]!r}, which shares its weight with the target's "
-            f"{'output' if 'embed' in shared[0] else 'input'} embeddings (tie_word_embeddings): the merged adapter "
-            "would change both; leave it out"
+            f"{'output' if 'embed' in shared[0] else 'input'} embeddings (tie_word_embeddings): merged into that one "
+            "weight when training ends, the adapter would change both, unlike the model it was trained as; leave it out"
         )
     try:
         with warnings.catch_warnings():  # (PEFT reads a property transformers deprecated: not the user's to act on)
