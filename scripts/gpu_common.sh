@@ -14,6 +14,7 @@ OUT=${OUT:-runs/$NAME}
 WORK=$(mktemp -d)
 mkdir -p "$OUT"
 LOG="$WORK/$NAME.log"
+: > "$LOG"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 FAILED=0
