@@ -473,17 +473,18 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
                     values[key] = []
                 if key in list_fields and not isinstance(values[key], ListConfig | None):
                     given = values[key]
-                    words = OmegaConf.to_container(given) if isinstance(given, DictConfig) else None
-                    if key in text_lists and words and list(words.values()) == [None]:  # (`stop=User:` is YAML's
-                        meant = f"{next(iter(words))}:"  # mapping {'User': None}: the user meant the text)
+                    words = OmegaConf.to_container(given) if isinstance(given, DictConfig) else {}
+                    typed = key in text_lists and len(words) == 1 and not str(next(iter(words))).isdigit()
+                    if typed and list(words.values()) == [None]:  # (`stop=User:` is YAML's mapping {'User': None}:
+                        meant = f"{next(iter(words))}:"  # the user meant the text; `stop.0=` is a dotlist's index)
                         raise ConfigError(
                             f"{prefix}.{key}: {meant} reads as a YAML mapping; quote text that ends in ':' or holds "
                             f"': ', e.g. '{prefix}.{key}=\"{meant}\"'"
                         )
                     if isinstance(given, DictConfig):  # (e.g. from `KEY.0=x`: a dotlist index makes a mapping)
                         text = ""
-                        if key in text_lists and len(words) == 1 and not str(next(iter(words))).isdigit():
-                            ((word, after),) = words.items()  # (`stop=User: hi`: meant as text? `stop.0=x`: not)
+                        if typed:  # (`stop=User: hi`: perhaps meant as text; `stop.0=x`: not)
+                            ((word, after),) = words.items()
                             text = f"; for the text '{word}: {after}', quote it: {prefix}.{key}='\"{word}: {after}\"'"
                         raise ConfigError(
                             f"{prefix}.{key} must be a list, got {OmegaConf.to_container(given)!r} "
