@@ -498,3 +498,17 @@ def test_heads_may_have_their_cpu_tree_measured_on_the_machine(trained, tmp_path
     write({**meta, "shape_choice": 1})
     with pytest.raises(ModelLoadError, match=r"shape_choice in .*medusa_config.json must be one of saved, measured"):
         MedusaProposer.from_config(config, info)
+
+
+def test_stage2_resumed_with_no_epoch_left_still_counts_its_heldout(tmp_path):
+    # (it saves again; n_held was set only inside the epoch loop, so the saved metrics said 0 held-out positions)
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
+    write_distill_data(tmp_path / "d.jsonl", target, n=20)
+    cfg = MedusaTrainConfig(
+        data=str(tmp_path / "d.jsonl"), out=str(tmp_path / "m"), stage=2, num_heads=2, heldout_fraction=0.2,
+        epochs=1, features_cache="",
+    )  # fmt: skip
+    first = train_medusa(cfg, target, None, log=lambda m: None)
+    again = train_medusa(cfg, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), None, resume=True,
+                         log=lambda m: None)  # fmt: skip
+    assert first["heldout_positions"] > 0 and again["heldout_positions"] == first["heldout_positions"]
