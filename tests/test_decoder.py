@@ -1,3 +1,4 @@
+import random
 import re
 
 import pytest
@@ -410,6 +411,62 @@ class LetterTokenizer:
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(ord("a") + i) for i in ids)
+
+
+class PieceTokenizer:
+    """Token i decodes to PIECES[i]: a letter, several, a space, or nothing (as a skipped special token does)."""
+
+    PIECES = ["a", "b", "c", "", "de", "fgh", " ", "ij", "", "k", "lmnopq"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.PIECES[i] for i in ids)
+
+
+def stop_prefix_of_whole_texts(tokenizer, ids, stop):
+    """Where decoding one token at a time stops: the first prefix whose whole text holds a stop string."""
+    texts = (tokenizer.decode(ids[:n], skip_special_tokens=True) for n in range(1, len(ids) + 1))
+    return next((n for n, text in enumerate(texts, 1) if any(s in text for s in stop)), None)
+
+
+def stops_found_as_the_whole_text_finds_them(tokenizer, draw_id, rng, trials):
+    """`_stop_prefix` (which decodes a tail of each prefix) against the whole texts, on random token sequences
+    (ids from `draw_id(rng)`) and stop strings cut from their text."""
+    checker = object.__new__(SpeculativeDecoder)  # (the stop check reads the tokenizer only)
+    checker.tokenizer = tokenizer
+    for _ in range(trials):
+        ids = [draw_id(rng) for _ in range(rng.randrange(1, 150))]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        stop = []
+        for _ in range(rng.randrange(1, 3)):
+            i, k = rng.randrange(len(text) + 1), rng.randrange(1, 25)
+            stop.append(text[i : i + k] or "zz")
+        got = checker._stop_prefix(ids, stop, 1)
+        assert got == stop_prefix_of_whole_texts(tokenizer, ids, stop), (ids, stop)
+
+
+def test_stop_strings_found_from_a_tail_where_the_whole_text_finds_them():
+    # (the check decodes a tail of each prefix, not the whole of it, whose cost grew with the output)
+    pieces = len(PieceTokenizer.PIECES)
+    stops_found_as_the_whole_text_finds_them(PieceTokenizer(), lambda rng: rng.randrange(pieces), random.Random(0), 400)
+    # mostly tokens without text: a tail of tokens too short to reach back past a stop string
+    mostly_empty = lambda rng: 3 if rng.random() < 0.9 else rng.randrange(pieces)  # noqa: E731
+    stops_found_as_the_whole_text_finds_them(PieceTokenizer(), mostly_empty, random.Random(1), 400)
+
+
+@pytest.mark.slow
+def test_stop_strings_found_from_a_tail_with_the_default_targets_tokenizer():
+    # Byte-level BPE: random ids make partial characters and text that a tail decodes differently at its start;
+    # the tokens of a text with accents, an emoji, CJK and quotes, in random orders, the clean-ups of real text
+    from transformers import AutoTokenizer
+
+    from specframe.models import pull_default_model
+
+    tokenizer = AutoTokenizer.from_pretrained(pull_default_model(quiet=True))
+    stops_found_as_the_whole_text_finds_them(
+        tokenizer, lambda rng: rng.randrange(len(tokenizer)), random.Random(1), 300
+    )
+    words = tokenizer.encode("Ein Bär 🐻 sagte: «你好», l'été's café — naïve 'quotes' and s ' spaces ...\n\tend")
+    stops_found_as_the_whole_text_finds_them(tokenizer, lambda rng: rng.choice(words), random.Random(2), 300)
 
 
 def plain_and_self_drafting(target, tokenizer):
