@@ -99,10 +99,7 @@ for p in $PROPOSERS; do
         *) fail "no training recipe here for proposer $p"; continue ;;
     esac
     seconds=$(left "$BUDGET")
-    if [ "$seconds" -lt 60 ]; then
-        say "train $p: skipped ($seconds s of the budget left)"
-        continue
-    fi
+    enough "$seconds" "train $p" 60 || continue
     timeout "$seconds" "${SF[@]}" train --proposer "$p" --device "$DEVICE" data="$DATA" out="$WORK/$p" \
         epochs="$EPOCHS" features_cache="$BIG/features" "${opts[@]}" > "$WORK/train-$p.log" 2>&1
     rc=$?
@@ -113,7 +110,7 @@ for p in $PROPOSERS; do
         say "[$(elapsed)] train $p: done ($OUT/$p.safetensors; its folder's other files in $NAME.tar.gz)"
     else
         rm -rf "$WORK/$p/checkpoint"
-        fail "train $p (exit $rc$([ "$rc" = 124 ] && echo ': cut off by the budget')): $(tail -1 "$WORK/train-$p.log")"
+        fail "train $p ($(why "$rc" "$seconds")): $(tail -1 "$WORK/train-$p.log")"
     fi
     archive
 done

@@ -487,7 +487,7 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
                             ((word, after),) = words.items()
                             text = f"; for the text '{word}: {after}', quote it: {prefix}.{key}='\"{word}: {after}\"'"
                         raise ConfigError(
-                            f"{prefix}.{key} must be a list, got {OmegaConf.to_container(given)!r} "
+                            f"{prefix}.{key} must be a list, got {words!r} "
                             f"(set a list field whole, e.g. {prefix}.{key}=[a,b]{text})"
                         )
                     raise ConfigError(f"{prefix}.{key} must be a list, e.g. {prefix}.{key}=[{given}], got {given!r}")

@@ -471,23 +471,23 @@ class SpeculativeDecoder:
         step that emits several tokens can pass a stop string that its last prefix no longer shows."""
         if not stop or self.tokenizer is None:
             return None
-        hits = (n for n in range(max(1, first), len(ids) + 1) if self._completes_stop(ids[:n], stop))
+        hits = (n for n in range(max(1, first), len(ids) + 1) if self._completes_stop(ids, n, stop))
         return next(hits, None)
 
-    def _completes_stop(self, prefix: list[int], stop: list[str]) -> bool:
-        """Whether the text of `prefix` holds a stop string, given that every shorter prefix was checked and held
-        none: one found now ends in (or, after a clean-up, a few characters before) the text of `prefix`'s last
+    def _completes_stop(self, ids: list[int], n: int, stop: list[str]) -> bool:
+        """Whether the text of `ids[:n]` holds a stop string, given that every shorter prefix was checked and held
+        none: one found now ends in (or, after a clean-up, a few characters before) the text of its last
         token, so only a tail is decoded, its tokens before the last one reaching at least STOP_TAIL_CHARS
         characters further back than the longest stop string. Decoding the whole prefix instead made the check
         grow with the output's length (about 4 ms a token by 8,000 tokens). A tail too short (tokens without
         text) falls back on the whole prefix, and so does a hit, to confirm it."""
         longest = max(len(s) for s in stop)
-        window = longest + STOP_TAIL_CHARS + 1  # (tokens: most hold a character or more)
-        if len(prefix) > window and len(self._decode(prefix[-window:-1])) >= longest + STOP_TAIL_CHARS:
-            tail = self._decode(prefix[-window:])
+        window = longest + STOP_TAIL_CHARS + 1  # (tokens: most hold a character or more; no copy of the prefix)
+        if n > window and len(self._decode(ids[n - window : n - 1])) >= longest + STOP_TAIL_CHARS:
+            tail = self._decode(ids[n - window : n])
             if not any(s in tail for s in stop):
                 return False
-        return any(s in self._decode(prefix) for s in stop)
+        return any(s in self._decode(ids[:n]) for s in stop)
 
     def _truncate(
         self, generated: list[int], limit: int, max_new: int, stop: list[str], new: int

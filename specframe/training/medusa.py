@@ -401,12 +401,11 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     start, history = resume_from(ckpt, params, optimizer, resuming=resuming, log=log)
     schedule = warmup_cosine(optimizer, len(batches) * cfg.epochs, start * len(batches))
 
-    def heldout() -> tuple[dict, int]:
+    def heldout() -> dict:
         feats = extract_features(base, held_ex, cfg.max_length, dtype=base.dtype, quiet=True)
         x, y = stack_features(feats, cfg.num_heads)
-        return evaluate(heads.eval(), lm_rows, vocab_ids, x, y), x.shape[0]
+        return evaluate(heads.eval(), lm_rows, vocab_ids, x, y)
 
-    n_held = 0
     for epoch in range(start, cfg.epochs):
         heads.train()
         model.train()
@@ -433,7 +432,7 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
             running = optimizer_step(loss, params, optimizer, schedule, running)
             bar.set_postfix(loss=f"{running:.3f}", keep_kl=f"{keep.item():.4f}")
         model.eval()
-        m, n_held = heldout()
+        m = heldout()
         history.append(
             {
                 "epoch": epoch + 1,
@@ -450,9 +449,8 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
         save_checkpoint(ckpt, params, optimizer, {"epoch": epoch + 1, "history": history, "run": run})
     if not history:
         raise ConfigError(f"nothing to train: the checkpoint in {ckpt} already has {start} epochs")
-    if start == cfg.epochs:  # (a resumed run with nothing left to train still saves; its held-out size is said)
-        n_held = heldout()[1]
-    final, tree = _final(history, cfg, sum(len(s.ids) for s in seqs), n_held)
+    # (the held-out size from the last evaluation's metrics: also when a resumed run had no epoch left to train)
+    final, tree = _final(history, cfg, sum(len(s.ids) for s in seqs), history[-1]["positions"])
     adapter_dir = out / "adapter"
     model.save_pretrained(str(adapter_dir))  # PEFT's own format (adapter_config.json + safetensors)
     for f in adapter_dir.iterdir():  # (its safetensors file is made owner-only)
