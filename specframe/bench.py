@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from specframe.config import literal, split_override
+from specframe.config import greedy_note, literal, split_override
 from specframe.data import read_jsonl, shared_data_file
 from specframe.errors import BadInputError, brief, check_output_path, is_count, user_path
 
@@ -672,8 +672,9 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
     log = log or (lambda msg: print(f"specframe bench: {msg}", file=sys.stderr, flush=True))
     options.validate()
     unused = [flag for flag, off in (("--top-p", options.top_p == 1.0), ("--top-k", options.top_k == 0)) if not off]
-    if options.greedy and unused:  # (as generate says it: greedy draws nothing)
-        log(f"note: {' and '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect at temperature 0 (greedy)")
+    note = greedy_note(unused) if options.greedy else None
+    if note:  # (as generate says it: greedy draws nothing)
+        log(f"note: {note}")
     questions_path = (Path(options.questions) if options.questions else default_questions_path()).resolve()
     questions = read_questions(questions_path, options.subtasks, options.limit, log)
     started = datetime.datetime.now(datetime.timezone.utc)

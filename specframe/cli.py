@@ -252,18 +252,15 @@ def generate_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from specframe.config import load_config
+    from specframe.config import greedy_note, load_config
     from specframe.decoder import SpeculativeDecoder
 
     cfg = load_config(args.config, generate_overrides(args))
     s = cfg.sampling
     unused = [k for k, off in (("top_p", s.top_p == 1.0), ("top_k", s.top_k == 0), ("seed", s.seed is None)) if not off]
-    if s.temperature == 0 and unused:  # (greedy draws nothing: as transformers, say so rather than ignore it)
-        print(
-            f"specframe: note: {', '.join(f'sampling.{k}' for k in unused)} {'has' if len(unused) == 1 else 'have'} "
-            "no effect at temperature 0 (greedy decoding); give --temperature > 0 to sample",
-            file=sys.stderr,
-        )
+    note = greedy_note([f"sampling.{k}" for k in unused]) if s.temperature == 0 else None
+    if note:  # (greedy draws nothing: as transformers, say so rather than ignore it)
+        print(f"specframe: note: {note}; give --temperature > 0 to sample", file=sys.stderr)
     # (from standard input without the line end that `echo` or a file's last line adds, as --prompt has none)
     if args.prompt is None and sys.stdin.isatty():  # (else it would wait without a word)
         print(

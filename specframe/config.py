@@ -93,6 +93,15 @@ def stop_strings(stop: str | list[str] | None, key: str = "stop") -> list[str]:
     return stop
 
 
+def greedy_note(unused: list[str]) -> str | None:
+    """What to say of sampling settings that greedy decoding ignores (`unused`, as the user typed them), or None
+    for none: generate and bench both say it rather than ignore them, as transformers warns."""
+    if not unused:
+        return None
+    verb = "has" if len(unused) == 1 else "have"
+    return f"{' and '.join(unused)} {verb} no effect at temperature 0 (greedy decoding)"
+
+
 @dataclass
 class SpecframeConfig:
     target: TargetConfig = field(default_factory=TargetConfig)

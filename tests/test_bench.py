@@ -869,7 +869,7 @@ def test_sampling_flags_at_temperature_0_are_said_to_do_nothing(tmp_path):
     )
     with pytest.raises(BadInputError, match="does not exist"):  # (stopped right after the note: no model loads)
         bench.run_bench(options, log=said.append)
-    assert said == ["note: --top-p and --top-k have no effect at temperature 0 (greedy)"]
+    assert said == ["note: --top-p and --top-k have no effect at temperature 0 (greedy decoding)"]
     said.clear()
     with pytest.raises(BadInputError, match="does not exist"):
         bench.run_bench(replace(options, temperature=1.0), log=said.append)

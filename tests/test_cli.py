@@ -97,7 +97,7 @@ def test_sampling_options_at_temperature_0_are_said_to_do_nothing(capsys, tiny_d
     prompt = ("--prompt", "a b", "--raw")
     code, out, err = run(capsys, *gen_args(tiny_dirs, "--proposer", "none", *prompt, "--top-p", "0.5", "--seed", "3"))
     assert code == 0 and out.strip(), err
-    assert "note: sampling.top_p, sampling.seed have no effect at temperature 0 (greedy decoding)" in err, err
+    assert "note: sampling.top_p and sampling.seed have no effect at temperature 0 (greedy decoding)" in err, err
     code, _, err = run(capsys, *gen_args(tiny_dirs, "--proposer", "none", *prompt, "--top-k", "-1"))  # (off: no note)
     assert code == 0 and "note:" not in err, err
     code, _, err = run(
