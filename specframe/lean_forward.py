@@ -32,12 +32,13 @@ from typing import Any, NamedTuple
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from specframe.block_weights import blocks_available, joined_blocks, remember_blocks, weight_blocks
+from specframe.block_weights import blocks_available, joined_blocks, remember_blocks, tensor_version, weight_blocks
 from specframe.cpu_kernels import (
     ATTENTION,
     drop_derived_copies,
     fast_kernels_on,
     few_rows_linear,
+    forget_outdated_copies,
     is_rerouted,
     plan_layouts_now,
 )
@@ -116,6 +117,8 @@ def engine_forward(model: torch.nn.Module) -> Callable[..., Any]:
     """The function to run `model`'s forwards with: `lean_llama_forward` on it where that gives the same result
     (`lean_forward_applies`, and `same_as_transformers` on first use), else the model itself; both take the
     keywords of `lean_llama_forward` and return `.logits` and `.hidden_states`."""
+    if fast_kernels_on(model) and forget_outdated_copies(model):  # (weights changed where no counter shows it)
+        model.__dict__.pop(_FUSED, None)  # (the layers' buffers hold the old numbers: fused again)
     if not lean_forward_applies(model):
         return model
     weight = model.get_input_embeddings().weight
@@ -280,10 +283,14 @@ def fused_projections(model: torch.nn.Module) -> list[FusedProjections | None] |
 
 
 def _layer_ptrs(layer: torch.nn.Module) -> tuple[int, ...]:
-    """The addresses of a decoder layer's q, k, v, gate and up weights and biases (0 for none)."""
+    """The addresses and version counters of a decoder layer's q, k, v, gate and up weights and biases (0 for
+    none). The versions matter: a fused weight is a view of the layer's buffer with a counter of its own, so a
+    change through it in place (`load_state_dict`, an optimizer step, `mul_` under no_grad) leaves the buffer's
+    counter, and so its blocks and packed copies, as they were: the layer is fused again instead."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
-    return tuple(t.data_ptr() if t is not None else 0 for m in linears for t in (m.weight, m.bias))
+    tensors = [t for m in linears for t in (m.weight, m.bias)]
+    return tuple(n for t in tensors for n in ((t.data_ptr(), tensor_version(t)) if t is not None else (0, 0)))
 
 
 def _fuse_layer(layer: torch.nn.Module) -> FusedProjections | None:

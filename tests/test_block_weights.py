@@ -1,6 +1,8 @@
 """Weights on a GGUF block grid, multiplied by their blocks: found only where exact, the float32 products."""
 
 import copy
+import ctypes
+import os
 import pickle
 
 import numpy as np
@@ -56,15 +58,17 @@ def test_weights_off_a_grid_have_no_blocks():
 @pytest.mark.parametrize("out_features", [13, 64])
 def test_block_products_are_the_float32_products(bits, out_features):
     w = on_grid((out_features, 160), bits, seed=out_features)
-    bias = torch.randn(out_features)
+    gen = torch.Generator().manual_seed(out_features + bits)
+    bias = torch.randn(out_features, generator=gen)
     blocks = block_grid(w)
     for rows in range(1, block_weights.MAX_ROWS + 1):
-        x = torch.randn(1, rows, 160)
+        x = torch.randn(1, rows, 160, generator=gen)
         exact = (x.double() @ w.double().t() + bias.double()).float()
         got = block_products(x, blocks, bias)
         assert got.shape == (1, rows, out_features)
         torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+        # (F.linear rounds too, in its own order: the two may differ by twice as much as either from the exact)
+        torch.testing.assert_close(got, F.linear(x, w, bias), rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -193,12 +197,80 @@ def test_the_kernel_is_built_once_per_source_and_compiler(monkeypatch, tmp_path)
             elsewhere.setenv("SPECFRAME_HOME", str(tmp_path))
             assert block_kernel() is not None
             built = list((tmp_path / "kernels").glob("block_weights-*.so"))
-            assert len(built) == 1 and not [p for p in (tmp_path / "kernels").iterdir() if p not in built]
+            digest = built[0].with_suffix(".sha256")  # (its digest beside it, and nothing else left there)
+            assert len(built) == 1 and sorted((tmp_path / "kernels").iterdir()) == sorted([built[0], digest])
             block_weights._kernel_or_problem.cache_clear()
             stamp = built[0].stat().st_mtime_ns
             assert block_kernel() is not None and built[0].stat().st_mtime_ns == stamp  # (not built again)
     finally:
         block_weights._kernel_or_problem.cache_clear()
+
+
+@pytest.mark.parametrize("damage", ["cut short", "garbage", "no digest"])
+def test_a_damaged_kept_kernel_is_built_again(monkeypatch, tmp_path, damage):
+    # (before: a truncated library killed the process with SIGBUS when loaded, and a garbled one raised
+    # "OSError: file too short" from load_model)
+    block_weights._kernel_or_problem.cache_clear()
+    try:
+        with monkeypatch.context() as elsewhere:
+            elsewhere.setenv("SPECFRAME_HOME", str(tmp_path))
+            assert block_kernel() is not None
+            (library,) = (tmp_path / "kernels").glob("block_weights-*.so")
+            whole = library.read_bytes()
+            damaged = {"cut short": whole[:4000], "garbage": b"\0" * len(whole), "no digest": whole}[damage]
+            (tmp_path / "damaged").write_bytes(damaged)  # (put in by a rename: this process has the library mapped)
+            os.replace(tmp_path / "damaged", library)
+            if damage == "no digest":
+                library.with_suffix(".sha256").unlink()
+            block_weights._kernel_or_problem.cache_clear()
+            assert block_kernel() is not None and block_kernel_problem() is None
+            assert library.read_bytes() == whole
+            w, x = on_grid((32, 64), 8), torch.randn(2, 64)
+            torch.testing.assert_close(block_products(x, block_grid(w)), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    finally:
+        block_weights._kernel_or_problem.cache_clear()
+
+
+def test_a_kernel_that_multiplies_wrongly_is_not_used():
+    kernel = block_kernel()
+    assert block_weights._products_right(kernel)
+
+    def off_by_a_little(x, rows, in_features, quants, bits, scales, mins, out, y, threads):
+        failed = kernel(x, rows, in_features, quants, bits, scales, mins, out, y, threads)
+        ctypes.c_float.from_address(y).value += 1e-3  # (one number of the output wrong)
+        return failed
+
+    assert not block_weights._products_right(off_by_a_little)
+    assert not block_weights._products_right(lambda *args: 0)  # (wrote nothing)
+    assert not block_weights._products_right(lambda *args: 1)  # (said it failed)
+
+
+def test_a_compiler_command_with_arguments_builds_the_kernel(monkeypatch, tmp_path):
+    block_weights._kernel_or_problem.cache_clear()
+    try:
+        with monkeypatch.context() as elsewhere:
+            elsewhere.setenv("SPECFRAME_HOME", str(tmp_path))
+            elsewhere.setenv("CC", "env cc")  # (as CC="ccache gcc": was "no C compiler")
+            assert block_kernel() is not None, block_kernel_problem()
+            block_weights._kernel_or_problem.cache_clear()
+            elsewhere.setenv("CC", "false")
+            assert block_kernel() is None
+            assert "compiling block_weights.c failed (exit status 1): nothing said" in block_kernel_problem()
+    finally:
+        block_weights._kernel_or_problem.cache_clear()
+
+
+def test_block_products_are_float32_whatever_the_default_dtype():
+    w, x = on_grid((32, 64), 4), torch.randn(2, 64)
+    want = F.linear(x, w)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # (the output was made in it: float32 numbers read as float64)
+    try:
+        got = block_products(x, block_grid(w))
+    finally:
+        torch.set_default_dtype(default)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_weight_off_the_grid_is_found_out_by_its_first_rows(monkeypatch):
@@ -209,3 +281,49 @@ def test_a_weight_off_the_grid_is_found_out_by_its_first_rows(monkeypatch):
     with seeded(0):
         assert block_grid(torch.randn(4096, 1024)) is None
     assert checked == [block_weights.FIRST_ROWS] * 2  # (the whole weight is not checked)
+
+
+def greedy_of(model, prompt, n):
+    """transformers' greedy tokens of a copy of `model` on the stock kernels (nothing derived from its weights)."""
+    fresh = copy.deepcopy(model)
+    for module in fresh.modules():
+        module.__dict__.pop("forward", None)
+    return fresh.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("layout", ["blocks", cpu_kernels.PACKED])
+@pytest.mark.parametrize("change", ["load_state_dict", "through .data", "replaced"])
+def test_generation_follows_weights_changed_between_calls(monkeypatch, layout, change):
+    """The blocks and packed copies made from a weight are made again when it changes between generations: in
+    place through a fused layer's weight (a view of the layer's buffer, with its own version counter), through
+    `.data` (as PEFT's merge adds its update; no counter moves) or replaced by another tensor."""
+    from specframe.decoder import SpeculativeDecoder, target_info
+    from specframe.proposers.none import NoneConfig, NoneProposer
+
+    if layout == cpu_kernels.PACKED:
+        if not cpu_kernels.PACKED_AVAILABLE:
+            pytest.skip("no MKL packed products in this PyTorch")
+        monkeypatch.setattr(cpu_kernels, "layout_choice", cpu_kernels.PACKED)
+        monkeypatch.setattr(block_weights, "use_blocks", False)
+    model, other = tiny_on_grid(bits=8), tiny_on_grid(bits=4)  # (both on a grid: blocks for each)
+    with torch.no_grad():
+        for module in other.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.mul_(-1.0)  # (still on the grid, and far from `model`'s)
+    use_fast_cpu_kernels(model)
+    decoder = SpeculativeDecoder(model, NoneProposer.from_config(NoneConfig(), target_info(model)), max_new_tokens=20)
+    prompt = [1, 2, 3, 4]
+    assert decoder.generate(prompt).token_ids == greedy_of(model, prompt, 20)
+    assert fused_projections(model)[0] is not None
+    pairs = [(m, o) for m, o in zip(model.modules(), other.modules(), strict=True) if isinstance(m, torch.nn.Linear)]
+    if change == "load_state_dict":
+        model.load_state_dict(other.state_dict())
+    elif change == "through .data":
+        for mine, theirs in pairs:
+            mine.weight.data += theirs.weight - mine.weight  # (no version counter moves)
+    else:
+        for mine, theirs in pairs:
+            mine.weight.data = theirs.weight.detach().clone()
+    assert greedy_of(model, prompt, 20) == greedy_of(other, prompt, 20)
+    assert decoder.generate(prompt).token_ids == greedy_of(other, prompt, 20)
+    assert cpu_kernels.forget_outdated_copies(model) == 0  # (all made again from the new numbers)
