@@ -458,6 +458,11 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
                 for f in schema_fields
                 if str(f.type).removeprefix("typing.").startswith(("list[", "tuple[", "List[", "Tuple["))
             }
+            lists_of_lists = {  # (e.g. Medusa's tree: a list of paths)
+                f.name
+                for f in schema_fields
+                if str(f.type).removeprefix("typing.").startswith(("list[list[", "list[tuple[", "List[List["))
+            }
             mapping_fields = {  # {name: an example key below it, from the field's metadata, or ""}
                 f.name: f.metadata.get("example", "")
                 for f in schema_fields
@@ -499,7 +504,15 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
                             f"{prefix}.{key} must be a list, got {words!r} "
                             f"(set a list field whole, e.g. {prefix}.{key}=[a,b]{text})"
                         )
-                    raise ConfigError(f"{prefix}.{key} must be a list, e.g. {prefix}.{key}=[{given}], got {given!r}")
+                    example = "[[0],[1],[0,0]]" if key in lists_of_lists else f"[{given}]"
+                    raise ConfigError(f"{prefix}.{key} must be a list, e.g. {prefix}.{key}={example}, got {given!r}")
+                if key in lists_of_lists and isinstance(values[key], ListConfig):
+                    for i, item in enumerate(values[key]):
+                        if not isinstance(item, ListConfig):
+                            raise ConfigError(
+                                f"{prefix}.{key}[{i}] must be a list too ({prefix}.{key} is a list of lists, e.g. "
+                                f"{prefix}.{key}=[[0],[1],[0,0]]), got {item!r}"
+                            )
                 if key in mapping_fields and not isinstance(values[key], DictConfig | None):
                     given = values[key]
                     given = OmegaConf.to_container(given) if isinstance(given, ListConfig) else given

@@ -121,7 +121,15 @@ def test_packaged_configs_load_by_name(tmp_path, monkeypatch):
         (["generation.stop=- a"], r"'- ' starts a YAML list item"),  # (was ['a'])
         (["generation.stop=User: hi"], r"""for the text 'User: hi', quote it: generation.stop='"User: hi"'\)$"""),
         (["generation.stop.0=x"], r"\(set a list field whole, e.g. generation.stop=\[a,b\]\)$"),
-        (["proposer.name=medusa", "proposer.tree=0"], r"^proposer.tree must be a list, e.g. proposer.tree=\[0\]"),
+        (
+            ["proposer.name=medusa", "proposer.tree=0"],
+            r"^proposer.tree must be a list, e.g. proposer.tree=\[\[0\],\[1\],\[0,0\]\], got 0$",
+        ),
+        (  # (before: "proposer: Invalid value assigned: int is not a ListConfig...", the hint's own example)
+            ["proposer.name=medusa", "proposer.tree=[[0],1]"],
+            r"^proposer.tree\[1\] must be a list too \(proposer.tree is a list of lists, e.g. "
+            r"proposer.tree=\[\[0\],\[1\],\[0,0\]\]\), got 1$",
+        ),
         # Interpolations that cannot be resolved, of a value and of a whole section: named, never doubled.
         (["target.model=${oops}"], r"^target.model: Interpolation key 'oops' not found"),
         (["sampling=${oops}"], r"^sampling: Interpolation key 'oops' not found"),

@@ -673,12 +673,29 @@ def test_bad_training_options(field, value):
         (dict(total_tokens=200), (7, 6, 200)),  # depth fitted up: 6 + 5 * 36 >= 200 > 6 + 4 * 36
         (dict(top_k=1, total_tokens=10), (10, 1, 10)),  # a chain of 10
         (dict(depth=2, total_tokens=100), (2, 10, 100)),  # top_k fitted up: 10 + 100 >= 100 > 9 + 81
+        # (depth computed, not counted up to: 10**8 steps took 45 s before anything was drafted)
+        (dict(top_k=1, total_tokens=10**8), (10**8, 1, 10**8)),
+        (dict(total_tokens=10**8), (2777779, 6, 10**8)),  # 6 + 2777778 * 36 >= 10**8 > 6 + 2777777 * 36
     ],
 )
 def test_unset_tree_keys_fit_the_set_ones(given, shape):
     info = target_info(target16())
     proposer = EagleProposer.random(info, EagleConfig(**given))
     assert (proposer.depth, proposer.top_k, proposer.total_tokens) == shape
+
+
+@pytest.mark.parametrize("depth, total_tokens", [(1, 3), (3, 4), (2, 2), (4, 9)])
+def test_top_k_beyond_total_tokens_drafts_the_same_tree(depth, total_tokens):
+    """A node's children beyond the best total_tokens are never kept: they are not made (a top_k of 4,096 with
+    60 nodes took 5.9 GB and 18 s a step on SmolLM2, for the tree a top_k of 60 gives)."""
+    target = target16()
+    tokens = torch.tensor([1, 5, 2, 7, 3])
+    trees = []
+    for top_k in (total_tokens, 12):  # (12: the random drafter's whole vocabulary)
+        config = EagleConfig(depth=depth, top_k=top_k, total_tokens=total_tokens)
+        _, proposal = fresh_proposal(target, config, 0, tokens)
+        trees.append((proposal.tokens.tolist(), proposal.parents.tolist()))
+    assert trees[0] == trees[1] and len(trees[0][0]) == total_tokens
 
 
 @pytest.mark.parametrize(

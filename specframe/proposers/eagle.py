@@ -549,9 +549,10 @@ class EagleProposer(Proposer):
             return
         if config.total_tokens is None:  # (the default node count: as many as the set keys make)
             self.total_tokens = most(self.depth, self.top_k)
-        elif config.depth is None:  # (deeper, to hold the nodes asked for)
-            while most(self.depth, self.top_k) < self.total_tokens and self.depth < self.total_tokens:
-                self.depth += 1
+        elif config.depth is None:  # (deeper, to hold the nodes asked for: the least depth that does, at most
+            k = min(self.top_k, vocab)  # total_tokens; computed, not counted up: total_tokens may be large)
+            least = self.total_tokens if k == 1 else 1 + -(-(self.total_tokens - k) // (k * k))
+            self.depth = max(self.depth, min(least, self.total_tokens))
         elif config.top_k is None:  # (wider, as far as the vocabulary allows)
             while most(self.depth, self.top_k) < self.total_tokens and self.top_k < vocab:
                 self.top_k += 1
@@ -671,7 +672,9 @@ class EagleProposer(Proposer):
         confidence threshold is set (then the number of nodes that reach it, once per level, to stop early and
         to feed only those). Nodes are numbered as they are made, level by level; ties in score go to the lower
         number, so a parent (never scored below its children: log-probabilities are <= 0) always comes first."""
-        k = min(self.top_k if self.config.tree else 1, self.vocab_ids.numel())
+        # (no more than total_tokens children a node, nor nodes a frontier: a node below a level's best
+        # total_tokens is never kept, nor is any of its descendants, which score no higher)
+        k = min(self.top_k if self.config.tree else 1, self.vocab_ids.numel(), self.total_tokens)
         threshold = self.min_score > -math.inf  # (compared in double, as a Python float: not rounded to float32)
         device = root_feat.device
         base = self.committed  # position of the root; a node at depth d sits at base + d
