@@ -124,3 +124,52 @@ def test_draft_rows_are_used_as_the_distribution_they_were_drawn_from():
                 prop = Proposal(toks, torch.tensor([-1, -1]), torch.zeros(2, dtype=torch.bool), q.expand(2, V).clone())
                 decided.append(TreeAcceptance()(logits, prop, SamplingParams(1.0), torch.Generator().manual_seed(seed)))
             assert decided[0] == decided[1], (scale, seed)
+
+
+def test_siblings_drawn_from_different_qs_each_use_their_own():
+    """Two sampled siblings at one root, drawn from two different q's (as two sampled union members propose):
+    each is judged by the q it was drawn from (a rule that used the first sibling's q for both was caught only
+    by the slow union statistics)."""
+    q_other = torch.tensor([0.4, 0.05, 0.05, 0.05, 0.05, 0.4])
+    g = torch.Generator().manual_seed(3)
+    rule, counts = TreeAcceptance(), torch.zeros(V, dtype=torch.long)
+    logits = torch.zeros(3, V)
+    logits[0] = P_ROOT.log()
+    for _ in range(6000):
+        toks = torch.cat([torch.multinomial(q, 1, generator=g) for q in (Q_ROOT, q_other)])
+        prop = Proposal(toks, torch.tensor([-1, -1]), torch.zeros(2, dtype=torch.bool), torch.stack([Q_ROOT, q_other]))
+        path, nxt = rule(logits, prop, SamplingParams(1.0), g)
+        counts[toks[path[0]] if path else nxt] += 1
+    assert chi_square(counts, P_ROOT.double())[2] > ALPHA
+
+
+def test_a_rare_deterministic_child_is_accepted_as_rarely_as_p_says():
+    """p(x) = 1e-4 at the root and a deterministic child proposing x: accepted with probability 1e-4, about 2 in
+    20,000 (the uniform draw in bfloat16 is 0 one time in ~500 and accepted it 40 times)."""
+    p = torch.tensor([0.4, 0.3, 0.2, 0.0999, 0.0, 1e-4])
+    logits = torch.stack([(p / p.sum()).log(), torch.zeros(V)])
+    g, rule = torch.Generator().manual_seed(0), TreeAcceptance()
+    accepted = sum(
+        bool(rule(logits, Proposal.chain(torch.tensor([5])), SamplingParams(1.0), g)[0]) for _ in range(20000)
+    )
+    assert accepted <= 12  # (Poisson(2): more than 12 has probability below 1e-6)
+
+
+def test_a_sampled_child_with_a_tiny_q_is_accepted_with_probability_r_over_q():
+    """q(x) = 1e-9 and r(x) = 5e-10: accepted half the time (a q rounded to float16 is 0 there: always)."""
+    q = torch.tensor([0.5, 0.3, 0.1, 0.1, 0.0, 1e-9])
+    p = torch.tensor([0.5, 0.3, 0.1, 0.1, 0.0, 5e-10])
+    logits = torch.stack([p.log(), torch.zeros(V)])
+    prop = Proposal(torch.tensor([5]), torch.tensor([-1]), torch.tensor([False]), q[None].clone())
+    g, rule = torch.Generator().manual_seed(0), TreeAcceptance()
+    rate = sum(bool(rule(logits, prop, SamplingParams(1.0), g)[0]) for _ in range(4000)) / 4000
+    assert 0.45 <= rate <= 0.55  # (binomial sd 0.008)
+
+
+def test_greedy_reads_each_nodes_own_parents_row():
+    # A root child listed after a deeper node: its row is the root's (row 0), not its index's. Row 2 (node 1's)
+    # wants token 2, the root wants 1: node 2 (token 1, a root child) is accepted, then row 3 (node 2's) says 0.
+    logits = torch.tensor([[0.0, 9.0, 0.0], [0.0, 0.0, 9.0], [0.0, 0.0, 9.0], [9.0, 0.0, 0.0]])
+    prop = Proposal(torch.tensor([2, 2, 1]), torch.tensor([-1, 0, -1]), torch.ones(3, dtype=torch.bool))
+    path, nxt = TreeAcceptance()(logits, prop, SamplingParams(0.0), torch.Generator())
+    assert path == [2] and nxt == 0

@@ -57,6 +57,18 @@ def test_accepted_tokens_count_only_the_drafts_an_eos_leaves_in_the_output(targe
     assert len(s["accepted_by_position"]) == len(s["proposed_by_position"]) == 3
 
 
+def test_an_eos_among_the_accepted_drafts_ends_generation_at_that_step(target):
+    # (with room for more: a check of the step's last token only ran on to 11 forwards and counted 27 accepted
+    # tokens the output never held; with max_new_tokens=9 the budget ended it after 2 forwards either way)
+    greedy = reference_greedy(target, [1, 2, 3], 40)
+    dec = self_draft_decoder(target, gamma=3)
+    dec.eos_ids = {greedy[2]}
+    cut = greedy.index(greedy[2]) + 1
+    res = dec.generate([1, 2, 3], max_new_tokens=40)
+    assert res.token_ids == greedy[:cut] and res.stats["finish_reason"] == "eos"
+    assert res.stats["target_forwards"] == 2 and res.stats["accepted_tokens"] == cut - 1
+
+
 def test_max_new_tokens_cuts_an_accepted_run(target):
     res = self_draft_decoder(target, gamma=4).generate([1, 2, 3], max_new_tokens=3)
     assert len(res.token_ids) == 3 and res.token_ids == reference_greedy(target, [1, 2, 3], 3)
@@ -413,6 +425,14 @@ class LetterTokenizer:
         return "".join(chr(ord("a") + i) for i in ids)
 
 
+class ByteTokenizer:
+    """Token i is the byte i, decoded as byte-level BPE decodes: a character cut at the start of a tail is one or
+    more replacement characters there."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
 class PieceTokenizer:
     """Token i decodes to PIECES[i]: a letter, several, a space, or nothing (as a skipped special token does)."""
 
@@ -451,6 +471,13 @@ def test_stop_strings_found_from_a_tail_where_the_whole_text_finds_them():
     # mostly tokens without text: a tail of tokens too short to reach back past a stop string
     mostly_empty = lambda rng: 3 if rng.random() < 0.9 else rng.randrange(pieces)  # noqa: E731
     stops_found_as_the_whole_text_finds_them(PieceTokenizer(), mostly_empty, random.Random(1), 400)
+    # bytes of multi-byte characters: a tail that starts inside one decodes it as replacement characters
+    text_bytes = list("ok 你好! é ü 🐻 a".encode())
+    stops_found_as_the_whole_text_finds_them(ByteTokenizer(), lambda rng: rng.choice(text_bytes), random.Random(2), 400)
+    checker = object.__new__(SpeculativeDecoder)
+    checker.tokenizer = ByteTokenizer()
+    ids = list("ok 你!".encode())  # (found at its last byte, 7: a tail with no margin never found it)
+    assert checker._stop_prefix(ids, ["你!"], 1) == 7 == stop_prefix_of_whole_texts(ByteTokenizer(), ids, ["你!"])
 
 
 @pytest.mark.slow

@@ -102,3 +102,18 @@ def test_temperature_comes_before_top_k_and_top_p():
     p = sampling_probs(logits, SamplingParams(0.5, top_k=3, top_p=0.95))
     assert (p > 0).tolist() == [True, True, False, False]
     assert torch.allclose(p[:2], (logits[:2] / 0.5).softmax(-1))
+
+
+def test_top_p_is_taken_over_what_top_k_kept():
+    """temperature, then top-k, then top-p over the renormalised survivors (transformers' and vLLM's order):
+    [.5, .3, .2] with top_k=2 is [.625, .375], where 0.55 is reached by the first token alone (top-p over the
+    mass before top-k's cut would keep two)."""
+    p = sampling_probs(torch.tensor([0.5, 0.3, 0.2]).log(), SamplingParams(1.0, top_k=2, top_p=0.55))
+    assert p.tolist() == [1.0, 0.0, 0.0]
+
+
+def test_top_p_stops_at_the_token_whose_mass_before_reaches_it_exactly():
+    # Four equal tokens: the mass before the third is exactly 0.5, which reaches top_p 0.5: two are kept (a
+    # strict comparison kept three). Ties are common with 16-bit logits.
+    p = sampling_probs(torch.zeros(4), SamplingParams(1.0, top_p=0.5))
+    assert p.tolist() == [0.5, 0.5, 0.0, 0.0]

@@ -360,3 +360,33 @@ def test_suite_catches_a_merge_that_mixes_up_members_q(monkeypatch):
     config = UnionConfig(members=["draft", "draft"], options={"draft": {"num_speculative_tokens": 2}})
     r = conformance.check_sampling(UnionProposer, "cpu", "temperature=1", config=config, confirm=False)
     assert r.p_value < conformance.ALPHA, r.detail
+
+
+def test_a_sampled_node_after_a_deterministic_one_with_its_token_keeps_its_q():
+    # (a mutation that joined a sampled 5 to a deterministic 5 under the same parent, dropping its q, passed every
+    # test, the slow union statistics included: the merge tests only put sampled nodes first)
+    q = torch.full((1, 8), 1 / 8)
+    m = merge_proposals([det([5], [-1]), sampled([5], [-1], q)], vocab_size=8, device="cpu")
+    assert m.proposal.tokens.tolist() == [5, 5] and m.proposal.deterministic.tolist() == [True, False]
+    assert torch.equal(m.proposal.draft_probs[1], q[0])
+    assert m.owners == [{0: 0}, {1: 0}]
+
+
+def test_the_merged_tree_of_a_deterministic_and_a_sampled_member_emits_p():
+    """The rule on a merged tree: a deterministic 3 and a sibling drawn from q (sometimes a 3 too) at one root;
+    the first token emitted must follow p (the mutation above: p = 6e-99 over 12,000 draws)."""
+    from specframe.acceptance import TreeAcceptance
+    from specframe.sampling import SamplingParams
+    from specframe.testing.conformance import ALPHA, chi_square
+
+    p = torch.tensor([0.35, 0.25, 0.2, 0.1, 0.07, 0.03])
+    q = torch.tensor([0.05, 0.1, 0.1, 0.5, 0.2, 0.05])
+    g, rule, counts = torch.Generator().manual_seed(0), TreeAcceptance(), torch.zeros(6, dtype=torch.long)
+    for _ in range(6000):
+        x = int(torch.multinomial(q, 1, generator=g))
+        merged = merge_proposals([det([3], [-1]), sampled([x], [-1], q[None].clone())], 6, "cpu").proposal
+        logits = torch.zeros(len(merged) + 1, 6)
+        logits[0] = p.log()
+        path, nxt = rule(logits, merged, SamplingParams(1.0), g)
+        counts[int(merged.tokens[path[0]]) if path else nxt] += 1
+    assert chi_square(counts, p.double())[2] > ALPHA
