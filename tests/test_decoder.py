@@ -57,13 +57,15 @@ def test_accepted_tokens_count_only_the_drafts_an_eos_leaves_in_the_output(targe
     assert len(s["accepted_by_position"]) == len(s["proposed_by_position"]) == 3
 
 
-def test_an_eos_among_the_accepted_drafts_ends_generation_at_that_step(target):
+def test_an_eos_among_the_accepted_drafts_ends_generation_at_that_step():
     # (with room for more: a check of the step's last token only ran on to 11 forwards and counted 27 accepted
     # tokens the output never held; with max_new_tokens=9 the budget ended it after 2 forwards either way)
+    target = tiny_llama(vocab_size=64, seed=3)
     greedy = reference_greedy(target, [1, 2, 3], 40)
     dec = self_draft_decoder(target, gamma=3)
     dec.eos_ids = {greedy[2]}
     cut = greedy.index(greedy[2]) + 1
+    assert greedy[4] != greedy[2]  # (the EOS inside the first step's block [1:5], not also at its end)
     res = dec.generate([1, 2, 3], max_new_tokens=40)
     assert res.token_ids == greedy[:cut] and res.stats["finish_reason"] == "eos"
     assert res.stats["target_forwards"] == 2 and res.stats["accepted_tokens"] == cut - 1
