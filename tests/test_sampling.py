@@ -117,3 +117,25 @@ def test_top_p_stops_at_the_token_whose_mass_before_reaches_it_exactly():
     # strict comparison kept three). Ties are common with 16-bit logits.
     p = sampling_probs(torch.zeros(4), SamplingParams(1.0, top_p=0.5))
     assert p.tolist() == [0.5, 0.5, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.6, 20, 0.9)])
+def test_the_distribution_is_transformers_warpers(temperature, top_k, top_p):
+    """Against an implementation of its own: transformers' temperature, top-k and top-p warpers in that order
+    (the conformance suite's reference distribution is `sampling_probs` itself, so a fault in it would move the
+    engine and the reference together). Random logits: no ties, where the two may keep different tokens."""
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    logits = torch.randn(64, 100, generator=torch.Generator().manual_seed(0)) * 3
+    warped = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        warped = TopKLogitsWarper(top_k)(None, warped)
+    if top_p < 1.0:
+        warped = TopPLogitsWarper(top_p)(None, warped)
+    ours = sampling_probs(logits, SamplingParams(temperature, top_k=top_k, top_p=top_p))
+    assert torch.equal(ours > 0, warped.softmax(-1) > 0)  # (the same tokens kept)
+    torch.testing.assert_close(ours, warped.softmax(-1), rtol=1e-5, atol=1e-6)
