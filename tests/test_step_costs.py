@@ -125,6 +125,7 @@ def test_a_cpu_targets_costs_are_kept_for_later_processes(kept_timings):
         {"one_token_s": 1e300, "relative": [1.0, 1.1, 1.2, 1.3]},
         {"one_token_s": 0.02, "relative": [1.0, 1e-9, 1.2, 1.3]},
         {"one_token_s": 10**400, "relative": [1.0, 1.1, 1.2, 1.3]},  # (too large for a float)
+        {"one_token_s": 0.02, "relative": [1.0, 0.9, 0.98, 10.59]},  # (4 tokens dearer than 4 forwards: busy)
         [1.0],
     )
     for bad in bad_costs:
@@ -200,3 +201,21 @@ def test_the_benchmark_names_the_measured_shapes_of_a_proposer_and_its_members()
     assert measured_shapes(union) == ["eagle: chain of 2"]
     assert shapes_said(measured_shapes(union)) == "; eagle: chain of 2, chosen at load from this CPU's timings"
     assert measured_shapes(P("none")) == [] and shapes_said([]) == ""
+
+
+def test_a_count_timed_dearer_than_its_tokens_one_by_one_is_timed_again():
+    """A forward over n tokens costs at most n one-token forwards; a timing above that (a busy spell: one machine
+    kept 10.6 one-token forwards for 4 tokens) is timed again, the fastest of both kept."""
+    model = tiny_llama(vocab_size=32, seed=0)
+    clock = FakeClock(model, {1: 0.02, 2: 0.021, 3: 0.03, 4: 0.05})
+    busy_calls = [0]
+
+    def busy_at_first(module, args, kwargs):
+        if kwargs["input_ids"].shape[1] == 4 and busy_calls[0] < 1 + step_costs.REPEATS:
+            busy_calls[0] += 1
+            clock.now += 0.5 - 0.05  # (ten times its cost, every call of the first timing)
+
+    model.register_forward_pre_hook(busy_at_first, with_kwargs=True)
+    costs = measure_step_costs(model, timer=clock)
+    assert costs.relative == pytest.approx((1.0, 1.05, 1.5, 2.5))
+    assert clock.forwards.count(4) == 2 * (1 + step_costs.REPEATS)  # (timed twice)
