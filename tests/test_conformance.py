@@ -460,6 +460,23 @@ class ReducedVocabularyDraft(DraftProposer):
         return cls(config or DraftConfig(num_speculative_tokens=3), target, draft, vocab_ids=vocab_ids)
 
 
+def test_a_reduced_vocabulary_draft_proposes_only_its_tokens_with_q_zero_elsewhere():
+    # (a head that gave tokens outside its vocabulary a logit of 0 rather than -inf stayed exact, so no check of
+    # the output saw it: it proposed tokens it was never trained on)
+    decoder = conformance.make_decoder(ReducedVocabularyDraft, "cpu", conformance.SAMPLING_VOCAB)
+    inner, seen = decoder.proposer, []
+    propose = inner.propose
+    inner.propose = lambda state: seen.append(propose(state)) or seen[-1]
+    for seed in range(5):
+        decoder.generate([1, 2, 3], max_new_tokens=20, temperature=1.0, seed=seed)
+    outside = torch.ones(conformance.SAMPLING_VOCAB, dtype=torch.bool)
+    outside[inner.vocab_ids] = False
+    assert sum(len(p) for p in seen) > 10
+    for p in (p for p in seen if len(p)):  # (an empty proposal at the end of the budget has no rows)
+        assert not outside[p.tokens].any() and p.draft_probs is not None
+        assert torch.equal(p.draft_probs[:, outside], torch.zeros_like(p.draft_probs[:, outside]))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", ["temperature=1", "temperature=1.5,top_k=5,top_p=0.8"])
 def test_a_reduced_vocabulary_draft_samples_the_target_s_distribution(setting):

@@ -863,3 +863,38 @@ def test_a_drafter_without_per_level_statistics_is_saved_without_a_measured_shap
     assert metrics["heldout"]["top1_step3"] is None and metrics["heldout"]["top1"] is not None
     assert "shape_choice" not in json.loads((tmp_path / "eagle" / "eagle_config.json").read_text())
     assert any("no per-level top-1 statistics" in m and "proposer.total_tokens" in m for m in logs), logs
+
+
+@torch.no_grad()
+def test_each_fused_layer_is_normalised_by_its_own_norm():
+    # (random drafters have norm weights of 1, so a drafter that used the first norm for every layer passed)
+    proposer = EagleProposer.random(target_info(target16()), seed=3, fuse_layers=(0, 2))
+    drafter, h = proposer.drafter, 32
+    for i, norm in enumerate(drafter.fuse_norms):
+        norm.weight.copy_(torch.randn(h, generator=torch.Generator().manual_seed(i)))
+    gen = torch.Generator().manual_seed(9)
+    feats, extra = torch.randn(5, h, generator=gen), torch.randn(5, 2 * h, generator=gen)
+    parts = [extra[:, i * h : (i + 1) * h] for i in range(2)]
+    rms = [x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + drafter.config.rms_norm_eps) for x in parts]
+    normed = torch.cat([x * norm.weight for x, norm in zip(rms, drafter.fuse_norms, strict=True)], -1)
+    want = feats.to(drafter.fuse.weight.dtype) + drafter.fuse(normed.to(drafter.fuse.weight.dtype))
+    torch.testing.assert_close(drafter.fused(feats, extra), want, atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_nodes_below_the_confidence_threshold_are_not_expanded():
+    # (a frontier left uncut kept the tree the same but fed the drafter every level: no early stop)
+    target = target16()
+    tokens = torch.tensor([1, 5, 2, 7, 3])
+    config = EagleConfig(depth=4, top_k=2, total_tokens=8, confidence_threshold=0.999999)  # (none reaches it)
+    proposer = EagleProposer.random(target_info(target), config, seed=0)
+    prefix = tokens[:-1]
+    out = target(input_ids=prefix[None], output_hidden_states=True)
+    proposer.begin(prefix, {layer: out.hidden_states[layer][0] for layer in proposer.hidden_state_layers})
+    fed, feed = [], proposer._feed
+    proposer._feed = lambda *args: fed.append(args[0].shape[0]) or feed(*args)
+    state = DecodeState(tokens, prefix.numel(), SamplingParams(), torch.Generator(), max_depth=100)
+    proposal = proposer.propose(state)
+    assert len(proposal) == 1  # (the best first token, always kept)
+    assert fed == [prefix.numel()]  # (the committed pairs only: no tree level fed)
+    assert proposer.cache.get_seq_length() == proposer.committed

@@ -36,6 +36,13 @@ def test_index_prefers_longest_match_then_most_recent():
     assert index.continuations(2, 1, 16) == [[4, 9]]
 
 
+def test_index_looks_at_the_most_recent_max_positions_occurrences():
+    index = NgramIndex(2, 3)
+    index.extend([1, 2, 9, 1, 2, 8, 1, 2])  # (1, 2) followed by 9, then by 8; the last one is the suffix itself
+    assert index.continuations(1, 4, 1) == [[8]]  # (one window short, max_positions=1 looked at none)
+    assert index.continuations(1, 4, 2) == [[8], [9]] == index.continuations(1, 4, 3)
+
+
 def test_index_skips_continuations_that_add_nothing():
     index = NgramIndex(1, 2)
     index.extend([5, 6, 7, 5, 6, 7, 5, 6])
