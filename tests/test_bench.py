@@ -874,3 +874,38 @@ def test_sampling_flags_at_temperature_0_are_said_to_do_nothing(tmp_path):
     with pytest.raises(BadInputError, match="does not exist"):
         bench.run_bench(replace(options, temperature=1.0), log=said.append)
     assert said == []
+
+
+# (tests from a mutation review, 2026-12-06: each fails on the mutation it was written for)
+
+
+def test_near_ties_of_small_logits_use_a_floor_of_one():
+    assert bench.is_near_tie(0.1, 0.1 - 5e-4, 1e-3)  # gap 5e-4 <= 1e-3 x max(1, 0.1)
+    assert not bench.is_near_tie(0.1, 0.098, 1e-3)
+
+
+def test_a_turn_after_a_difference_is_not_compared():
+    class S:
+        model = tiny_llama(vocab_size=8, seed=0)
+
+    def r(method, turn, prompt, out):
+        return {
+            "method": method,
+            "question_id": 1,
+            "turn": turn,
+            "prompt_ids": prompt,
+            "token_ids": out,
+            "identical": None,
+            "context_differs": None,
+            "difference": None,
+        }
+
+    recs = [
+        r("hf", 0, [1], [2, 3]),
+        r("hf", 1, [1, 2, 3, 4], [5]),
+        r("x", 0, [1], [2, 6]),
+        r("x", 1, [1, 2, 6, 4], [5]),
+    ]
+    bench.check_identity(recs, S(), 1e-3)
+    assert recs[2]["identical"] is False and recs[2]["difference"]["position"] == 1
+    assert recs[3]["context_differs"] is True and recs[3]["identical"] is None and recs[3]["difference"] is None

@@ -3,7 +3,7 @@ import copy
 import torch
 from transformers import LlamaForCausalLM
 
-from specframe.data import read_distill
+from specframe.data import DistillExample, read_distill
 from specframe.testing.tiny import tiny_llama, write_distill_data
 from specframe.training.features import extract_features
 
@@ -142,3 +142,41 @@ def test_a_damaged_cache_file_is_named(tmp_path):
     cached.write_bytes(cached.read_bytes()[:100])
     with pytest.raises(BadInputError, match=f"the features cache file {cached} cannot be read .*delete it"):
         extract_features(target, examples, dtype=torch.float32, cache_dir=tmp_path / "f", quiet=True)
+
+
+def distill_example(pid, prompt=(1, 2), resp=(3, 4)):
+    return DistillExample(pid, "s", list(prompt), list(resp), True)
+
+
+# (tests from a mutation review of training, 2026-12-06: each fails on the mutation it is named for)
+
+
+def test_another_max_length_never_reuses_a_cache_file(tmp_path):
+    target = tiny_llama(vocab_size=16, hidden_size=32)
+    write_distill_data(tmp_path / "d.jsonl", target, n=8)
+    examples = read_distill(tmp_path / "d.jsonl")
+    longest = max(len(e.prompt_ids) + len(e.response_ids) for e in examples)
+    shortest_prompt = max(len(e.prompt_ids) for e in examples)
+    extract_features(target, examples, max_length=longest, cache_dir=tmp_path / "f", quiet=True)
+    cut = shortest_prompt + 1
+    short = extract_features(target, examples, max_length=cut, cache_dir=tmp_path / "f", quiet=True)
+    assert all(len(s.ids) <= cut and s.features.shape[0] == len(s.ids) for s in short)
+    assert len(list((tmp_path / "f").glob("features-*.safetensors"))) == 2
+
+
+def test_another_extraction_dtype_never_reuses_a_cache_file(tmp_path):
+    target = tiny_llama(vocab_size=16, hidden_size=32)
+    write_distill_data(tmp_path / "d.jsonl", target, n=6)
+    examples = read_distill(tmp_path / "d.jsonl")
+    extract_features(target, examples, dtype=torch.bfloat16, cache_dir=tmp_path / "f", quiet=True)
+    extract_features(target, examples, dtype=torch.float32, cache_dir=tmp_path / "f", quiet=True)
+    assert len(list((tmp_path / "f").glob("features-*.safetensors"))) == 2
+
+
+def test_other_responses_under_the_same_ids_never_reuse_a_cache_file(tmp_path):
+    target = tiny_llama(vocab_size=16, hidden_size=32)
+    a = [distill_example("a", (1, 2, 3), (4, 5, 6)), distill_example("b", (2, 3), (7, 8))]
+    b = [distill_example("a", (1, 2, 3), (9, 9, 9)), distill_example("b", (2, 3), (7, 8))]
+    extract_features(target, a, cache_dir=tmp_path / "f", quiet=True)
+    got = extract_features(target, b, cache_dir=tmp_path / "f", quiet=True)
+    assert got[0].ids.tolist() == [1, 2, 3, 9, 9, 9]

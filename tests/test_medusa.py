@@ -6,12 +6,14 @@ import torch
 
 from specframe import SpeculativeDecoder
 from specframe.cli import main
+from specframe.data import read_distill
 from specframe.decoder import target_info
 from specframe.errors import ConfigError, ModelLoadError
 from specframe.proposers.medusa import DEFAULT_TREE, MedusaConfig, MedusaHeads, MedusaProposer, check_tree, load_heads
 from specframe.testing.conformance import reference_greedy
 from specframe.testing.suite import VARIANT_SETTINGS, ProposerConformance
 from specframe.testing.tiny import one_thread, tiny_llama, write_distill_data
+from specframe.training.common import split_heldout
 from specframe.training.medusa import MedusaTrainConfig, best_tree, expected_accepted_length, train_medusa
 
 
@@ -536,3 +538,53 @@ def test_after_steps_it_drafts_as_a_fresh_proposer_on_the_same_tokens():
         fresh.begin(tokens[:-1], {-1: hidden[-1][0]})
         again = fresh.propose(DecodeState(tokens, 3, SamplingParams(0.0), torch.Generator(), max_depth))
         assert again.tokens.tolist() == proposal.tokens.tolist()
+
+
+def medusa_run(tmp_path, data, **kw):
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
+    cfg = MedusaTrainConfig(
+        data=str(data),
+        out=str(tmp_path / "out"),
+        features_cache=str(tmp_path / "features"),
+        epochs=1,
+        lr=1e-2,
+        batch_size=8,
+        heldout_fraction=0.2,
+        vocab_size=12,
+        num_heads=2,
+        tree_nodes=4,
+        **kw,
+    )
+    return target, cfg
+
+
+# (tests from a mutation review of training, 2026-12-06: each fails on the mutation it is named for)
+
+
+def test_held_out_top5_counts_rank_five_and_not_rank_six():
+    from specframe.training.medusa import evaluate
+
+    class Heads:
+        num_heads = 1
+
+        def logits(self, x, lm_rows):  # [K, B, V]: column c scores -c, so column c is rank c
+            return -torch.arange(8.0).repeat(x.shape[0], 1)[None]
+
+    vocab_ids = torch.arange(100, 108)
+    x = torch.zeros(3, 4)
+    y = torch.tensor([[104], [105], [100]])  # ranks 4 (5th), 5 (6th), 0 (1st)
+    m = evaluate(Heads(), torch.zeros(8, 4), vocab_ids, x, y)
+    assert m["top1"] == [pytest.approx(1 / 3)] and m["top5"] == [pytest.approx(2 / 3)]
+    assert m["path_counts"]["counts"] == {"4": 1, "5": 1, "0": 1} and m["positions"] == 3
+
+
+def test_held_out_metrics_count_response_positions_even_with_prompt_positions(tmp_path):
+    from specframe.training.common import to_sequences
+
+    data = tmp_path / "d.jsonl"
+    write_distill_data(data, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), n=20)
+    target, cfg = medusa_run(tmp_path, data, prompt_positions=True)
+    final = train_medusa(cfg, target, None, log=lambda m: None)
+    held = split_heldout(read_distill(data), 0.2, 0)[1]
+    want = sum(len(s.ids) - s.first_target for s in to_sequences(held, cfg.max_length))
+    assert final["heldout_positions"] == want and final["heldout"]["positions"] == want

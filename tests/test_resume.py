@@ -1,13 +1,17 @@
 """An interrupted training run, resumed with `--resume`, ends with the same weights as a run never interrupted:
 the checkpoint restores the weights, the optimizer's moments, the learning-rate schedule and the data order."""
 
+import json
 import os
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from specframe.data import read_distill
+from specframe.errors import ConfigError
 from specframe.testing.tiny import tiny_llama, write_distill_data
+from specframe.training.common import split_heldout
 from specframe.training.draft import DraftTrainConfig, train_draft
 from specframe.training.eagle import EagleTrainConfig, train_eagle
 from specframe.training.medusa import MedusaTrainConfig, train_medusa
@@ -243,3 +247,54 @@ def test_a_damaged_checkpoint_is_named_before_any_feature_extraction(tmp_path, n
         damage(copy / "checkpoint")
         with pytest.raises(ConfigError, match=r"^the checkpoint in .*checkpoint is damaged \(.*\): it cannot be"):
             run(copy, resume=True, log=lambda m: None)
+
+
+def medusa_run(tmp_path, data, **kw):
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
+    cfg = MedusaTrainConfig(
+        data=str(data),
+        out=str(tmp_path / "out"),
+        features_cache=str(tmp_path / "features"),
+        epochs=1,
+        lr=1e-2,
+        batch_size=8,
+        heldout_fraction=0.2,
+        vocab_size=12,
+        num_heads=2,
+        tree_nodes=4,
+        **kw,
+    )
+    return target, cfg
+
+
+# (tests from a mutation review of training, 2026-12-06: each fails on the mutation it is named for)
+
+
+def test_resume_on_data_with_other_responses_under_the_same_ids_is_refused(tmp_path):
+    data = tmp_path / "d.jsonl"
+    write_distill_data(data, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), n=20)
+    target, cfg = medusa_run(tmp_path, data)
+    train_medusa(cfg, target, None, log=lambda m: None)
+    held = {e.id for e in split_heldout(read_distill(data), 0.2, 0)[1]}
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    row = next(r for r in rows if r["id"] not in held and r["response_ids"] != r["response_ids"][::-1])
+    row["response_ids"] = row["response_ids"][::-1]  # same id and token counts (same vocabulary), other response
+    (tmp_path / "d2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    target, cfg2 = medusa_run(
+        tmp_path,
+        tmp_path / "d2.jsonl",
+    )
+    cfg2.epochs = 2
+    with pytest.raises(ConfigError, match="another training data"):
+        train_medusa(cfg2, target, None, resume=True, log=lambda m: None)
+
+
+def test_resume_with_other_prompt_positions_is_refused(tmp_path):
+    data = tmp_path / "d.jsonl"
+    write_distill_data(data, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), n=20)
+    target, cfg = medusa_run(tmp_path, data)
+    train_medusa(cfg, target, None, log=lambda m: None)
+    target, cfg2 = medusa_run(tmp_path, data, prompt_positions=True)
+    cfg2.epochs = 2
+    with pytest.raises(ConfigError, match=r"train\.prompt_positions=False, not True"):
+        train_medusa(cfg2, target, None, resume=True, log=lambda m: None)

@@ -1,4 +1,5 @@
 import copy
+import hashlib
 import json
 import re
 
@@ -6,14 +7,14 @@ import pytest
 import torch
 
 from specframe import SpeculativeDecoder
-from specframe.data import read_distill
+from specframe.data import DistillExample, read_distill
 from specframe.decoder import target_info
 from specframe.errors import ConfigError, ModelLoadError, TrainingError
 from specframe.proposers.draft import DraftConfig, DraftProposer
 from specframe.shared_draft import as_full_vocab_model, load_shared_draft
 from specframe.testing.conformance import reference_greedy
 from specframe.testing.tiny import tiny_llama, write_distill_data
-from specframe.training.common import check_fits_half_precision, optimizer_step, split_heldout
+from specframe.training.common import check_fits_half_precision, choose_vocab, optimizer_step, split_heldout
 from specframe.training.draft import DraftTrainConfig, train_draft
 
 
@@ -694,3 +695,100 @@ def test_generate_names_the_gamma_a_trained_draft_chose_on_this_cpu(tmp_path, ti
     assert main([*generate, "proposer.num_speculative_tokens=2"]) == 0
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("[draft] ") and line.endswith(" tokens/s"), line
+
+
+def distill_example(pid, prompt=(1, 2), resp=(3, 4)):
+    return DistillExample(pid, "s", list(prompt), list(resp), True)
+
+
+# (tests from a mutation review of training, 2026-12-06: each fails on the mutation it is named for)
+
+
+def test_the_held_out_split_depends_on_the_seed_as_documented():
+    rows = [distill_example(f"p{i}") for i in range(200)]
+    held0 = {e.id for e in split_heldout(rows, 0.2, seed=0)[1]}
+    held1 = {e.id for e in split_heldout(rows, 0.2, seed=1)[1]}
+    assert held0 != held1
+    # the documented rule, exactly: sha256("<seed>:<prompt_id>")[:8] / 2**64 < fraction
+    want = {
+        e.id
+        for e in rows
+        if int.from_bytes(hashlib.sha256(f"7:{e.prompt_id}".encode()).digest()[:8], "big") / 2**64 < 0.2
+    }
+    assert {e.id for e in split_heldout(rows, 0.2, seed=7)[1]} == want
+
+
+def test_the_vocabulary_is_the_most_frequent_response_tokens_then_prompt_tokens():
+    rows = [
+        distill_example("a", prompt=(9, 9, 9, 9, 9), resp=(1, 1, 2)),
+        distill_example("b", prompt=(9, 8), resp=(2, 3)),
+    ]
+    # responses: 1 x2, 2 x2, 3 x1; prompt token 9 is frequent but never in a response
+    assert choose_vocab(rows, 3, 16, []).tolist() == [1, 2, 3]
+    assert choose_vocab(rows, 4, 16, []).tolist() == [1, 2, 3, 9]  # then prompt tokens fill up
+    assert choose_vocab(rows, 2, 16, [15]).tolist() == [1, 15] or choose_vocab(rows, 2, 16, [15]).tolist() == [2, 15]
+
+
+def test_the_vocabulary_never_comes_from_held_out_responses(tmp_path):
+    from specframe.training.common import start_run
+    from specframe.training.draft import DraftTrainConfig
+
+    ids = [f"p{i}" for i in range(40)]
+    held = {e.id for e in split_heldout([distill_example(i) for i in ids], 0.2, 0)[1]}
+    rows = [
+        {"id": i, "prompt_ids": [7], "response_ids": [15] * 20 if i in held else [1 + n % 6, 1 + (n + 1) % 6]}
+        for n, i in enumerate(ids)
+    ]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DraftTrainConfig(
+        data=str(tmp_path / "d.jsonl"), out=str(tmp_path / "o"), heldout_fraction=0.2, vocab_size=4, layers=1
+    )
+    _, _, vocab = start_run(cfg, tiny_llama(vocab_size=16, hidden_size=32), None, log=lambda m: None)
+    assert 15 not in vocab.tolist()
+
+
+def test_a_run_killed_after_its_last_checkpoint_resumes_with_the_same_epochs_and_saves(tmp_path, monkeypatch):
+    import specframe.training.draft as draft_mod
+    from specframe.training.draft import DraftTrainConfig, train_draft
+
+    data = tmp_path / "d.jsonl"
+    write_distill_data(data, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), n=20)
+    cfg = DraftTrainConfig(
+        data=str(data),
+        out=str(tmp_path / "out"),
+        features_cache=str(tmp_path / "f"),
+        epochs=1,
+        lr=1e-2,
+        batch_size=8,
+        heldout_fraction=0.2,
+        vocab_size=12,
+        layers=1,
+    )
+    real = draft_mod.save_shared_draft
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(draft_mod, "save_shared_draft", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train_draft(cfg, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), None, log=lambda m: None)
+    monkeypatch.setattr(draft_mod, "save_shared_draft", real)
+    final = train_draft(
+        cfg, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), None, resume=True, log=lambda m: None
+    )
+    assert (tmp_path / "out" / "draft_config.json").is_file()
+    assert [h["epoch"] for h in final["history"]] == [0, 1]
+
+
+def test_top1_agreement_maps_draft_columns_to_target_ids():
+    from specframe.shared_draft import build_shared_draft
+    from specframe.training.common import Sequence
+    from specframe.training.draft import evaluate, teacher_reference
+
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=3)
+    seqs = [Sequence([1, 2, 3, 4, 5, 6], 3), Sequence([7, 8, 9], 1)]
+    greedy = torch.cat(teacher_reference(target, torch.arange(16), seqs, pad=0).greedy)
+    vocab = torch.tensor(sorted(set(greedy.tolist()) | {15}))  # holds every greedy token, not at its own index
+    clone = build_shared_draft(target, 3, vocab, init_layers=[0, 1, 2]).eval()
+    m = evaluate(clone, teacher_reference(target, vocab, seqs, pad=0), vocab, seqs, pad=0)
+    assert m["top1_agreement"] == 1.0
