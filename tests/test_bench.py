@@ -909,3 +909,68 @@ def test_a_turn_after_a_difference_is_not_compared():
     bench.check_identity(recs, S(), 1e-3)
     assert recs[2]["identical"] is False and recs[2]["difference"]["position"] == 1
     assert recs[3]["context_differs"] is True and recs[3]["identical"] is None and recs[3]["difference"] is None
+
+
+class BarStub:
+    """tqdm's bar, doing nothing."""
+
+    def __init__(self, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n):
+        pass
+
+    def set_postfix_str(self, text):
+        pass
+
+
+def stub_setup(names, seen):
+    """A Setup of methods that record (method, question id, turn, seed) and answer two tokens."""
+    from types import SimpleNamespace
+
+    from specframe.bench import Method, Output
+
+    def method(name):
+        def run(ids, max_new, seed):
+            seen.append((name, len(ids), seed))
+            return Output([5, 6], 1, 0.01, None)
+
+        return Method(name, "specframe", "", run)
+
+    encoder = SimpleNamespace(  # (no chat template: a conversation is its texts one a line, a token each here)
+        encode=lambda text, **kw: torch.ones(len(text.split("\n")) + 1, dtype=torch.long),
+        tokenizer=SimpleNamespace(chat_template=None),
+    )
+    tokenizer = SimpleNamespace(decode=lambda ids, **kw: "answer")
+    return SimpleNamespace(methods=[method(n) for n in names], encoder=encoder, tokenizer=tokenizer)
+
+
+def test_each_question_and_turn_gets_its_own_seed_the_same_for_every_method():
+    # (documented: seed + 10 * question_id + turn; a seed per question only, or per turn only, passed every test)
+    from specframe.bench import BenchOptions, Question, timed_loop
+
+    seen = []
+    questions = [Question(3, "qa", "qa", ["a", "b"]), Question(7, "qa", "qa", ["c", "d"])]
+    options = BenchOptions(proposers=[], baselines=[], seed=100, progress=False)
+    timed_loop(stub_setup(["x", "y"], seen), questions, options, lambda line: None, BarStub)
+    seeds = {(name, seed) for name, _, seed in seen[2:]}  # (after the two warm-up runs)
+    assert seeds == {(name, 100 + 10 * q + turn) for name in ("x", "y") for q in (3, 7) for turn in (0, 1)}
+
+
+def test_a_time_limit_runs_the_subtasks_in_turn(monkeypatch):
+    # (so that a run cut short still covers every subtask; running them in file order passed every test)
+    from specframe.bench import BenchOptions, Question, timed_loop
+
+    clock = iter(range(0, 1000))  # (each reading one second later)
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
+    questions = [Question(i, s, s, ["t"]) for i, s in enumerate(["qa", "qa", "qa", "rag", "rag", "rag"])]
+    options = BenchOptions(proposers=[], baselines=[], time_limit_s=4, progress=False)
+    _, _, ran = timed_loop(stub_setup(["x"], []), questions, options, lambda line: None, BarStub)
+    assert 2 <= len(ran) < len(questions)
+    assert [q.subtask for q in ran[:2]] == ["qa", "rag"]
