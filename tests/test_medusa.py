@@ -540,24 +540,6 @@ def test_after_steps_it_drafts_as_a_fresh_proposer_on_the_same_tokens():
         assert again.tokens.tolist() == proposal.tokens.tolist()
 
 
-def medusa_run(tmp_path, data, **kw):
-    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
-    cfg = MedusaTrainConfig(
-        data=str(data),
-        out=str(tmp_path / "out"),
-        features_cache=str(tmp_path / "features"),
-        epochs=1,
-        lr=1e-2,
-        batch_size=8,
-        heldout_fraction=0.2,
-        vocab_size=12,
-        num_heads=2,
-        tree_nodes=4,
-        **kw,
-    )
-    return target, cfg
-
-
 # (tests from a mutation review of training, 2026-12-06: each fails on the mutation it is named for)
 
 
@@ -583,7 +565,9 @@ def test_held_out_metrics_count_response_positions_even_with_prompt_positions(tm
 
     data = tmp_path / "d.jsonl"
     write_distill_data(data, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), n=20)
-    target, cfg = medusa_run(tmp_path, data, prompt_positions=True)
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
+    cfg = MedusaTrainConfig(data=str(data), out=str(tmp_path / "out"), num_heads=2, tree_nodes=4, epochs=1,
+                            batch_size=8, heldout_fraction=0.2, vocab_size=12, prompt_positions=True)  # fmt: skip
     final = train_medusa(cfg, target, None, log=lambda m: None)
     held = split_heldout(read_distill(data), 0.2, 0)[1]
     want = sum(len(s.ids) - s.first_target for s in to_sequences(held, cfg.max_length))

@@ -249,22 +249,14 @@ def test_a_damaged_checkpoint_is_named_before_any_feature_extraction(tmp_path, n
             run(copy, resume=True, log=lambda m: None)
 
 
-def medusa_run(tmp_path, data, **kw):
+def medusa_run(tmp_path, data, **options):
+    """A fresh tiny target, and a one-epoch Medusa training config (TRAINERS' and COMMON's) on `data`."""
     target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
-    cfg = MedusaTrainConfig(
-        data=str(data),
-        out=str(tmp_path / "out"),
-        features_cache=str(tmp_path / "features"),
-        epochs=1,
-        lr=1e-2,
-        batch_size=8,
-        heldout_fraction=0.2,
-        vocab_size=12,
-        num_heads=2,
-        tree_nodes=4,
-        **kw,
+    make = TRAINERS["medusa"][1]
+    common = {**COMMON, "epochs": 1}
+    return target, make(
+        data=str(data), out=str(tmp_path / "out"), features_cache=str(tmp_path / "f"), **common, **options
     )
-    return target, cfg
 
 
 # (tests from a mutation review of training, 2026-12-06: each fails on the mutation it is named for)
@@ -280,10 +272,7 @@ def test_resume_on_data_with_other_responses_under_the_same_ids_is_refused(tmp_p
     row = next(r for r in rows if r["id"] not in held and r["response_ids"] != r["response_ids"][::-1])
     row["response_ids"] = row["response_ids"][::-1]  # same id and token counts (same vocabulary), other response
     (tmp_path / "d2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    target, cfg2 = medusa_run(
-        tmp_path,
-        tmp_path / "d2.jsonl",
-    )
+    target, cfg2 = medusa_run(tmp_path, tmp_path / "d2.jsonl")
     cfg2.epochs = 2
     with pytest.raises(ConfigError, match="another training data"):
         train_medusa(cfg2, target, None, resume=True, log=lambda m: None)
