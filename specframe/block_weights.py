@@ -15,7 +15,8 @@ The kernel (`block_weights.c`, AVX2 and FMA, threads from PyTorch's own OpenMP r
 with the machine's C compiler (`$CC`, else `cc`) into specframe's cache; where there is no compiler, the CPU lacks
 AVX2 or the build fails, `block_kernel()` is None, `block_kernel_problem()` says why, and products use the float32
 weights. The blocks of a weight are found once and kept beside it (0.19x or 0.28x its bytes, not pickled or copied),
-and found again after the weight changes in place (its version counter) or is replaced.
+and found again after the weight changes in place (its version counter), is replaced, or changes where no counter
+shows it (through `.data`: a sample of its numbers, compared at the start of each generation, `copies_outdated`).
 """
 
 from __future__ import annotations
@@ -163,15 +164,16 @@ def block_kernel_problem() -> str | None:
 
 @functools.cache
 def _kernel_or_problem() -> ctypes._CFuncPtr | str:
-    """The kernel, or why there is none: found once per process (`cache_clear()` to look again). A built library
-    that does not load, or whose products are wrong on a small check, is built again once."""
+    """The kernel, or why there is none: found once per process (`cache_clear()` to look again). A kept library
+    that does not load is built again once; one whose products fail a small check is not used (built again from
+    the same source by the same compiler, it would fail the same way)."""
     why = ""
     for rebuild in (False, True):
         try:
             path = _built_library(rebuild)
         except _NoKernel as no:
             return str(no)
-        try:
+        try:  # (a library that failed to load is not kept by the loader: built again, it loads at that path)
             function = ctypes.CDLL(str(path)).block_products
         except (OSError, AttributeError) as e:
             why = f"the built kernel {path} did not load ({e})"
@@ -182,7 +184,7 @@ def _kernel_or_problem() -> ctypes._CFuncPtr | str:
         function.argtypes = [pointer, count, count, pointer, integer, pointer, pointer, count, pointer, integer]
         if _products_right(function):
             return function
-        why = f"the built kernel {path} gave wrong products on a small check"
+        return f"the built kernel {path} gave wrong products on a small check"
     return why
 
 
@@ -229,7 +231,9 @@ def _built_library(rebuild: bool = False) -> Path:
         version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise _NoKernel(f"the C compiler {shlex.join(compiler)!r} did not run: {e}") from e
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, *FLAGS]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), shlex.join(compiler), version, *FLAGS]).encode()).hexdigest()[
+        :16
+    ]
     from specframe.models import cache_dir
 
     path = cache_dir() / "kernels" / f"block_weights-{key}.so"
@@ -288,22 +292,28 @@ def tensor_version(t: torch.Tensor) -> int:
         return -1
 
 
-_SOURCE = "_specframe_copied_from"  # a weight's attribute: DerivedCopies {"numbers": a sample of its numbers}
+# A weight's attributes holding what is derived from it (DerivedCopies each): its blocks {"key": (address,
+# version), "blocks": ...}; its MKL-packed copies by row count (`specframe.cpu_kernels`); and a sample of the
+# numbers they were all made from {"numbers": ...} (`note_numbers`).
+_PACKS = "_specframe_packed"
+_NOTED_NUMBERS = "_specframe_copied_from"
+SAMPLE_SIDE = 16  # a weight's sampled numbers: at most this many rows and columns, spread over it
 
 
 def content_sample(weight: torch.Tensor) -> torch.Tensor:
-    """A view of a sample of `weight`'s numbers, at most 17 x 17 spread over its rows and columns (any layout,
-    nothing copied): what `copies_outdated` compares to see whether the numbers changed."""
+    """A view of a sample of `weight`'s numbers, at most SAMPLE_SIDE x SAMPLE_SIDE spread over its rows and
+    columns (any layout, nothing copied): what `copies_outdated` compares to see whether the numbers changed."""
     w = weight.detach()
     if w.dim() != 2:
         w = w.reshape(w.shape[0], -1) if w.dim() else w.reshape(1, 1)
-    return w[:: max(1, w.shape[0] // 16), :: max(1, w.shape[1] // 16)]
+    return w[:: -(-w.shape[0] // SAMPLE_SIDE), :: -(-w.shape[1] // SAMPLE_SIDE)]
 
 
 def noted_sample(weight: torch.Tensor) -> torch.Tensor | None:
-    """The sample of `weight`'s numbers taken when copies were last derived from it (`note_source`), or None."""
-    noted = weight.__dict__.get(_SOURCE)
-    return None if noted is None else noted["numbers"]
+    """The sample of the numbers `weight`'s copies were made from (`note_numbers`), or None (no copies, or a
+    weight unpickled without them)."""
+    noted = weight.__dict__.get(_NOTED_NUMBERS)
+    return None if noted is None else noted.get("numbers")
 
 
 def samples_unchanged(weights: list[torch.Tensor]) -> bool:
@@ -316,22 +326,37 @@ def samples_unchanged(weights: list[torch.Tensor]) -> bool:
     if any(a.shape != b.shape for a, b in zip(now, noted, strict=True)):
         return False
     # (compared as bytes: NaNs in the same places are the same numbers, and `torch.equal` took 12 ms here for
-    # SmolLM2-135M's 61k sampled numbers on a busy 2-core machine, the bytes 0.03 ms)
+    # SmolLM2-135M's 54k sampled numbers on a busy 2-core machine, the bytes 0.03 ms)
     flat = (torch.cat([t.reshape(-1) for t in ts]).cpu().numpy().tobytes() for ts in (now, noted))
     return next(flat) == next(flat)
 
 
-def note_source(weight: torch.Tensor) -> None:
-    """Take `content_sample(weight)` for copies derived from it now (its blocks, its packed copies)."""
-    setattr(weight, _SOURCE, DerivedCopies(numbers=content_sample(weight).clone()))
-
-
 def copies_outdated(weight: torch.Tensor) -> bool:
-    """Whether copies were derived from `weight` (`note_source`) and its numbers have changed since, where its
-    version counter cannot tell: a change through `.data` (PEFT's merge adds its update to `weight.data`), a new
-    tensor put in by `weight.data = ...` (which may reuse the old one's address), a move to another device. A
-    sample of the numbers is compared: a change to a few rows only may go unseen (`drop_derived_copies` then)."""
+    """Whether copies were made from `weight` and its numbers have changed since, also where its version counter
+    cannot tell: a change through `.data` (PEFT's merge adds its update to `weight.data`), a new tensor put in by
+    `weight.data = ...` (which may reuse the old one's address), a move to another device. A sample of the
+    numbers is compared: a change to a few rows only may go unseen (`drop_derived_copies` then)."""
     return noted_sample(weight) is not None and not samples_unchanged([weight])
+
+
+def before_copying(weight: torch.Tensor) -> None:
+    """Call before a copy is made from `weight`: where its numbers changed since its other copies were made,
+    those are dropped (so every copy kept, and the noted sample, are of the same numbers)."""
+    if copies_outdated(weight):
+        drop_derived_copies(weight)
+
+
+def note_numbers(weight: torch.Tensor) -> None:
+    """Call after a copy was made from `weight`: take the sample of its numbers, unless its other copies' is
+    there (taken from the same numbers: `before_copying`)."""
+    if noted_sample(weight) is None:
+        setattr(weight, _NOTED_NUMBERS, DerivedCopies(numbers=content_sample(weight).clone()))
+
+
+def drop_derived_copies(weight: torch.Tensor) -> None:
+    """Free `weight`'s blocks and MKL-packed copies (made again when next used), and its noted sample."""
+    for name in (_BLOCKS, _PACKS, _NOTED_NUMBERS):
+        weight.__dict__.pop(name, None)
 
 
 def weight_blocks(weight: torch.Tensor) -> BlockWeights | None:
@@ -339,6 +364,7 @@ def weight_blocks(weight: torch.Tensor) -> BlockWeights | None:
     memo = weight.__dict__.get(_BLOCKS)
     key = (weight.data_ptr(), tensor_version(weight))
     if memo is None or memo.get("key") != key:
+        before_copying(weight)
         remember_blocks(weight, block_grid(weight))
         memo = weight.__dict__[_BLOCKS]
     return memo["blocks"]
@@ -348,7 +374,7 @@ def remember_blocks(weight: torch.Tensor, blocks: BlockWeights | None) -> None:
     """Keep `blocks` as `weight`'s (they must hold its numbers: e.g. a weight's own, once it became a view of a
     buffer with the same numbers, or its parts' blocks joined by `joined_blocks` for a stacked buffer)."""
     setattr(weight, _BLOCKS, DerivedCopies(key=(weight.data_ptr(), tensor_version(weight)), blocks=blocks))
-    note_source(weight)
+    note_numbers(weight)
 
 
 def joined_blocks(parts: list[BlockWeights | None]) -> tuple[BlockWeights | None, list[BlockWeights | None]]:
@@ -361,8 +387,3 @@ def joined_blocks(parts: list[BlockWeights | None]) -> tuple[BlockWeights | None
     sizes = [p.scales.shape[0] for p in parts]
     views = zip(*(t.split(sizes) if t is not None else [None] * len(parts) for t in stacked), strict=True)
     return BlockWeights(parts[0].bits, *stacked), [BlockWeights(parts[0].bits, *fields) for fields in views]
-
-
-def drop_blocks(weight: torch.Tensor) -> None:
-    weight.__dict__.pop(_BLOCKS, None)
-    weight.__dict__.pop(_SOURCE, None)

@@ -38,7 +38,7 @@ from specframe.cpu_kernels import (
     drop_derived_copies,
     fast_kernels_on,
     few_rows_linear,
-    forget_outdated_copies,
+    forget_outdated,
     is_rerouted,
     plan_layouts_now,
 )
@@ -117,8 +117,8 @@ def engine_forward(model: torch.nn.Module) -> Callable[..., Any]:
     """The function to run `model`'s forwards with: `lean_llama_forward` on it where that gives the same result
     (`lean_forward_applies`, and `same_as_transformers` on first use), else the model itself; both take the
     keywords of `lean_llama_forward` and return `.logits` and `.hidden_states`."""
-    if fast_kernels_on(model) and forget_outdated_copies(model):  # (weights changed where no counter shows it)
-        model.__dict__.pop(_FUSED, None)  # (the layers' buffers hold the old numbers: fused again)
+    if fast_kernels_on(model):
+        forget_outdated_copies(model)
     if not lean_forward_applies(model):
         return model
     weight = model.get_input_embeddings().weight
@@ -280,6 +280,21 @@ def fused_projections(model: torch.nn.Module) -> list[FusedProjections | None] |
             both = _fuse_layer(layer)
             known[i] = (_layer_ptrs(layer), both)
     return [both for _, both in known]
+
+
+def forget_outdated_copies(model: torch.nn.Module) -> int:
+    """Drop what specframe's CPU kernels derived from `model`'s weights (blocks, MKL-packed copies, the lean
+    forward's stacked layers) where the numbers changed since, also where no version counter shows it (through
+    `.data`, as PEFT's `merge_and_unload` adds its update; a new tensor put in a weight's place): a sample of each
+    weight's numbers, and of each stacked buffer's, against the one taken when its copies were made. Returns how
+    many weights and buffers had changed. Generation calls it for the target at every start (~4 ms for
+    SmolLM2-135M); call it after such a change before running the model through its own `forward`."""
+    fused = model.__dict__.get(_FUSED) or []
+    stacked = [t for _, both in fused if both is not None for t in (both.qkv_weight, both.gate_up_weight)]
+    changed = forget_outdated([*model.parameters(), *stacked])
+    if changed:  # (a stacked buffer, or a weight it was stacked from, holds other numbers now: stacked again)
+        model.__dict__.pop(_FUSED, None)
+    return changed
 
 
 def _layer_ptrs(layer: torch.nn.Module) -> tuple[int, ...]:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
-from specframe import block_weights, cpu_kernels
+from specframe import block_weights, cpu_kernels, lean_forward
 from specframe.block_weights import block_grid, block_kernel, block_kernel_problem, block_products, weight_blocks
 from specframe.cpu_kernels import few_rows_linear, use_fast_cpu_kernels
 from specframe.kv_cache import new_cache
@@ -155,6 +155,13 @@ def test_blocks_are_not_pickled_or_copied_with_a_weight():
     for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         assert not other.lm_head.weight.__dict__.get(block_weights._BLOCKS)
         assert weight_blocks(other.lm_head.weight).bits == 8  # (found again for the copy)
+        # (an unpickled weight's empty sample was read as one: KeyError 'numbers' when a decoder was built)
+        assert lean_forward.forget_outdated_copies(other) == 0
+        ids = torch.tensor([[1, 2, 3]])
+        with torch.inference_mode():
+            got = engine_forward(other)(input_ids=ids, cache=new_cache(other), use_cache=True).logits
+            want = model(input_ids=ids, cache=new_cache(model), use_cache=True).logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_without_a_compiler_products_use_the_float32_weights(monkeypatch, tmp_path):
@@ -293,10 +300,14 @@ def greedy_of(model, prompt, n):
 
 @pytest.mark.parametrize("layout", ["blocks", cpu_kernels.PACKED])
 @pytest.mark.parametrize("change", ["load_state_dict", "through .data", "replaced"])
-def test_generation_follows_weights_changed_between_calls(monkeypatch, layout, change):
+@pytest.mark.parametrize("between", ["nothing", "a forward", "a check by hand"])
+def test_generation_follows_weights_changed_between_calls(monkeypatch, layout, change, between):
     """The blocks and packed copies made from a weight are made again when it changes between generations: in
     place through a fused layer's weight (a view of the layer's buffer, with its own version counter), through
-    `.data` (as PEFT's merge adds its update; no counter moves) or replaced by another tensor."""
+    `.data` (as PEFT's merge adds its update; no counter moves) or replaced by another tensor; also after the
+    model's own forward made copies of the new numbers for other row counts (which once took a new sample and
+    hid the change from the next generation), or a `forget_outdated_copies` by hand (which once left the
+    stacked layers as they were)."""
     from specframe.decoder import SpeculativeDecoder, target_info
     from specframe.proposers.none import NoneConfig, NoneProposer
 
@@ -325,5 +336,11 @@ def test_generation_follows_weights_changed_between_calls(monkeypatch, layout, c
         for mine, theirs in pairs:
             mine.weight.data = theirs.weight.detach().clone()
     assert greedy_of(model, prompt, 20) == greedy_of(other, prompt, 20)
+    if between == "a forward":  # (the model's own: new copies for 2, 5, 9 and 13 rows)
+        with torch.inference_mode():
+            for rows in (2, 5, 9, 13):
+                model(input_ids=torch.arange(rows)[None] % 64, use_cache=False)
+    elif between == "a check by hand":
+        assert lean_forward.forget_outdated_copies(model) > 0 or change != "through .data"
     assert decoder.generate(prompt).token_ids == greedy_of(other, prompt, 20)
-    assert cpu_kernels.forget_outdated_copies(model) == 0  # (all made again from the new numbers)
+    assert lean_forward.forget_outdated_copies(model) == 0  # (all made again from the new numbers)
