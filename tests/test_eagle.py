@@ -898,3 +898,26 @@ def test_nodes_below_the_confidence_threshold_are_not_expanded():
     assert len(proposal) == 1  # (the best first token, always kept)
     assert fed == [prefix.numel()]  # (the committed pairs only: no tree level fed)
     assert proposer.cache.get_seq_length() == proposer.committed
+
+
+@torch.no_grad()
+def test_held_out_feature_error_is_a_mean_over_positions():
+    """`feature_l1` over several sequences is the position-weighted mean of each one's alone (a mean per
+    position, whatever the batch: divided by the sequences instead, it passed every test)."""
+    from specframe.training.eagle import evaluate
+    from specframe.training.features import FeatureSequence
+
+    target = target16()
+    drafter = EagleProposer.random(target_info(target), seed=0).drafter.float()
+    gen = torch.Generator().manual_seed(0)
+    seqs = [
+        FeatureSequence(torch.randint(16, (n,), generator=gen), first, torch.randn(n, 32, generator=gen), f"s{n}")
+        for n, first in ((9, 3), (14, 5), (6, 2))
+    ]
+    head, vocab_ids = target.lm_head.weight, torch.arange(12)
+    alone = [evaluate(drafter, head, vocab_ids, [s]) for s in seqs]
+    together = evaluate(drafter, head, vocab_ids, seqs, batch_size=2)
+    positions = [m["positions"] for m in alone]
+    assert together["positions"] == sum(positions) and len(set(positions)) > 1
+    weighted = sum(m["feature_l1"] * m["positions"] for m in alone) / sum(positions)
+    assert together["feature_l1"] == pytest.approx(weighted, rel=1e-5)
