@@ -111,7 +111,7 @@ def measure_step_costs(model: torch.nn.Module, timer: Callable[[], float] = time
         again = _forward_times(model, counts, timer, REPEATS)  # fastest of both kept for each count)
         times = {n: min(times[n], again[n]) for n in counts}
     one = max(times[1], 1e-9)
-    memo[threads] = costs = StepCosts(one, tuple(times[n] / one for n in range(1, MAX_VERIFY_TOKENS + 1)))
+    memo[threads] = costs = StepCosts(one, tuple(times[n] / one for n in counts))
     if name:
         today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
         kept = {"one_token_s": one, "relative": list(costs.relative), "timed_on": today}

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType, quants
 
 from specframe import block_weights, cpu_kernels, lean_forward
 from specframe.block_weights import block_grid, block_kernel, block_kernel_problem, block_products, weight_blocks
-from specframe.cpu_kernels import few_rows_linear, use_fast_cpu_kernels
+from specframe.cpu_kernels import few_rows_linear, stock_kernels, use_fast_cpu_kernels
 from specframe.kv_cache import new_cache
 from specframe.lean_forward import engine_forward, fused_projections
 from specframe.proposer import seeded
@@ -292,10 +292,9 @@ def test_a_weight_off_the_grid_is_found_out_by_its_first_rows(monkeypatch):
 
 def greedy_of(model, prompt, n):
     """transformers' greedy tokens of a copy of `model` on the stock kernels (nothing derived from its weights)."""
-    fresh = copy.deepcopy(model)
-    for module in fresh.modules():
-        module.__dict__.pop("forward", None)
-    return fresh.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt) :].tolist()
+    fresh = copy.deepcopy(model)  # (`model` itself left as the decoder runs it)
+    with stock_kernels(fresh):
+        return fresh.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("layout", ["blocks", cpu_kernels.PACKED])

@@ -881,22 +881,15 @@ def test_each_fused_layer_is_normalised_by_its_own_norm():
     torch.testing.assert_close(drafter.fused(feats, extra), want, atol=1e-4, rtol=1e-4)
 
 
-@torch.no_grad()
-def test_nodes_below_the_confidence_threshold_are_not_expanded():
+def test_nodes_below_the_confidence_threshold_are_not_expanded(monkeypatch):
     # (a frontier left uncut kept the tree the same but fed the drafter every level: no early stop)
-    target = target16()
+    fed, feed = [], EagleProposer._feed
+    monkeypatch.setattr(EagleProposer, "_feed", lambda self, *args: fed.append(args[0].shape[0]) or feed(self, *args))
     tokens = torch.tensor([1, 5, 2, 7, 3])
     config = EagleConfig(depth=4, top_k=2, total_tokens=8, confidence_threshold=0.999999)  # (none reaches it)
-    proposer = EagleProposer.random(target_info(target), config, seed=0)
-    prefix = tokens[:-1]
-    out = target(input_ids=prefix[None], output_hidden_states=True)
-    proposer.begin(prefix, {layer: out.hidden_states[layer][0] for layer in proposer.hidden_state_layers})
-    fed, feed = [], proposer._feed
-    proposer._feed = lambda *args: fed.append(args[0].shape[0]) or feed(*args)
-    state = DecodeState(tokens, prefix.numel(), SamplingParams(), torch.Generator(), max_depth=100)
-    proposal = proposer.propose(state)
+    proposer, proposal = fresh_proposal(target16(), config, 0, tokens)
     assert len(proposal) == 1  # (the best first token, always kept)
-    assert fed == [prefix.numel()]  # (the committed pairs only: no tree level fed)
+    assert fed == [tokens.numel() - 1]  # (the committed pairs only: no tree level fed)
     assert proposer.cache.get_seq_length() == proposer.committed
 
 

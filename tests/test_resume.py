@@ -249,10 +249,10 @@ def test_a_damaged_checkpoint_is_named_before_any_feature_extraction(tmp_path, n
             run(copy, resume=True, log=lambda m: None)
 
 
-def medusa_run(tmp_path, data, **options):
-    """A fresh tiny target, and a one-epoch Medusa training config (TRAINERS' and COMMON's) on `data`."""
+def one_epoch_run(name, tmp_path, data, **options):
+    """A fresh tiny target, and trainer `name`'s config (TRAINERS' and COMMON's, one epoch) on `data`."""
     target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
-    make = TRAINERS["medusa"][1]
+    make = TRAINERS[name][1]
     common = {**COMMON, "epochs": 1}
     return target, make(
         data=str(data), out=str(tmp_path / "out"), features_cache=str(tmp_path / "f"), **common, **options
@@ -265,14 +265,14 @@ def medusa_run(tmp_path, data, **options):
 def test_resume_on_data_with_other_responses_under_the_same_ids_is_refused(tmp_path):
     data = tmp_path / "d.jsonl"
     write_distill_data(data, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), n=20)
-    target, cfg = medusa_run(tmp_path, data)
+    target, cfg = one_epoch_run("medusa", tmp_path, data)
     train_medusa(cfg, target, None, log=lambda m: None)
     held = {e.id for e in split_heldout(read_distill(data), 0.2, 0)[1]}
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     row = next(r for r in rows if r["id"] not in held and r["response_ids"] != r["response_ids"][::-1])
     row["response_ids"] = row["response_ids"][::-1]  # same id and token counts (same vocabulary), other response
     (tmp_path / "d2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    target, cfg2 = medusa_run(tmp_path, tmp_path / "d2.jsonl")
+    target, cfg2 = one_epoch_run("medusa", tmp_path, tmp_path / "d2.jsonl")
     cfg2.epochs = 2
     with pytest.raises(ConfigError, match="another training data"):
         train_medusa(cfg2, target, None, resume=True, log=lambda m: None)
@@ -281,9 +281,30 @@ def test_resume_on_data_with_other_responses_under_the_same_ids_is_refused(tmp_p
 def test_resume_with_other_prompt_positions_is_refused(tmp_path):
     data = tmp_path / "d.jsonl"
     write_distill_data(data, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), n=20)
-    target, cfg = medusa_run(tmp_path, data)
+    target, cfg = one_epoch_run("medusa", tmp_path, data)
     train_medusa(cfg, target, None, log=lambda m: None)
-    target, cfg2 = medusa_run(tmp_path, data, prompt_positions=True)
+    target, cfg2 = one_epoch_run("medusa", tmp_path, data, prompt_positions=True)
     cfg2.epochs = 2
     with pytest.raises(ConfigError, match=r"train\.prompt_positions=False, not True"):
         train_medusa(cfg2, target, None, resume=True, log=lambda m: None)
+
+
+def test_a_run_killed_after_its_last_checkpoint_resumes_with_the_same_epochs_and_saves(tmp_path, monkeypatch):
+    import specframe.training.draft as draft_module
+
+    data = tmp_path / "d.jsonl"
+    write_distill_data(data, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), n=20)
+    target, cfg = one_epoch_run("draft", tmp_path, data)
+    real = draft_module.save_shared_draft
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(draft_module, "save_shared_draft", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train_draft(cfg, target, None, log=lambda m: None)
+    monkeypatch.setattr(draft_module, "save_shared_draft", real)
+    target, cfg = one_epoch_run("draft", tmp_path, data)
+    final = train_draft(cfg, target, None, resume=True, log=lambda m: None)
+    assert (tmp_path / "out" / "draft_config.json").is_file()
+    assert [h["epoch"] for h in final["history"]] == [0, 1]

@@ -747,39 +747,6 @@ def test_the_vocabulary_never_comes_from_held_out_responses(tmp_path):
     assert 15 not in vocab.tolist()
 
 
-def test_a_run_killed_after_its_last_checkpoint_resumes_with_the_same_epochs_and_saves(tmp_path, monkeypatch):
-    import specframe.training.draft as draft_mod
-    from specframe.training.draft import DraftTrainConfig, train_draft
-
-    data = tmp_path / "d.jsonl"
-    write_distill_data(data, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), n=20)
-    cfg = DraftTrainConfig(
-        data=str(data),
-        out=str(tmp_path / "out"),
-        features_cache=str(tmp_path / "f"),
-        epochs=1,
-        lr=1e-2,
-        batch_size=8,
-        heldout_fraction=0.2,
-        vocab_size=12,
-        layers=1,
-    )
-    real = draft_mod.save_shared_draft
-
-    def killed(*a, **k):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(draft_mod, "save_shared_draft", killed)
-    with pytest.raises(KeyboardInterrupt):
-        train_draft(cfg, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), None, log=lambda m: None)
-    monkeypatch.setattr(draft_mod, "save_shared_draft", real)
-    final = train_draft(
-        cfg, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), None, resume=True, log=lambda m: None
-    )
-    assert (tmp_path / "out" / "draft_config.json").is_file()
-    assert [h["epoch"] for h in final["history"]] == [0, 1]
-
-
 def test_top1_agreement_maps_draft_columns_to_target_ids():
     from specframe.shared_draft import build_shared_draft
     from specframe.training.common import Sequence
