@@ -29,8 +29,9 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable, Hashable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -293,9 +294,10 @@ def tensor_version(t: torch.Tensor) -> int:
 
 
 # A weight's attributes holding what is derived from it (DerivedCopies each): its blocks {"key": (address,
-# version), "blocks": ...}; its MKL-packed copies by row count (`specframe.cpu_kernels`); and a sample of the
-# numbers they were all made from {"numbers": ...} (`note_numbers`).
-_PACKS = "_specframe_packed"
+# version), "blocks": ...}; other copies by slot {slot: ((address, version), copy)} (`kept_copy`: MKL-packed ones
+# by row count, `specframe.cpu_kernels`); and a sample of the numbers they were all made from {"numbers": ...}
+# (`note_numbers`).
+_KEPT = "_specframe_kept"
 _NOTED_NUMBERS = "_specframe_copied_from"
 SAMPLE_SIDE = 16  # a weight's sampled numbers: at most this many rows and columns, spread over it
 
@@ -355,8 +357,22 @@ def note_numbers(weight: torch.Tensor) -> None:
 
 def drop_derived_copies(weight: torch.Tensor) -> None:
     """Free `weight`'s blocks and MKL-packed copies (made again when next used), and its noted sample."""
-    for name in (_BLOCKS, _PACKS, _NOTED_NUMBERS):
+    for name in (_BLOCKS, _KEPT, _NOTED_NUMBERS):
         weight.__dict__.pop(name, None)
+
+
+def kept_copy(weight: torch.Tensor, slot: Hashable, make: Callable[[], Any]) -> Any:
+    """`make()`, a copy derived from `weight` (e.g. its MKL-packed layout for some row count), kept beside it
+    under `slot`: made on first use, and again once the weight's address or version counter changed (a change
+    neither shows: `forget_outdated` in `specframe.cpu_kernels`)."""
+    key = (weight.data_ptr(), tensor_version(weight))
+    entry = weight.__dict__.get(_KEPT, {}).get(slot)
+    if entry is None or entry[0] != key:
+        before_copying(weight)
+        copies = weight.__dict__.setdefault(_KEPT, DerivedCopies())
+        entry = copies[slot] = (key, make())
+        note_numbers(weight)
+    return entry[1]
 
 
 def weight_blocks(weight: torch.Tensor) -> BlockWeights | None:

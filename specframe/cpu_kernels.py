@@ -90,15 +90,11 @@ import torch.nn.functional as F
 from specframe import block_weights as blocks_module
 from specframe import measurements
 from specframe.block_weights import (
-    _PACKS,
-    DerivedCopies,
-    before_copying,
     block_products,
     blocks_available,
     copies_outdated,
     drop_derived_copies,
-    note_numbers,
-    tensor_version,
+    kept_copy,
     weight_blocks,
 )
 
@@ -219,15 +215,10 @@ def _packed_layout(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def _packed_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
     """`weight` packed by MKL for products of `rows` rows: made on first use, made again when the weight has
-    changed since (its address or version counter; a change neither shows: `forget_outdated`)."""
-    key = (weight.data_ptr(), tensor_version(weight))
-    entry = weight.__dict__.get(_PACKS, {}).get(rows)
-    if entry is None or entry[0] != key:
-        before_copying(weight)
-        copies = weight.__dict__.setdefault(_PACKS, DerivedCopies())
-        entry = copies[rows] = (key, torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows))
-        note_numbers(weight)
-    return entry[1]
+    changed since (`kept_copy`)."""
+    return kept_copy(
+        weight, ("mkl-packed", rows), lambda: torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+    )
 
 
 def forget_outdated(weights: list[torch.Tensor]) -> int:

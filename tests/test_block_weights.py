@@ -343,3 +343,55 @@ def test_generation_follows_weights_changed_between_calls(monkeypatch, layout, c
         assert lean_forward.forget_outdated_copies(model) > 0 or change != "through .data"
     assert decoder.generate(prompt).token_ids == greedy_of(other, prompt, 20)
     assert lean_forward.forget_outdated_copies(model) == 0  # (all made again from the new numbers)
+
+
+@pytest.mark.parametrize(
+    ("proposer", "layout"), [("eagle", "blocks"), ("eagle", cpu_kernels.PACKED), ("draft", cpu_kernels.PACKED)]
+)
+def test_a_proposers_model_changed_through_data_drafts_from_its_new_numbers(monkeypatch, proposer, layout):
+    """A proposer's own model on specframe's CPU kernels (EAGLE's drafter, a draft model; their 8-bit blocks
+    and MKL-packed copies) follows a change that moves no version counter (through `.data`, as PEFT's merge adds
+    its update) at the next generation's start, as the target does. (The random draft is too narrow for blocks.)"""
+    from specframe.decoder import target_info
+    from specframe.proposer import DecodeState
+    from specframe.proposers.draft import DraftConfig, DraftProposer
+    from specframe.proposers.eagle import EagleConfig, EagleProposer
+    from specframe.sampling import SamplingParams
+
+    if layout == cpu_kernels.PACKED:
+        if not cpu_kernels.PACKED_AVAILABLE:
+            pytest.skip("no MKL packed products in this PyTorch")
+        monkeypatch.setattr(cpu_kernels, "layout_choice", cpu_kernels.PACKED)
+        monkeypatch.setattr(block_weights, "use_blocks", False)
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=3)
+    use_fast_cpu_kernels(target)
+    info = target_info(target)
+    tokens = torch.tensor([1, 2, 3, 4, 5, 6])
+    prefix = tokens[:-1]
+
+    def made():
+        if proposer == "eagle":
+            p = EagleProposer.random(info, EagleConfig(depth=3, top_k=2, total_tokens=6), seed=3)
+            return p, p.drafter
+        p = DraftProposer.random(info, DraftConfig(num_speculative_tokens=4), seed=3)
+        use_fast_cpu_kernels(p.model)  # (as loading a draft does where the target has them)
+        return p, p.model
+
+    def proposal(p):
+        with torch.no_grad():
+            out = target(input_ids=prefix[None], output_hidden_states=True)
+            p.begin(prefix, {layer: out.hidden_states[layer][0] for layer in p.hidden_state_layers})
+            state = DecodeState(tokens, prefix.numel(), SamplingParams(), torch.Generator(), max_depth=100)
+            found = p.propose(state)
+        return found.tokens.tolist(), found.parents.tolist()
+
+    (mine, my_model), (theirs, their_model) = made(), made()
+    with torch.no_grad():
+        for module in their_model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.mul_(-1.0)  # (still on the grid, and far from `mine`'s)
+    before = proposal(mine)
+    with torch.no_grad():
+        for a, b in zip(my_model.parameters(), their_model.parameters(), strict=True):
+            a.data += b - a  # (no version counter moves)
+    assert proposal(mine) == proposal(theirs) != before

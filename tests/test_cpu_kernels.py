@@ -4,7 +4,7 @@ import io
 import pytest
 import torch
 
-from specframe import cpu_kernels
+from specframe import block_weights, cpu_kernels
 from specframe.cpu_kernels import (
     ATTENTION,
     FEW_ROWS,
@@ -24,6 +24,11 @@ from specframe.cpu_kernels import (
     use_stock_kernels,
 )
 from specframe.testing.tiny import tiny_llama
+
+
+def packed_rows(weight: torch.Tensor) -> set[int]:
+    """The row counts `weight` has MKL-packed copies kept for."""
+    return {slot[1] for slot in weight.__dict__.get(block_weights._KEPT, {}) if slot[0] == "mkl-packed"}
 
 
 @pytest.fixture(autouse=True)
@@ -479,8 +484,7 @@ def test_packed_layout_computes_the_same_linear(monkeypatch, rows):
         y = layer(x)
     assert y.shape == expected.shape
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
-    packed = layer.weight.__dict__.get(cpu_kernels._PACKS, {})
-    assert set(packed) == ({cpu_kernels._measured_rows(rows)} if rows <= PACKED_MAX_ROWS else set())
+    assert packed_rows(layer.weight) == ({cpu_kernels._measured_rows(rows)} if rows <= PACKED_MAX_ROWS else set())
 
 
 @needs_mkl
@@ -509,12 +513,12 @@ def test_packed_copies_are_not_pickled_or_deep_copied(monkeypatch):
     ids = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
         logits = model(input_ids=ids).logits
-    assert model.lm_head.weight.__dict__[cpu_kernels._PACKS]
+    assert packed_rows(model.lm_head.weight)
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
     for other in (torch.load(buffer, weights_only=False), copy.deepcopy(model)):
-        assert not other.lm_head.weight.__dict__.get(cpu_kernels._PACKS)
+        assert not packed_rows(other.lm_head.weight)
         with torch.no_grad():
             torch.testing.assert_close(other(input_ids=ids).logits, logits)
 
@@ -530,5 +534,5 @@ def test_the_timing_runs_on_copies_and_keeps_none_of_their_packed_copies(monkeyp
     weight = torch.randn(40, 24)
     plan = measure_layouts(weight)
     assert set(plan) <= {STOCK, FEW_ROWS, PACKED}
-    assert len({id(w) for w in made}) == 4 and all(not w.__dict__.get(cpu_kernels._PACKS) for w in made)
+    assert len({id(w) for w in made}) == 4 and all(not packed_rows(w) for w in made)
     assert len(cpu_kernels._cold_copies(torch.randn(2**20))) == 1 + min(3, cpu_kernels.COLD_BYTES // 2**22 - 1)

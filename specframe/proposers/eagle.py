@@ -45,6 +45,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from specframe.cpu_kernels import fast_kernels_on, few_rows_linear, use_fast_cpu_kernels
 from specframe.errors import ConfigError, ModelLoadError, brief, check_field_types, is_count, user_path
+from specframe.lean_forward import forget_outdated_copies
 from specframe.models import check_proposer_dtype, check_proposer_quantize, proposer_dtype, quantize_proposer
 from specframe.proposer import (
     Acceptance,
@@ -610,6 +611,8 @@ class EagleProposer(Proposer):
 
     @torch.no_grad()
     def begin(self, prompt: torch.Tensor, hidden_states: dict[int, torch.Tensor]) -> None:
+        if fast_kernels_on(self.drafter):  # (its kernels' copies follow a change through `.data`, as the target's)
+            forget_outdated_copies(self.drafter)
         feats = self._features(hidden_states, prompt.numel())
         self.cache = DynamicCache(config=self.drafter.config)
         self.committed = 0
