@@ -353,10 +353,9 @@ def test_a_proposers_model_changed_through_data_drafts_from_its_new_numbers(monk
     and MKL-packed copies) follows a change that moves no version counter (through `.data`, as PEFT's merge adds
     its update) at the next generation's start, as the target does. (The random draft is too narrow for blocks.)"""
     from specframe.decoder import target_info
-    from specframe.proposer import DecodeState
     from specframe.proposers.draft import DraftConfig, DraftProposer
     from specframe.proposers.eagle import EagleConfig, EagleProposer
-    from specframe.sampling import SamplingParams
+    from specframe.testing.replay import fresh_proposal
 
     if layout == cpu_kernels.PACKED:
         if not cpu_kernels.PACKED_AVAILABLE:
@@ -366,8 +365,6 @@ def test_a_proposers_model_changed_through_data_drafts_from_its_new_numbers(monk
     target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=3)
     use_fast_cpu_kernels(target)
     info = target_info(target)
-    tokens = torch.tensor([1, 2, 3, 4, 5, 6])
-    prefix = tokens[:-1]
 
     def made():
         if proposer == "eagle":
@@ -378,11 +375,7 @@ def test_a_proposers_model_changed_through_data_drafts_from_its_new_numbers(monk
         return p, p.model
 
     def proposal(p):
-        with torch.no_grad():
-            out = target(input_ids=prefix[None], output_hidden_states=True)
-            p.begin(prefix, {layer: out.hidden_states[layer][0] for layer in p.hidden_state_layers})
-            state = DecodeState(tokens, prefix.numel(), SamplingParams(), torch.Generator(), max_depth=100)
-            found = p.propose(state)
+        found = fresh_proposal(p, target, torch.tensor([1, 2, 3, 4, 5, 6]))
         return found.tokens.tolist(), found.parents.tolist()
 
     (mine, my_model), (theirs, their_model) = made(), made()

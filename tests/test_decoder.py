@@ -4,12 +4,13 @@ import re
 import pytest
 import torch
 
-from specframe import DecodeState, Proposal, SamplingParams, SpeculativeDecoder
+from specframe import Proposal, SamplingParams, SpeculativeDecoder
 from specframe.decoder import target_info
 from specframe.errors import BadInputError, ProposerError, SpecframeError
 from specframe.proposers.draft import DraftConfig, DraftProposer
 from specframe.proposers.none import NoneConfig, NoneProposer
 from specframe.testing.conformance import reference_greedy
+from specframe.testing.replay import fresh_proposal, recorded_proposals
 from specframe.testing.tiny import tiny_llama
 
 
@@ -954,17 +955,14 @@ def test_a_draft_after_steps_drafts_as_a_fresh_draft_on_the_same_tokens(target, 
     """The draft's own cache after partial acceptance holds exactly the accepted tokens: its next proposal is
     a fresh draft's on the same tokens (a rollback left one position off was caught only by crashes elsewhere)."""
     draft = DraftProposer.random(info, DraftConfig(num_speculative_tokens=3), seed=6)  # (accepts 6 of 63 greedy)
-    steps, propose = [], draft.propose
-    draft.propose = lambda state: steps.append((state.tokens.clone(), state.max_depth, propose(state))) or steps[-1][2]
+    steps = recorded_proposals(draft)
     out = SpeculativeDecoder(target, draft).generate([1, 2, 3], max_new_tokens=30, temperature=temperature, seed=0)
     rejected = out.stats["proposed_tokens"] - out.stats["accepted_tokens"]
     assert out.stats["accepted_tokens"] > 0 and rejected > 0  # (partial acceptance: rolled back)
-    for tokens, max_depth, proposal in steps:
+    for step in steps:
         fresh = DraftProposer.random(info, DraftConfig(num_speculative_tokens=3), seed=6)
-        fresh.begin(tokens[:-1], {})
-        params = SamplingParams(temperature)
-        again = fresh.propose(DecodeState(tokens, 3, params, torch.Generator().manual_seed(1), max_depth))
+        again = fresh_proposal(fresh, target, step.tokens, step.max_depth, SamplingParams(temperature))
         if temperature == 0:
-            assert again.tokens.tolist() == proposal.tokens.tolist()
+            assert again.tokens.tolist() == step.proposal.tokens.tolist()
         else:  # (sampled tokens differ by the draws; the q of the first one is the draft's next distribution)
-            torch.testing.assert_close(again.draft_probs[:1], proposal.draft_probs[:1], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(again.draft_probs[:1], step.proposal.draft_probs[:1], rtol=1e-5, atol=1e-6)

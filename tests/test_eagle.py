@@ -10,9 +10,10 @@ import torch
 from specframe import SpeculativeDecoder
 from specframe.decoder import target_info
 from specframe.errors import ConfigError, ModelLoadError
-from specframe.proposer import DecodeState, Proposer
+from specframe.proposer import DecodeState
 from specframe.proposers.eagle import EagleConfig, EagleProposer, load_drafter
 from specframe.sampling import SamplingParams
+from specframe.testing import replay
 from specframe.testing.conformance import reference_greedy
 from specframe.testing.suite import VARIANT_SETTINGS, ProposerConformance
 from specframe.testing.tiny import one_thread, tiny_llama, write_distill_data
@@ -55,39 +56,10 @@ def target16():
     return tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=3)
 
 
-@torch.no_grad()
 def fresh_proposal(target, config, seed, tokens, max_depth=100, fuse_layers=()):
-    """A new proposer begun on tokens[:-1] (target features from scratch), proposing after `tokens`."""
+    """A new proposer begun on tokens[:-1] (target features from scratch), and its proposal after `tokens`."""
     p = EagleProposer.random(target_info(target), config, seed=seed, fuse_layers=fuse_layers)
-    prefix = tokens[:-1]
-    out = target(input_ids=prefix[None], output_hidden_states=True)
-    p.begin(prefix, {layer: out.hidden_states[layer][0] for layer in p.hidden_state_layers})
-    state = DecodeState(tokens, prefix.numel(), SamplingParams(), torch.Generator(), max_depth=max_depth)
-    return p, p.propose(state)
-
-
-class Recorder(Proposer):
-    """Passes everything through to an EAGLE proposer and records each state and proposal."""
-
-    name = "recorder"
-    config_class = dict
-    hidden_state_layers = (-1,)
-
-    def __init__(self, inner):
-        super().__init__(inner.config, inner.target)
-        self.inner, self.steps = inner, []
-
-    def begin(self, prompt, hidden_states):
-        self.inner.begin(prompt, hidden_states)
-
-    def accepted(self, result):
-        self.inner.accepted(result)
-
-    def propose(self, state):
-        proposal = self.inner.propose(state)
-        cache = self.inner.cache.get_seq_length()
-        self.steps.append((state.tokens.clone(), state.max_depth, proposal, self.inner.committed, cache))
-        return proposal
+    return p, replay.fresh_proposal(p, target, tokens, max_depth)
 
 
 # ---------------------------------------------------------------------------------------------- runtime
@@ -98,12 +70,11 @@ class Recorder(Proposer):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_cache_after_steps_equals_a_fresh_proposer(config, temperature, fuse_layers):
     target = target16()
-    rec = Recorder(EagleProposer.random(target_info(target), config, seed=3, fuse_layers=fuse_layers))
-    rec.hidden_state_layers = rec.inner.hidden_state_layers
-    dec = SpeculativeDecoder(target, rec)
-    dec.generate([1, 2, 3, 4, 5], max_new_tokens=24, temperature=temperature, seed=0)
-    assert len(rec.steps) >= 4
-    for tokens, max_depth, proposal, committed, cached in rec.steps:
+    proposer = EagleProposer.random(target_info(target), config, seed=3, fuse_layers=fuse_layers)
+    steps = replay.recorded_proposals(proposer, also=lambda p: (p.committed, p.cache.get_seq_length()))
+    SpeculativeDecoder(target, proposer).generate([1, 2, 3, 4, 5], max_new_tokens=24, temperature=temperature, seed=0)
+    assert len(steps) >= 4
+    for tokens, max_depth, proposal, (committed, cached) in steps:
         if max_depth == 0:  # nothing to draft: the pending pairs wait for the next proposal
             assert len(proposal) == 0
             continue

@@ -11,6 +11,7 @@ from specframe.decoder import target_info
 from specframe.errors import ConfigError, ModelLoadError
 from specframe.proposers.medusa import DEFAULT_TREE, MedusaConfig, MedusaHeads, MedusaProposer, check_tree, load_heads
 from specframe.testing.conformance import reference_greedy
+from specframe.testing.replay import fresh_proposal, recorded_proposals
 from specframe.testing.suite import VARIANT_SETTINGS, ProposerConformance
 from specframe.testing.tiny import one_thread, tiny_llama, write_distill_data
 from specframe.training.common import split_heldout
@@ -520,24 +521,15 @@ def test_stage2_resumed_with_no_epoch_left_still_counts_its_heldout(tmp_path):
 def test_after_steps_it_drafts_as_a_fresh_proposer_on_the_same_tokens():
     # (heads fed the root's row instead of the last accepted token's stayed exact and passed every test: only
     # acceptance fell)
-    from specframe.proposer import DecodeState
-    from specframe.sampling import SamplingParams
-
     target = tiny_llama(vocab_size=8, seed=0)
     info = target_info(target)
     proposer = MedusaProposer.random(info, seed=1)
-    steps, propose = [], proposer.propose
-    proposer.propose = lambda state: (
-        steps.append((state.tokens.clone(), state.max_depth, propose(state))) or steps[-1][2]
-    )
+    steps = recorded_proposals(proposer)
     out = SpeculativeDecoder(target, proposer).generate([1, 2, 3], max_new_tokens=30, temperature=0.0)
     assert out.stats["accepted_tokens"] > 0  # (some step kept drafts: the next one reads a later row)
-    for tokens, max_depth, proposal in steps:
-        fresh = MedusaProposer.random(info, seed=1)
-        hidden = target(input_ids=tokens[None, :-1], output_hidden_states=True).hidden_states
-        fresh.begin(tokens[:-1], {-1: hidden[-1][0]})
-        again = fresh.propose(DecodeState(tokens, 3, SamplingParams(0.0), torch.Generator(), max_depth))
-        assert again.tokens.tolist() == proposal.tokens.tolist()
+    for step in steps:
+        again = fresh_proposal(MedusaProposer.random(info, seed=1), target, step.tokens, step.max_depth)
+        assert again.tokens.tolist() == step.proposal.tokens.tolist()
 
 
 # (tests from a mutation review of training, 2026-12-06: each fails on the mutation it is named for)

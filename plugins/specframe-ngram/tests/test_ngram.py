@@ -9,6 +9,7 @@ from specframe import DecodeState, SamplingParams, SpeculativeDecoder
 from specframe.decoder import target_info
 from specframe.errors import ConfigError
 from specframe.proposer import Acceptance, validate_proposal
+from specframe.testing.replay import fresh_proposal, recorded_proposals
 from specframe.testing.tiny import tiny_llama
 
 
@@ -128,3 +129,21 @@ def test_speeds_up_repetitive_greedy_output(max_candidates):
     decoder = SpeculativeDecoder(model, proposer)
     res = decoder.generate([1, 2, 3], max_new_tokens=64, temperature=0.0)
     assert res.stats["accepted_tokens"] > 0 and res.stats["mean_accepted_length"] > 1.5
+
+
+@pytest.mark.parametrize("max_candidates", [1, 4])
+def test_after_steps_it_proposes_as_a_new_proposer_on_the_same_tokens(max_candidates):
+    """The index kept across steps (the emitted tokens added at each) holds what one built from the whole
+    sequence holds: each step's proposal is a new proposer's on the same tokens."""
+    model = tiny_llama(8, seed=3)
+    config = NgramConfig(max_candidates=max_candidates, max_ngram=3)
+    proposer = NgramProposer.random(target_info(model), config)
+    steps = recorded_proposals(proposer)
+    res = SpeculativeDecoder(model, proposer).generate([1, 2, 3], max_new_tokens=64, temperature=0.0)
+    assert res.stats["accepted_tokens"] > 0 and len(steps) > 10
+    for step in steps:
+        again = fresh_proposal(NgramProposer.random(target_info(model), config), model, step.tokens, step.max_depth)
+        assert (again.tokens.tolist(), again.parents.tolist()) == (
+            step.proposal.tokens.tolist(),
+            step.proposal.parents.tolist(),
+        )
