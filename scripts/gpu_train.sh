@@ -9,8 +9,9 @@
 #      weights (init_from / init_heads: the same vocabulary), on all of that text; each trainer logs held-out top-1
 #      before training (the shipped weights) and after each epoch, on the same held-out prompts;
 #   3. under $OUT (default runs/gpu-train): summary.txt, gpu-train.tar.gz (logs and every trained folder but its
-#      weights), <proposer>.safetensors (the trained weights, float16), distill.jsonl.gz (the text, when under
-#      the device tool's 16 MiB a file).
+#      weights), <proposer>.safetensors (the trained weights, float16; from a trainer cut off by the budget, its
+#      last finished epoch's as <proposer>.epoch<N>.safetensors), distill.jsonl.gz (the text, when under the
+#      device tool's 16 MiB a file).
 #
 # Nothing is shipped from here: a session evaluates what came back on its CPU (specframe bench) and ships it only
 # if measurably better, with its card. Prepare first, where pip works: scripts/gpu_prepare.sh (it also carries the
@@ -89,7 +90,9 @@ if [ "$(stat -c %s "$OUT/distill.jsonl.gz")" -gt $((16 * 1024 * 1024)) ]; then
     say "distill.jsonl.gz left out: over the 16 MiB a file that comes back"
 fi
 
-# --- 2. train each proposer on all of it, from the shipped weights
+# --- 2. train each proposer on all of it, from the shipped weights; each gets what is left but 90 s for each
+# trainer after it (the first also pays for the features cache), so a slow first one does not leave the others none
+after=$(echo $PROPOSERS | wc -w)
 for p in $PROPOSERS; do
     shipped=specframe/artifacts/$p-smollm2-135m-instruct
     case $p in
@@ -98,7 +101,8 @@ for p in $PROPOSERS; do
         draft) opts=("init_from=$shipped" layers=2 lr=3e-4 batch_size=32) ;;
         *) fail "no training recipe here for proposer $p"; continue ;;
     esac
-    seconds=$(left "$BUDGET")
+    after=$((after - 1))
+    seconds=$(($(left "$BUDGET") - 90 * after))
     enough "$seconds" "train $p" 60 || continue
     timeout "$seconds" "${SF[@]}" train --proposer "$p" --device "$DEVICE" data="$DATA" out="$WORK/$p" \
         epochs="$EPOCHS" features_cache="$BIG/features" "${opts[@]}" > "$WORK/train-$p.log" 2>&1
@@ -106,12 +110,27 @@ for p in $PROPOSERS; do
     grep -E "^(before training|epoch [0-9]+:)" "$WORK/train-$p.log" | sed "s/^/  $p: /" | tee -a "$SUMMARY"
     if [ "$rc" = 0 ] && [ -f "$WORK/$p/model.safetensors" ]; then
         mv "$WORK/$p/model.safetensors" "$OUT/$p.safetensors"
-        rm -rf "$WORK/$p/checkpoint"
         say "[$(elapsed)] train $p: done ($OUT/$p.safetensors; its folder's other files in $NAME.tar.gz)"
     else
-        rm -rf "$WORK/$p/checkpoint"
-        fail "train $p ($(why "$rc" "$seconds")): $(tail -1 "$WORK/train-$p.log")"
+        # a run cut off keeps its last finished epoch: the checkpoint's weights, in float16, as
+        # <proposer>.epoch<N>.safetensors (its optimizer moments are left: too big to come back)
+        kept=""
+        if [ -f "$WORK/$p/checkpoint/state.json" ]; then
+            kept=$("$PY" - "$WORK/$p/checkpoint" "$OUT/$p" << 'EOF'
+import json, sys
+from pathlib import Path
+from safetensors.torch import load_file, save_file
+folder, stem = Path(sys.argv[1]), sys.argv[2]
+epoch = json.loads((folder / "state.json").read_text())["epoch"]
+weights = {k: v.half().contiguous() for k, v in load_file(folder / "model.safetensors").items()}
+save_file(weights, f"{stem}.epoch{epoch}.safetensors")
+print(f"; epoch {epoch}'s weights kept as {stem}.epoch{epoch}.safetensors")
+EOF
+            )
+        fi
+        fail "train $p ($(why "$rc" "$seconds")): $(tail -1 "$WORK/train-$p.log")$kept"
     fi
+    rm -rf "$WORK/$p/checkpoint" "$WORK/$p/checkpoint.tmp" "$WORK/$p/checkpoint.old"  # (not for the archive)
     archive
 done
 [ "$FAILED" = 0 ]

@@ -897,12 +897,18 @@ def timed_loop(
     started = time.perf_counter()
     with bar, torch.inference_mode():
         for qi, q in enumerate(questions):
-            if ran and options.time_limit_s is not None and time.perf_counter() - started >= options.time_limit_s:
-                log(
-                    f"time limit of {options.time_limit_s:g} s reached: stopped after {qi} of {len(questions)} "
-                    "questions"
-                )
-                break
+            if ran and options.time_limit_s is not None:  # (the first question always runs)
+                # A question starts only if it is expected to end within the limit: its turns at the mean time
+                # per turn so far (a limit checked only before each question let the last one overrun it by
+                # a whole question: all methods, every turn).
+                elapsed = time.perf_counter() - started
+                expected_end = elapsed * (1 + len(q.turns) / sum(len(r.turns) for r in ran))
+                if expected_end > options.time_limit_s:
+                    log(
+                        f"time limit of {options.time_limit_s:g} s: stopped after {qi} of {len(questions)} "
+                        f"questions ({elapsed:.3g} s timed; the next would end at about {expected_end:.3g} s)"
+                    )
+                    break
             ran.append(q)
             k = qi % len(methods) if methods else 0
             for m in methods[k:] + methods[:k]:  # rotate so drift over the run hits every method alike

@@ -186,8 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         dest="time_limit_s",
         metavar="SECONDS",
-        help="start no question after this many seconds of timed runs; the questions then take the subtasks in "
-        "turn, and the report says where it stopped (default: run them all)",
+        help="start no question expected to end after this many seconds of timed runs (its turns at the mean time "
+        "per turn so far; the first always runs); the questions then take the subtasks in turn, and the report "
+        "says where it stopped (default: run them all)",
     )
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.add_argument(

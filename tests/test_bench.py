@@ -1,6 +1,7 @@
 """`specframe bench` on tiny random models: outputs and their structure, aggregation maths, identity, errors."""
 
 import contextlib
+import dataclasses
 import io
 import itertools
 import json
@@ -961,6 +962,31 @@ def test_each_question_and_turn_gets_its_own_seed_the_same_for_every_method():
     timed_loop(stub_setup(["x", "y"], seen), questions, options, lambda line: None, BarStub)
     seeds = {(name, seed) for name, _, seed in seen[2:]}  # (after the two warm-up runs)
     assert seeds == {(name, 100 + 10 * q + turn) for name in ("x", "y") for q in (3, 7) for turn in (0, 1)}
+
+
+def test_a_time_limit_starts_no_question_expected_to_end_after_it(monkeypatch):
+    # (checked only before each question, the limit let the last question overrun it by all of its methods'
+    # turns: a GPU check's bench was stopped from outside, with no report)
+    from specframe.bench import BenchOptions, Question, timed_loop
+
+    now = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+    setup = stub_setup(["x"], [])
+    run = setup.methods[0].run
+    setup.methods[0] = dataclasses.replace(
+        setup.methods[0], run=lambda *a: (now.__setitem__(0, now[0] + 5), run(*a))[1]
+    )
+    # one-turn questions of 5 s each, then one of two turns (10 s): at 10 s it would end at 20 s
+    questions = [Question(i, s, s, t) for i, (s, t) in enumerate([("qa", ["t"]), ("rag", ["t"]), ("qa", ["a", "b"])])]
+    lines = []
+    _, _, ran = timed_loop(setup, questions, BenchOptions(proposers=[], baselines=[], time_limit_s=16,
+                                                          progress=False), lines.append, BarStub)  # fmt: skip
+    assert [q.question_id for q in ran] == [0, 1]
+    assert any("stopped after 2 of 3 questions (10 s timed; the next would end at about 20 s)" in m for m in lines)
+    now[0] = 0.0
+    _, _, ran = timed_loop(setup, questions, BenchOptions(proposers=[], baselines=[], time_limit_s=20,
+                                                          progress=False), lines.append, BarStub)  # fmt: skip
+    assert len(ran) == 3  # (expected to end at the limit: it runs)
 
 
 def test_a_time_limit_runs_the_subtasks_in_turn(monkeypatch):
