@@ -310,10 +310,12 @@ def test_copies_of_a_decoder_do_not_share_its_static_cache(static_graphs):
 
 
 class EmulatedGraphs(GraphedTarget):
-    """Capture and replay emulated on a CPU: a "graph" is the forward run again, its results written into the
-    tensors its capture returned, as a replay overwrites a graph's outputs. What it pins down is the bookkeeping
-    around them: which graphs are captured when, and that outputs are read before the next replay overwrites
-    them. `fail_after`: captures that succeed before one raises."""
+    """Capture and replay emulated on a CPU: a "graph" is the forward run again on the buffers it was captured
+    on, its results written into the tensors its capture returned (NaN until then: a capture computes nothing),
+    as a replay overwrites a graph's outputs. What it pins down is the bookkeeping around them: which graphs
+    are captured when, that a graph reads the buffers it was captured on (grown ones need new graphs), and that
+    outputs are read after their replay and before the next one overwrites them. `fail_after`: captures that
+    succeed before one raises."""
 
     fail_after = None
 
@@ -328,21 +330,23 @@ class EmulatedGraphs(GraphedTarget):
             raise RuntimeError("CUDA error: out of memory")
         self.captures.append((bucket, output_hidden_states))
         out = cuda_graphs.static_llama_forward(self.model, self.buffers, bucket)
+        for t in (out.logits, *out.hidden_states):
+            t.fill_(float("nan"))
         if not output_hidden_states:
             out = cuda_graphs.LeanOutput(out.logits, None)
-        return EmulatedGraph(self, bucket, out), out
+        return EmulatedGraph(self, self.buffers, bucket, out), out
 
     def _replay(self, graph):
         graph.replay()
 
 
 class EmulatedGraph:
-    def __init__(self, owner, bucket, out):
-        self.owner, self.bucket, self.out = owner, bucket, out
+    def __init__(self, owner, buffers, bucket, out):
+        self.owner, self.buffers, self.bucket, self.out = owner, buffers, bucket, out
 
     def replay(self):
         self.owner.replays += 1
-        new = cuda_graphs.static_llama_forward(self.owner.model, self.owner.buffers, self.bucket)
+        new = cuda_graphs.static_llama_forward(self.owner.model, self.buffers, self.bucket)
         self.out.logits.copy_(new.logits)
         for kept, fresh in zip(self.out.hidden_states or (), new.hidden_states, strict=False):
             kept.copy_(fresh)
@@ -356,9 +360,9 @@ def emulated(monkeypatch):
     return EmulatedGraphs
 
 
-@pytest.mark.parametrize("name", ["none", "eagle", "tree"])
+@pytest.mark.parametrize("name", ["none", "draft", "medusa", "eagle", "tree"])
 def test_every_graph_is_captured_at_build_and_replayed(emulated, name):
-    model = tiny_llama(vocab_size=32, hidden_size=32)
+    model = tiny_llama(vocab_size=32, hidden_size=32, max_position_embeddings=4096)  # (room for a long prompt)
     proposer = proposers(model)[name]
     decoder = SpeculativeDecoder(model, proposer, max_new_tokens=40)
     hidden = bool(proposer.hidden_state_layers)
@@ -375,6 +379,13 @@ def test_every_graph_is_captured_at_build_and_replayed(emulated, name):
     sampled = decoder.generate(prompt, temperature=1.0, seed=3).token_ids
     assert sampled == eager.generate(prompt, temperature=1.0, seed=3).token_ids
     assert graphs.captures == built  # (nothing captured while generating)
+    # a prompt longer than the buffers: they grow, every graph is captured again on the new ones and replayed
+    long_prompt = [i % 31 + 1 for i in range(1000)]
+    assert len(long_prompt) + 40 > graphs.buffers.capacity
+    result = decoder.generate(long_prompt)
+    assert result.token_ids == conformance.reference_greedy(model, long_prompt, 40)
+    assert len(graphs.captures) > len(built) and graphs.buffers.capacity >= len(long_prompt) + 40
+    assert graphs.off is None
 
 
 def test_a_capture_that_fails_turns_graphs_off(emulated, monkeypatch):
