@@ -860,6 +860,26 @@ def conversation_ids(encoder: Any, turns: list[str], answers: list[str]) -> list
     return encoder.encode(messages).tolist()
 
 
+def reserve_graph_buffers(methods: list[Method], encoder: Any, questions: list[Question], max_new_tokens: int) -> None:
+    """Make each CUDA-graphed method's static buffers (`specframe.cuda_graphs`) long enough for the longest
+    conversation the run may hold, their graphs captured now rather than inside the timed run whose prompt
+    first outgrows them. A later turn's length is estimated (each earlier answer at most `max_new_tokens`); one
+    that outgrows the estimate still works, its new buffers made in its timed run."""
+    graphed = [m.decoder.graphs for m in methods if getattr(m.decoder, "graphs", None) is not None]
+    if not graphed:
+        return
+    longest = 0
+    for q in questions:
+        earlier = len(q.turns) - 1
+        try:
+            context = len(conversation_ids(encoder, q.turns, [""] * earlier))
+        except BadInputError:  # (a conversation over the window: said when its turn runs)
+            continue
+        longest = max(longest, context + (earlier + 1) * max_new_tokens)
+    for graphs in graphed:
+        graphs.new_cache(longest)
+
+
 def timed_loop(
     setup: Setup,
     questions: list[Question],
@@ -888,6 +908,7 @@ def timed_loop(
             failed[m.name] = f"failed in warm-up: {type(e).__name__}: {' '.join(str(e).split())}"
             log(f"dropping {m.name}: {failed[m.name]}")
             methods.remove(m)
+    reserve_graph_buffers(methods, setup.encoder, questions, options.max_new_tokens)
     records = [] if records is None else records
     total = sum(len(q.turns) for q in questions) * len(methods)
     bar = tqdm(total=total, unit="gen", desc="bench", disable=not options.progress, file=sys.stderr, dynamic_ncols=True)

@@ -1,6 +1,7 @@
 """The graphed (static-cache) forward, run here without capture (`capture=False`): the same forward on the same
 buffers as on a GPU, where only the capture and replay are added."""
 
+import contextlib
 import re
 
 import pytest
@@ -469,3 +470,53 @@ def test_the_bench_says_when_graphs_were_turned_off_while_it_ran(emulated, monke
         "specframe proposer 'none'; CUDA graphs off during the run: capturing failed: RuntimeError: CUDA error: out "
         "of memory"
     )
+
+
+class NoBar(contextlib.nullcontext):
+    """tqdm's bar, doing nothing."""
+
+    def __init__(self, **kwargs):
+        super().__init__()
+
+    def update(self, n):
+        pass
+
+    def set_postfix_str(self, text):
+        pass
+
+
+def test_the_bench_makes_graph_buffers_for_its_longest_conversation_before_timing(emulated):
+    # (else the first prompt to outgrow them captured every graph again inside its timed run)
+    from types import SimpleNamespace
+
+    from specframe import bench
+
+    model = tiny_llama(vocab_size=32, hidden_size=32, max_position_embeddings=4096)
+    decoder = SpeculativeDecoder(model, NoneProposer.random(target_info(model)), max_new_tokens=4)
+    graphs = decoder.graphs
+    short = graphs.buffers.capacity
+    captures_when_timed = []
+
+    def run(ids, max_new, seed):
+        out = decoder.generate(ids, max_new_tokens=max_new)
+        captures_when_timed.append(len(graphs.captures))  # (after each run)
+        return bench.Output(out.token_ids, out.stats["target_forwards"], 0.01, out.stats)
+
+    words = lambda n: " ".join(["w"] * n)  # noqa: E731 (a token a word here)
+    setup = SimpleNamespace(
+        methods=[bench.Method("none", "specframe", "", run, decoder)],
+        encoder=SimpleNamespace(  # (no chat template: a conversation is its texts one a line)
+            encode=lambda text, **kw: torch.tensor([i % 31 + 1 for i in range(len(text.split()))]),
+            tokenizer=SimpleNamespace(chat_template=None),
+        ),
+        tokenizer=SimpleNamespace(decode=lambda ids, **kw: words(len(ids))),
+    )
+    # A two-turn question whose second turn holds the first (1,000 tokens), its answer (200) and 620 more: with
+    # its own answer and a verification's room (128), 2,148 positions, past 2,048 only with the first answer.
+    questions = [bench.Question(1, "qa", "qa", [words(8)]), bench.Question(2, "mt", "mt", [words(1000), words(620)])]
+    options = bench.BenchOptions(proposers=[], baselines=[], max_new_tokens=200, progress=False)
+    records, failed, _ = bench.timed_loop(setup, questions, options, lambda line: None, NoBar)
+    assert not failed and [r["new_tokens"] for r in records] == [200] * 3
+    assert records[-1]["prompt_tokens"] + 200 + cuda_graphs.MAX_QUERY > 2048 == 2 * cuda_graphs.CAPACITY_STEP
+    assert graphs.buffers.capacity > short and graphs.off is None
+    assert len(set(captures_when_timed[1:])) == 1  # (after the warm-up: nothing captured in a timed run)
