@@ -99,7 +99,10 @@ for f in sorted(folder.glob("*.txt")):
     why = f"cut off by its {seconds} s time limit" if cut else f"exit {rc}: {err[-1] if err else 'no message'}"
     stopped = "" if finished else f", then stopped ({why})"
     status = "FAIL" if failed or not (finished or cut) or not checks else "CUT" if cut else "PASS"  # (0 run: FAIL)
-    print(f"{status} conformance ({what}) {f.stem}: {len(checks) - len(failed)}/{len(checks)} checks passed{stopped}")
+    said = r"verification forwards as CUDA graphs|CUDA graphs off: [^;]*?(?=;| \([\d.]+s\)|$)"  # (the greedy check's)
+    graphs = sorted({m.group(0) for c in checks for m in [re.search(said, c)] if m})
+    graphs = f" ({'; '.join(graphs)})" if graphs else ""
+    print(f"{status} conformance ({what}) {f.stem}: {len(checks) - len(failed)}/{len(checks)} checks passed{stopped}{graphs}")
     for c in failed if finished else checks:  # (an unfinished run: every check it got through)
         print(f"    {c}")
 EOF

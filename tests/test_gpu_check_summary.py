@@ -56,3 +56,19 @@ def test_summary_reads_passing_failing_and_cut_off_reports(tmp_path, quick):
     assert "FAIL conformance (quick) union-bfloat16: 2/2 checks passed, then stopped (exit 1: Traceback)" in lines
     assert f"CUT conformance (quick) ngram-bfloat16: 2/2 checks passed, {stopped}" in lines, run.stdout
     assert f"FAIL conformance (quick) repeat_last-bfloat16: 0/0 checks passed, {stopped}" in lines, run.stdout
+
+
+def test_summary_says_whether_the_checks_ran_through_cuda_graphs(tmp_path):
+    graphed = CheckResult("greedy", "cuda", True, "3 prompts identical; verification forwards as CUDA graphs")
+    off = CheckResult("greedy", "cuda", True, "3 prompts identical; CUDA graphs off: capturing failed: OOM")
+    for stem, line in (("none-float32", graphed), ("eagle-float32", off), ("ngram-float32", check_line("greedy", 1))):
+        (tmp_path / f"{stem}.txt").write_text(Report(stem, [line]).summary() + "\n")
+        (tmp_path / f"{stem}.err").write_text("")
+        (tmp_path / f"{stem}.rc").write_text("0\n")
+    run = subprocess.run(
+        [sys.executable, "-", str(tmp_path), "quick", "150"], input=summary_program(), capture_output=True, text=True
+    )
+    lines = run.stdout.splitlines()
+    assert "PASS conformance (quick) none-float32: 1/1 checks passed (verification forwards as CUDA graphs)" in lines
+    assert "PASS conformance (quick) eagle-float32: 1/1 checks passed (CUDA graphs off: capturing failed: OOM)" in lines
+    assert "PASS conformance (quick) ngram-float32: 1/1 checks passed" in lines, run.stdout
