@@ -125,6 +125,8 @@ def read_prompts(
     file is at hand). Empty prompts (all whitespace) are left out, and those among the prompts read have their
     "id (line N)" appended to `empty` for the caller to report: a response to nothing teaches nothing, and real
     prompt sets have them (the shared prompts file has one, a ShareGPT first turn)."""
+    if limit is not None and (type(limit) is not int or limit < 1):  # (rows[:-1] would drop the last one unsaid)
+        raise BadInputError(f"limit must be an integer >= 1 (or None: every prompt), got {limit!r}")
     benchmark = {" ".join(t.split()) for t in benchmark_turns}
     rows = []
     line_of: dict[str, int] = {}

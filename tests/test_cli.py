@@ -466,3 +466,26 @@ def test_check_takes_a_generate_config_s_proposer_section(capsys, tmp_path):
     config.write_text("proposer:\n  name: draft\n  model: runs/d\n")
     code, out, err = run(capsys, "check", "--config", str(config), "--quick", "--device", "cpu", "--json")
     assert code == 0 and "note: proposer.model=runs/d from --config" in err, err
+
+
+def test_distill_counts_below_one_are_refused_before_the_model_loads(capsys, tmp_path):
+    for option in ("--limit", "--batch-size", "--max-new-tokens", "--max-prompt-tokens"):
+        argv = ["data", "distill", "--out", str(tmp_path / "d.jsonl"), "--target", str(tmp_path / "absent"), option]
+        code, out, err = run(capsys, *argv, "0")
+        assert code == 2 and f"{option} must be >= 1, got 0" in err and "absent" not in err, (option, err)
+    assert not (tmp_path / "d.jsonl").exists()
+
+
+def test_an_unknown_option_after_overrides_is_refused_not_dropped(capsys, tiny_dirs):
+    # (KEY=VALUE items after a later option join the overrides only when nothing else is left over: with an
+    # unknown option among them, all were taken and the option silently dropped)
+    with pytest.raises(SystemExit) as exit_:
+        main(gen_args(tiny_dirs, "--prompt", "hi", "sampling.seed=1", "--raw", "generation.max_new_tokens=2", "--x"))
+    assert exit_.value.code == 2 and "unrecognized arguments: generation.max_new_tokens=2 --x" in (
+        capsys.readouterr().err
+    )
+
+
+def test_check_options_must_be_proposer_keys(capsys):
+    code, out, err = run(capsys, "check", "--proposer", "ngram", "--quick", "max_ngram=2")
+    assert code == 2 and "override 'max_ngram=2' is not proposer.KEY=VALUE" in err and out == "", err

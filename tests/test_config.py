@@ -341,3 +341,11 @@ def test_the_python_api_says_what_it_takes(tiny_dirs):
         SpeculativeDecoder.from_config(wrong)
     with pytest.raises(ConfigError, match="load_config takes a YAML file's path .* got a dict for the path"):
         load_config({"a": 1})
+
+
+def test_a_flag_and_an_override_of_text_that_is_no_number_differ():
+    # (`--temperature 0.5` with `sampling.temperature=abc`: the override was taken as the same value and dropped)
+    from specframe.config import flag_overrides
+
+    with pytest.raises(BadInputError, match="--temperature 0.5 and the override sampling.temperature=abc set"):
+        flag_overrides({"sampling.temperature": ("--temperature", 0.5)}, ["sampling.temperature=abc"])

@@ -283,6 +283,9 @@ def test_cli_refuses_a_bad_tag_before_loading_the_target(capsys, tmp_path):
         ([], "holds no prompts"),  # (an empty file was a successful run that added nothing)
         ([{"id": "b", "prompt": " \n"}], "holds no prompts .*empty ones do not count"),
         ([{"id": "a", "prompt": ""}, {"id": "a", "prompt": "y"}], "line 2: id 'a' is already on line 1"),
+        # (a row with either of Spec-Bench's own keys: the file is the benchmark, whatever else it holds)
+        ([{"id": "a", "prompt": "x", "turns": ["x"]}], r"looks like Spec-Bench \(question_id/turns\)"),
+        ([{"id": "a", "prompt": "x", "question_id": 81}], r"looks like Spec-Bench \(question_id/turns\)"),
     ],
 )
 def test_prompts_that_would_break_the_data_or_leak_the_benchmark_are_refused(tmp_path, rows, message):
@@ -455,3 +458,14 @@ def test_distill_and_train_for_a_target_with_an_adapter(capsys, tmp_path, tokeni
     nowhere = ["--adapter", str(tmp_path / "nowhere"), "--target", str(target), f"data={out}"]
     assert main(["train", "--proposer", "eagle", *nowhere]) == 2
     assert "nowhere" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("limit", [0, -1, 2.5, True])
+def test_a_prompt_limit_that_is_no_count_is_refused(tmp_path, limit):
+    # (the CLI refuses --limit 0; through Python, 0 read nothing and -1 every prompt but the last)
+    from specframe.data import read_prompts
+
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": i, "prompt": f"p{i}"}) + "\n" for i in range(3)))
+    with pytest.raises(BadInputError, match=f"limit must be an integer >= 1 .*got {limit!r}"):
+        read_prompts(tmp_path / "p.jsonl", limit=limit)
+    assert [r["prompt"] for r in read_prompts(tmp_path / "p.jsonl", limit=2)] == ["p0", "p1"]

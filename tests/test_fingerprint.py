@@ -83,6 +83,7 @@ def test_a_merged_adapter_is_the_base_fingerprint_plus_the_adapter_files(model, 
     "text, message",
     [
         ("[1, 99]", r"lists token ids outside the target's vocabulary \[0, 16\)"),
+        ("[0, 16]", r"lists token ids outside the target's vocabulary \[0, 16\)"),  # (the first id past it)
         ("[-1, 2]", "lists token ids outside the target's vocabulary"),
         ("[1, 2, 1]", "lists a token id more than once"),
         ("[1, 2.5]", "must be a non-empty JSON list of token ids"),  # torch.tensor would have truncated it to 2
@@ -140,3 +141,17 @@ def test_a_folder_that_is_not_the_artifact_asked_for_says_what_it_is(tmp_path):
     (tmp_path / "run" / "checkpoint" / "optim.safetensors").write_bytes(b"")
     with pytest.raises(ModelLoadError, match=r"checkpoint is a training run's checkpoint, not a model"):
         load_model(str(tmp_path / "run" / "checkpoint"), quiet=True)
+
+
+@pytest.mark.parametrize("where", [0, -1])
+def test_a_change_at_either_end_of_a_weight_changes_the_fingerprint(model, where):
+    # (the sampled numbers are spread over each weight from its first to its last: a sample that stopped short of
+    # the last number passed every other test)
+    from specframe.fingerprint import SAMPLE
+
+    other = copy.deepcopy(model)
+    weight = other.lm_head.weight
+    assert weight.numel() > SAMPLE
+    with torch.no_grad():
+        weight.view(-1)[where] += 1.0
+    assert fingerprint_mismatch(target_fingerprint(model), other) is not None

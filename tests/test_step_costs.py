@@ -120,6 +120,7 @@ def test_a_cpu_targets_costs_are_kept_for_later_processes(kept_timings):
     # A kept entry that is not valid step costs is timed again.
     bad_costs = (
         {"one_token_s": 0.02, "relative": [2.0, 1.0, 1.0, 1.0]},
+        {"one_token_s": 0.02, "relative": [0.5, 1.0, 1.1, 1.2]},  # (one token is 1 by definition; else plausible)
         {"one_token_s": -1},
         {"one_token_s": 0.02, "relative": [True, True, True, True]},
         {"one_token_s": 1e300, "relative": [1.0, 1.1, 1.2, 1.3]},

@@ -147,3 +147,18 @@ def test_after_steps_it_proposes_as_a_new_proposer_on_the_same_tokens(max_candid
             step.proposal.tokens.tolist(),
             step.proposal.parents.tolist(),
         )
+
+
+def test_a_continuation_that_is_a_prefix_of_one_found_takes_no_candidate():
+    index = NgramIndex(1, 2)
+    #            0  1  2  3  4  5  6  7  8  9 10
+    index.extend([1, 2, 3, 1, 2, 4, 7, 2, 3, 1, 2])
+    # (1, 2) at 3 gives 4 7 2 3, at 0 gives 3 1 2 4; (2,) at 7 gives 3 1 2, a prefix of the second: left out
+    assert index.continuations(4, 3, 16) == [[4, 7, 2, 3], [3, 1, 2, 4]]
+
+
+def test_a_continuation_that_extends_one_found_replaces_it():
+    index = NgramIndex(1, 2)
+    index.extend([5, 6, 7, 5, 6, 7, 5, 6])
+    # (5, 6) at 3 gives 7 5 6 (the sequence ends), at 0 gives 7 5 6 7, which holds it: one candidate
+    assert index.continuations(4, 4, 16) == [[7, 5, 6, 7]]
