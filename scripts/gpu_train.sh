@@ -94,6 +94,7 @@ fi
 # trainer after it (the first also pays for the features cache), so a slow first one does not leave the others none
 after=$(echo $PROPOSERS | wc -w)
 for p in $PROPOSERS; do
+    after=$((after - 1))  # (trainers after this one)
     shipped=specframe/artifacts/$p-smollm2-135m-instruct
     case $p in
         eagle) opts=("init_from=$shipped" "fuse_layers=[2,15,27]" lr=3e-4 batch_size=32) ;;
@@ -101,7 +102,6 @@ for p in $PROPOSERS; do
         draft) opts=("init_from=$shipped" layers=2 lr=3e-4 batch_size=32) ;;
         *) fail "no training recipe here for proposer $p"; continue ;;
     esac
-    after=$((after - 1))
     seconds=$(($(left "$BUDGET") - 90 * after))
     enough "$seconds" "train $p" 60 || continue
     timeout "$seconds" "${SF[@]}" train --proposer "$p" --device "$DEVICE" data="$DATA" out="$WORK/$p" \
@@ -112,22 +112,24 @@ for p in $PROPOSERS; do
         mv "$WORK/$p/model.safetensors" "$OUT/$p.safetensors"
         say "[$(elapsed)] train $p: done ($OUT/$p.safetensors; its folder's other files in $NAME.tar.gz)"
     else
-        # a run cut off keeps its last finished epoch: the checkpoint's weights, in float16, as
-        # <proposer>.epoch<N>.safetensors (its optimizer moments are left: too big to come back)
-        kept=""
-        if [ -f "$WORK/$p/checkpoint/state.json" ]; then
-            kept=$("$PY" - "$WORK/$p/checkpoint" "$OUT/$p" << 'EOF'
+        # a run cut off keeps its last finished epoch: the checkpoint's weights (the whole one of a run killed
+        # while it swapped checkpoints: `recovered`), in float16, as <proposer>.epoch<N>.safetensors; its
+        # optimizer moments are left (too big to come back). The shipped artifact's config and vocabulary go with
+        # them: a run from its weights (init_from / init_heads) keeps its shape and vocabulary.
+        kept=$("$PY" - "$WORK/$p/checkpoint" "$OUT/$p" << 'EOF'
 import json, sys
 from pathlib import Path
-from safetensors.torch import load_file, save_file
-folder, stem = Path(sys.argv[1]), sys.argv[2]
-epoch = json.loads((folder / "state.json").read_text())["epoch"]
-weights = {k: v.half().contiguous() for k, v in load_file(folder / "model.safetensors").items()}
-save_file(weights, f"{stem}.epoch{epoch}.safetensors")
-print(f"; epoch {epoch}'s weights kept as {stem}.epoch{epoch}.safetensors")
+from safetensors.torch import load_file
+from specframe.fingerprint import save_weights
+from specframe.training.common import recovered
+folder, stem = recovered(Path(sys.argv[1])), sys.argv[2]
+if (folder / "state.json").is_file():
+    epoch = json.loads((folder / "state.json").read_text())["epoch"]
+    weights = {k: v.half().contiguous() for k, v in load_file(folder / "model.safetensors").items()}
+    save_weights(weights, f"{stem}.epoch{epoch}.safetensors")
+    print(f"; epoch {epoch}'s weights kept as {stem}.epoch{epoch}.safetensors")
 EOF
-            )
-        fi
+        )
         fail "train $p ($(why "$rc" "$seconds")): $(tail -1 "$WORK/train-$p.log")$kept"
     fi
     rm -rf "$WORK/$p/checkpoint" "$WORK/$p/checkpoint.tmp" "$WORK/$p/checkpoint.old"  # (not for the archive)

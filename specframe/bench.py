@@ -860,24 +860,37 @@ def conversation_ids(encoder: Any, turns: list[str], answers: list[str]) -> list
     return encoder.encode(messages).tolist()
 
 
-def reserve_graph_buffers(methods: list[Method], encoder: Any, questions: list[Question], max_new_tokens: int) -> None:
-    """Make each CUDA-graphed method's static buffers (`specframe.cuda_graphs`) long enough for the longest
-    conversation the run may hold, their graphs captured now rather than inside the timed run whose prompt
-    first outgrows them. A later turn's length is estimated (each earlier answer at most `max_new_tokens`); one
-    that outgrows the estimate still works, its new buffers made in its timed run."""
-    graphed = [m.decoder.graphs for m in methods if getattr(m.decoder, "graphs", None) is not None]
-    if not graphed:
-        return
+def longest_conversation(encoder: Any, questions: list[Question], max_new_tokens: int) -> int:
+    """The most positions a conversation of `questions` may fill: its last turn's prompt, with each earlier
+    answer as an empty one in the chat template plus `max_new_tokens` (an estimate: the answer's text encoded
+    again may differ by a few tokens), and its own answer. Questions over the context window are left out
+    (said when they run)."""
     longest = 0
     for q in questions:
         earlier = len(q.turns) - 1
         try:
             context = len(conversation_ids(encoder, q.turns, [""] * earlier))
-        except BadInputError:  # (a conversation over the window: said when its turn runs)
+        except BadInputError:
             continue
         longest = max(longest, context + (earlier + 1) * max_new_tokens)
-    for graphs in graphed:
-        graphs.new_cache(longest)
+    return longest
+
+
+def reserve_graph_buffers(
+    methods: list[Method], encoder: Any, questions: list[Question], max_new_tokens: int, log: Callable[[str], None]
+) -> None:
+    """Make each CUDA-graphed method's static buffers (`specframe.cuda_graphs`) long enough for the longest
+    conversation the run may hold (`longest_conversation`, at most the target's context window), their graphs
+    captured now rather than inside the timed run whose prompt first outgrows them. One that outgrows the
+    estimate still works, its new buffers made in its timed run; one whose buffers cannot be made now (out of
+    memory, say) is left to make them as it runs, as without this."""
+    graphed = [m for m in methods if getattr(m.decoder, "graphs", None) is not None]
+    longest = longest_conversation(encoder, questions, max_new_tokens) if graphed else 0
+    for m in graphed:
+        try:
+            m.decoder.graphs.new_cache(min(longest, m.decoder.context_window))
+        except Exception as e:
+            log(f"note: {m.name}'s CUDA-graph buffers are made as it runs: {type(e).__name__}: {brief(e)}")
 
 
 def timed_loop(
@@ -908,7 +921,7 @@ def timed_loop(
             failed[m.name] = f"failed in warm-up: {type(e).__name__}: {' '.join(str(e).split())}"
             log(f"dropping {m.name}: {failed[m.name]}")
             methods.remove(m)
-    reserve_graph_buffers(methods, setup.encoder, questions, options.max_new_tokens)
+    reserve_graph_buffers(methods, setup.encoder, questions, options.max_new_tokens, log)
     records = [] if records is None else records
     total = sum(len(q.turns) for q in questions) * len(methods)
     bar = tqdm(total=total, unit="gen", desc="bench", disable=not options.progress, file=sys.stderr, dynamic_ncols=True)

@@ -283,15 +283,15 @@ def fused_projections(model: torch.nn.Module) -> list[FusedProjections | None] |
 
 
 def forget_outdated_copies(model: torch.nn.Module) -> int:
-    """Drop what specframe's CPU kernels derived from `model`'s weights (blocks, MKL-packed copies, the lean
-    forward's stacked layers) where the numbers changed since, also where no version counter shows it (through
+    """Drop what specframe's CPU kernels derived from `model`'s weights and buffers (blocks, MKL-packed copies, the
+    lean forward's stacked layers) where the numbers changed since, also where no version counter shows it (through
     `.data`, as PEFT's `merge_and_unload` adds its update; a new tensor put in a weight's place): a sample of each
     weight's numbers, and of each stacked buffer's, against the one taken when its copies were made. Returns how
     many weights and buffers had changed. Generation calls it for the target at every start (~4 ms for
     SmolLM2-135M); call it after such a change before running the model through its own `forward`."""
     fused = model.__dict__.get(_FUSED) or []
     stacked = [t for _, both in fused if both is not None for t in (both.qkv_weight, both.gate_up_weight)]
-    changed = forget_outdated([*model.parameters(), *stacked])
+    changed = forget_outdated([*model.parameters(), *model.buffers(), *stacked])  # (EAGLE's head is a buffer)
     if changed:  # (a stacked buffer, or a weight it was stacked from, holds other numbers now: stacked again)
         model.__dict__.pop(_FUSED, None)
     return changed

@@ -1000,3 +1000,50 @@ def test_a_time_limit_runs_the_subtasks_in_turn(monkeypatch):
     _, _, ran = timed_loop(stub_setup(["x"], []), questions, options, lambda line: None, BarStub)
     assert 2 <= len(ran) < len(questions)
     assert [q.subtask for q in ran[:2]] == ["qa", "rag"]
+
+
+def test_the_longest_conversation_counts_each_earlier_answer_in_the_chat_template():
+    from types import SimpleNamespace
+
+    from specframe.bench import Question, longest_conversation
+
+    def encode(messages, **kw):  # (3 template tokens a message, 2 for the generation prompt, a token a word)
+        if any("too long" in m["content"] for m in messages):
+            raise BadInputError("the prompt is longer than the context window")
+        return torch.ones(sum(len(m["content"].split()) + 3 for m in messages) + 2, dtype=torch.long)
+
+    encoder = SimpleNamespace(encode=encode, tokenizer=SimpleNamespace(chat_template="{{ messages }}"))
+    one = Question(1, "qa", "qa", ["a b c"])
+    two = Question(2, "mt", "mt", ["a b", "c d e f"])
+    assert longest_conversation(encoder, [one], 10) == (3 + 3) + 2 + 10
+    # user 2 + 3, an empty answer's 3, user 4 + 3, the prompt's 2: 17; then two answers of 10
+    assert longest_conversation(encoder, [one, two], 10) == 17 + 2 * 10
+    assert longest_conversation(encoder, [one, Question(3, "qa", "qa", ["too long"])], 10) == 18
+
+
+def test_graph_buffers_are_reserved_within_the_window_and_a_failure_is_only_noted():
+    from types import SimpleNamespace
+
+    from specframe.bench import Question, reserve_graph_buffers
+
+    asked = []
+
+    def method(name, window, fails=False):
+        def new_cache(length):
+            asked.append((name, length))
+            if fails:
+                raise RuntimeError("CUDA out of memory")
+
+        graphs = SimpleNamespace(new_cache=new_cache)
+        return bench.Method(name, "specframe", "", None, SimpleNamespace(graphs=graphs, context_window=window))
+
+    encoder = SimpleNamespace(  # (no chat template: a conversation is its texts one a line, a token a word)
+        encode=lambda text, **kw: torch.ones(len(text.split()), dtype=torch.long),
+        tokenizer=SimpleNamespace(chat_template=None),
+    )
+    eager = bench.Method("hf", "transformers", "", None)
+    methods = [method("a", 4096), method("b", 300), method("c", 4096, fails=True), eager]
+    lines = []
+    reserve_graph_buffers(methods, encoder, [Question(1, "qa", "qa", [" ".join(["w"] * 100)])], 256, lines.append)
+    assert asked == [("a", 356), ("b", 300), ("c", 356)]
+    assert lines == ["note: c's CUDA-graph buffers are made as it runs: RuntimeError: CUDA out of memory"]

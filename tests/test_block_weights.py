@@ -346,15 +346,18 @@ def test_generation_follows_weights_changed_between_calls(monkeypatch, layout, c
 
 
 @pytest.mark.parametrize(
-    ("proposer", "layout"), [("eagle", "blocks"), ("eagle", cpu_kernels.PACKED), ("draft", cpu_kernels.PACKED)]
+    ("proposer", "layout"),
+    [("eagle", "blocks"), ("eagle", cpu_kernels.PACKED), ("draft", cpu_kernels.PACKED), ("medusa", cpu_kernels.PACKED)],
 )
 def test_a_proposers_model_changed_through_data_drafts_from_its_new_numbers(monkeypatch, proposer, layout):
-    """A proposer's own model on specframe's CPU kernels (EAGLE's drafter, a draft model; their 8-bit blocks
-    and MKL-packed copies) follows a change that moves no version counter (through `.data`, as PEFT's merge adds
-    its update) at the next generation's start, as the target does. (The random draft is too narrow for blocks.)"""
+    """A proposer's own weights on specframe's CPU kernels (EAGLE's drafter and its LM-head rows, a draft model,
+    Medusa's LM-head rows; their 8-bit blocks and MKL-packed copies) follow a change that moves no version
+    counter (through `.data`, as PEFT's merge adds its update) at the next generation's start, as the target's
+    do. (The random draft, and the target's rows the others take, are on no grid: no blocks.)"""
     from specframe.decoder import target_info
     from specframe.proposers.draft import DraftConfig, DraftProposer
     from specframe.proposers.eagle import EagleConfig, EagleProposer
+    from specframe.proposers.medusa import MedusaProposer
     from specframe.testing.replay import fresh_proposal
 
     if layout == cpu_kernels.PACKED:
@@ -366,25 +369,28 @@ def test_a_proposers_model_changed_through_data_drafts_from_its_new_numbers(monk
     use_fast_cpu_kernels(target)
     info = target_info(target)
 
-    def made():
+    def made():  # (a proposer, and the weights of its own that its kernels use)
         if proposer == "eagle":
             p = EagleProposer.random(info, EagleConfig(depth=3, top_k=2, total_tokens=6), seed=3)
-            return p, p.drafter
+            return p, [*p.drafter.parameters(), p.drafter.head]
+        if proposer == "medusa":
+            p = MedusaProposer.random(info, seed=3)
+            return p, [p.lm_rows]
         p = DraftProposer.random(info, DraftConfig(num_speculative_tokens=4), seed=3)
         use_fast_cpu_kernels(p.model)  # (as loading a draft does where the target has them)
-        return p, p.model
+        return p, [m.weight for m in p.model.modules() if isinstance(m, torch.nn.Linear)]
 
     def proposal(p):
         found = fresh_proposal(p, target, torch.tensor([1, 2, 3, 4, 5, 6]))
         return found.tokens.tolist(), found.parents.tolist()
 
-    (mine, my_model), (theirs, their_model) = made(), made()
+    (mine, my_weights), (theirs, their_weights) = made(), made()
     with torch.no_grad():
-        for module in their_model.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight.mul_(-1.0)  # (still on the grid, and far from `mine`'s)
+        for w in their_weights:
+            if w.dim() == 2:
+                w.mul_(-1.0)  # (on the grid still, where it was, and far from `mine`'s)
     before = proposal(mine)
     with torch.no_grad():
-        for a, b in zip(my_model.parameters(), their_model.parameters(), strict=True):
+        for a, b in zip(my_weights, their_weights, strict=True):
             a.data += b - a  # (no version counter moves)
     assert proposal(mine) == proposal(theirs) != before

@@ -959,6 +959,7 @@ def test_a_draft_after_steps_drafts_as_a_fresh_draft_on_the_same_tokens(target, 
     out = SpeculativeDecoder(target, draft).generate([1, 2, 3], max_new_tokens=30, temperature=temperature, seed=0)
     rejected = out.stats["proposed_tokens"] - out.stats["accepted_tokens"]
     assert out.stats["accepted_tokens"] > 0 and rejected > 0  # (partial acceptance: rolled back)
+    assert len(steps) == out.stats["target_forwards"] - 1  # (a proposal before every verification)
     for step in steps:
         fresh = DraftProposer.random(info, DraftConfig(num_speculative_tokens=3), seed=6)
         again = fresh_proposal(fresh, target, step.tokens, step.max_depth, SamplingParams(temperature))

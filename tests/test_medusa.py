@@ -527,6 +527,7 @@ def test_after_steps_it_drafts_as_a_fresh_proposer_on_the_same_tokens():
     steps = recorded_proposals(proposer)
     out = SpeculativeDecoder(target, proposer).generate([1, 2, 3], max_new_tokens=30, temperature=0.0)
     assert out.stats["accepted_tokens"] > 0  # (some step kept drafts: the next one reads a later row)
+    assert len(steps) == out.stats["target_forwards"] - 1  # (a proposal before every verification)
     for step in steps:
         again = fresh_proposal(MedusaProposer.random(info, seed=1), target, step.tokens, step.max_depth)
         assert again.tokens.tolist() == step.proposal.tokens.tolist()

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specframe.cpu_kernels import few_rows_linear
+from specframe.cpu_kernels import few_rows_linear, forget_outdated
 from specframe.errors import ConfigError, ModelLoadError, check_field_types, is_count, user_path
 from specframe.fingerprint import (
     check_vocab_ids,
@@ -403,6 +403,8 @@ class MedusaProposer(Proposer):
         return cls(config, target, heads, vocab_ids, tree)
 
     def begin(self, prompt: torch.Tensor, hidden_states: dict[int, torch.Tensor]) -> None:
+        if self.target.fast_cpu_kernels:  # (their copies of the LM-head rows follow a change through `.data`)
+            forget_outdated([self.lm_rows])
         self.feature = hidden_states[-1][-1]
 
     def accepted(self, result: Acceptance) -> None:

@@ -8,7 +8,8 @@ Medusa heads, an EAGLE drafter) must propose after any number of steps what a ne
 proposes; these helpers check that.
 
     steps = recorded_proposals(proposer)
-    SpeculativeDecoder(target, proposer).generate(prompt, max_new_tokens=30)
+    out = SpeculativeDecoder(target, proposer).generate(prompt, max_new_tokens=30)
+    assert len(steps) == out.stats["target_forwards"] - 1  # (a proposal before each verification)
     for step in steps:
         again = fresh_proposal(make_proposer(), target, step.tokens, step.max_depth)
         assert again.tokens.tolist() == step.proposal.tokens.tolist()
