@@ -486,3 +486,62 @@ def test_a_reduced_vocabulary_draft_samples_the_target_s_distribution(setting):
     assert out.stats["accepted_tokens"] > 0 and set(out.token_ids) - set(drafted)  # (both kinds of token occur)
     r = conformance.check_sampling(ReducedVocabularyDraft, "cpu", setting)
     assert r.passed, r.detail
+
+
+# (tests from a mutation review of the conformance suite itself, 2026-12-06: each fails on the mutation it names)
+
+
+def test_chi_square_gives_the_textbook_statistic_degrees_of_freedom_and_p():
+    # 60/40 against a fair coin: chi2 = 4, 1 degree of freedom, p = 0.0455 (inflated degrees of freedom passed)
+    stat, df, p = conformance.chi_square(torch.tensor([60, 40]), torch.tensor([0.5, 0.5], dtype=torch.float64))
+    assert stat == pytest.approx(4.0) and df == 1 and p == pytest.approx(0.0455, abs=1e-4)
+
+
+def test_the_power_check_passes_a_broken_variant_only_when_its_sample_catches_it(monkeypatch):
+    # (`specframe check` prints these lines; a constant `caught` passed every test)
+    for p_value, caught in ((0.5, False), (1e-9, True)):
+        result = conformance.CheckResult("sampling", "cpu", p_value >= conformance.ALPHA, "chi2=...", p_value)
+        monkeypatch.setattr(conformance, "check_sampling", lambda *a, result=result, **k: result)
+        results = conformance.check_power("cpu", samples=10)
+        assert len(results) == len(conformance.power_cases())
+        assert all(r.passed is caught and r.detail.startswith("caught" if caught else "NOT caught") for r in results)
+
+
+def test_an_exact_proposer_fits_the_enumerated_continuations_with_the_lead_summed_out():
+    # (the distribution summed over the continuations instead of the lead tokens passed the fast tests; 400
+    # samples on fixed seeds, so the result is the same on every run)
+    r = conformance.check_sampling(DraftProposer, "cpu", "temperature=1", samples=400, confirm=False)
+    assert r.passed and r.p_value > 0.01, r.detail
+
+
+def add_to_kept_keys(cache, start, keep, n_new):
+    """A rollback that keeps the right positions but nudges the last kept key by 1e-2."""
+    keep_positions(cache, start, keep, n_new)
+    layer = cache.layers[0]
+    layer.keys[..., start + len(keep) - 1, :] += 1e-2
+
+
+def test_the_float32_rollback_check_sees_a_kept_cache_off_by_a_little(monkeypatch):
+    # (a float32 tolerance of 1 logit instead of 1e-4 passed the test of whole wrong rows, which differ by more)
+    config = TreeConfig(mode="deterministic", width=3, depth=2)
+    monkeypatch.setattr(decoder_module, "keep_positions", add_to_kept_keys)
+    rollback = conformance.check_rollback(TreeTestProposer, "cpu", config, "float32")
+    assert not rollback.passed and "max |logit diff| " in rollback.detail, rollback.detail
+
+
+class GlobalStatePeekingDraft(DraftProposer):
+    """Reads the global torch generator's state (without drawing from it or changing it) to seed its own draws:
+    one seed gives another output for each global state, and the global state is left as it was."""
+
+    def draw(self, logits, state, q=None):
+        from specframe.sampling import sampling_probs
+
+        q = sampling_probs(logits, state.sampling) if q is None else q
+        generator = torch.Generator(device=q.device).manual_seed(int(torch.get_rng_state()[:64].sum()))
+        return torch.multinomial(q, 1, generator=generator), q
+
+
+def test_isolation_runs_from_different_global_states():
+    # (every run started from the same global state passed every broken proposer's test all the same)
+    r = conformance.check_isolation(GlobalStatePeekingDraft, "cpu")
+    assert not r.passed and "does not come from the engine's generator" in r.detail, r.detail
