@@ -545,3 +545,30 @@ def test_isolation_runs_from_different_global_states():
     # (every run started from the same global state passed every broken proposer's test all the same)
     r = conformance.check_isolation(GlobalStatePeekingDraft, "cpu")
     assert not r.passed and "does not come from the engine's generator" in r.detail, r.detail
+
+
+def test_the_exact_distribution_is_taken_at_the_cut_the_samples_were_drawn_at(monkeypatch):
+    # (in a 16-bit dtype a cut that rounding can move is moved, `settled_case`; the reference taken at the nominal
+    # cut while the samples came from the moved one passed every test: none samples in bfloat16 with a cut)
+    import dataclasses
+
+    from specframe.sampling import SamplingParams
+
+    setting = "temperature=0.7,top_p=0.9"
+    moved = dataclasses.replace(conformance.SETTINGS[setting], params=SamplingParams(0.7, 0, 0.85))
+    monkeypatch.setattr(conformance, "settled_case", lambda case, model: (moved, 0.01, 0.2))
+    drawn_at, taken_at = [], []
+    real_exact = conformance.exact_distribution
+    monkeypatch.setattr(
+        conformance,
+        "exact_distribution",
+        lambda model, prompt, length, params: taken_at.append(params) or real_exact(model, prompt, length, params),
+    )
+
+    def counts(decoder, case, n, seed=0, drafts=None):
+        drawn_at.append(case.params)
+        return torch.ones(conformance.SAMPLING_VOCAB**conformance.CONTINUATION, dtype=torch.long)
+
+    monkeypatch.setattr(conformance, "sample_counts", counts)
+    r = conformance.check_sampling(DraftProposer, "cpu", setting, samples=10, confirm=False)
+    assert drawn_at == taken_at == [moved.params] and "at top_p=0.85" in r.detail, r.detail
