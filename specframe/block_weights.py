@@ -232,9 +232,8 @@ def _built_library(rebuild: bool = False) -> Path:
         version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise _NoKernel(f"the C compiler {shlex.join(compiler)!r} did not run: {e}") from e
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), shlex.join(compiler), version, *FLAGS]).encode()).hexdigest()[
-        :16
-    ]
+    made_by = "\0".join([SOURCE.read_text(), shlex.join(compiler), version, *FLAGS])
+    key = hashlib.sha256(made_by.encode()).hexdigest()[:16]
     from specframe.models import cache_dir
 
     path = cache_dir() / "kernels" / f"block_weights-{key}.so"
@@ -282,9 +281,6 @@ class DerivedCopies(dict):
         return type(self)()
 
 
-_BLOCKS = "_specframe_blocks"  # a weight's attribute: DerivedCopies {"key": (address, version), "blocks": ...}
-
-
 def tensor_version(t: torch.Tensor) -> int:
     """`t._version`, or -1 for an inference-mode tensor (which has no version counter)."""
     try:
@@ -293,11 +289,11 @@ def tensor_version(t: torch.Tensor) -> int:
         return -1
 
 
-# A weight's attributes holding what is derived from it (DerivedCopies each): its blocks {"key": (address,
-# version), "blocks": ...}; other copies by slot {slot: ((address, version), copy)} (`kept_copy`: MKL-packed ones
-# by row count, `specframe.cpu_kernels`); and a sample of the numbers they were all made from {"numbers": ...}
-# (`note_numbers`).
+# A weight's attributes holding what is derived from it (DerivedCopies each): its copies by slot {slot: ((address,
+# version), copy)} (`kept_copy`: its blocks under BLOCKS_SLOT, its MKL-packed copies by row count,
+# `specframe.cpu_kernels`); and a sample of the numbers they were all made from {"numbers": ...} (`note_numbers`).
 _KEPT = "_specframe_kept"
+BLOCKS_SLOT = "blocks"
 _NOTED_NUMBERS = "_specframe_copied_from"
 SAMPLE_SIDE = 16  # a weight's sampled numbers: at most this many rows and columns, spread over it
 
@@ -357,7 +353,7 @@ def note_numbers(weight: torch.Tensor) -> None:
 
 def drop_derived_copies(weight: torch.Tensor) -> None:
     """Free `weight`'s blocks and MKL-packed copies (made again when next used), and its noted sample."""
-    for name in (_BLOCKS, _KEPT, _NOTED_NUMBERS):
+    for name in (_KEPT, _NOTED_NUMBERS):
         weight.__dict__.pop(name, None)
 
 
@@ -377,19 +373,14 @@ def kept_copy(weight: torch.Tensor, slot: Hashable, make: Callable[[], Any]) -> 
 
 def weight_blocks(weight: torch.Tensor) -> BlockWeights | None:
     """`block_grid(weight)`, kept beside the weight and found again once its address or version changed."""
-    memo = weight.__dict__.get(_BLOCKS)
-    key = (weight.data_ptr(), tensor_version(weight))
-    if memo is None or memo.get("key") != key:
-        before_copying(weight)
-        remember_blocks(weight, block_grid(weight))
-        memo = weight.__dict__[_BLOCKS]
-    return memo["blocks"]
+    return kept_copy(weight, BLOCKS_SLOT, lambda: block_grid(weight))
 
 
 def remember_blocks(weight: torch.Tensor, blocks: BlockWeights | None) -> None:
     """Keep `blocks` as `weight`'s (they must hold its numbers: e.g. a weight's own, once it became a view of a
     buffer with the same numbers, or its parts' blocks joined by `joined_blocks` for a stacked buffer)."""
-    setattr(weight, _BLOCKS, DerivedCopies(key=(weight.data_ptr(), tensor_version(weight)), blocks=blocks))
+    copies = weight.__dict__.setdefault(_KEPT, DerivedCopies())
+    copies[BLOCKS_SLOT] = ((weight.data_ptr(), tensor_version(weight)), blocks)
     note_numbers(weight)
 
 

@@ -10,6 +10,7 @@ import types
 
 import pytest
 import torch
+from tqdm import tqdm  # (its bar disabled: the options say progress=False)
 
 from specframe import bench
 from specframe.cli import main
@@ -912,25 +913,6 @@ def test_a_turn_after_a_difference_is_not_compared():
     assert recs[3]["context_differs"] is True and recs[3]["identical"] is None and recs[3]["difference"] is None
 
 
-class BarStub:
-    """tqdm's bar, doing nothing."""
-
-    def __init__(self, **kwargs):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def update(self, n):
-        pass
-
-    def set_postfix_str(self, text):
-        pass
-
-
 def stub_setup(names, seen):
     """A Setup of methods that record (method, question id, turn, seed) and answer two tokens."""
     from types import SimpleNamespace
@@ -959,7 +941,7 @@ def test_each_question_and_turn_gets_its_own_seed_the_same_for_every_method():
     seen = []
     questions = [Question(3, "qa", "qa", ["a", "b"]), Question(7, "qa", "qa", ["c", "d"])]
     options = BenchOptions(proposers=[], baselines=[], seed=100, progress=False)
-    timed_loop(stub_setup(["x", "y"], seen), questions, options, lambda line: None, BarStub)
+    timed_loop(stub_setup(["x", "y"], seen), questions, options, lambda line: None, tqdm)
     seeds = {(name, seed) for name, _, seed in seen[2:]}  # (after the two warm-up runs)
     assert seeds == {(name, 100 + 10 * q + turn) for name in ("x", "y") for q in (3, 7) for turn in (0, 1)}
 
@@ -980,12 +962,12 @@ def test_a_time_limit_starts_no_question_expected_to_end_after_it(monkeypatch):
     questions = [Question(i, s, s, t) for i, (s, t) in enumerate([("qa", ["t"]), ("rag", ["t"]), ("qa", ["a", "b"])])]
     lines = []
     _, _, ran = timed_loop(setup, questions, BenchOptions(proposers=[], baselines=[], time_limit_s=16,
-                                                          progress=False), lines.append, BarStub)  # fmt: skip
+                                                          progress=False), lines.append, tqdm)  # fmt: skip
     assert [q.question_id for q in ran] == [0, 1]
     assert any("stopped after 2 of 3 questions (10 s timed; the next would end at about 20 s)" in m for m in lines)
     now[0] = 0.0
     _, _, ran = timed_loop(setup, questions, BenchOptions(proposers=[], baselines=[], time_limit_s=20,
-                                                          progress=False), lines.append, BarStub)  # fmt: skip
+                                                          progress=False), lines.append, tqdm)  # fmt: skip
     assert len(ran) == 3  # (expected to end at the limit: it runs)
 
 
@@ -997,7 +979,7 @@ def test_a_time_limit_runs_the_subtasks_in_turn(monkeypatch):
     monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
     questions = [Question(i, s, s, ["t"]) for i, s in enumerate(["qa", "qa", "qa", "rag", "rag", "rag"])]
     options = BenchOptions(proposers=[], baselines=[], time_limit_s=4, progress=False)
-    _, _, ran = timed_loop(stub_setup(["x"], []), questions, options, lambda line: None, BarStub)
+    _, _, ran = timed_loop(stub_setup(["x"], []), questions, options, lambda line: None, tqdm)
     assert 2 <= len(ran) < len(questions)
     assert [q.subtask for q in ran[:2]] == ["qa", "rag"]
 

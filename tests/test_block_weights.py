@@ -122,7 +122,7 @@ def test_blocks_are_not_looked_for_where_the_stock_layout_is_chosen(monkeypatch)
     model = tiny_on_grid()
     use_fast_cpu_kernels(model)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert not any(block_weights._BLOCKS in m.weight.__dict__ for m in linears)
+    assert not any(block_weights.BLOCKS_SLOT in m.weight.__dict__.get(block_weights._KEPT, {}) for m in linears)
 
 
 def test_a_model_on_a_grid_runs_its_blocks_and_gives_the_float32_logits(monkeypatch):
@@ -153,7 +153,7 @@ def test_blocks_are_not_pickled_or_copied_with_a_weight():
     weight = model.lm_head.weight
     assert weight_blocks(weight) is not None
     for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-        assert not other.lm_head.weight.__dict__.get(block_weights._BLOCKS)
+        assert not other.lm_head.weight.__dict__.get(block_weights._KEPT)
         assert weight_blocks(other.lm_head.weight).bits == 8  # (found again for the copy)
         # (an unpickled weight's empty sample was read as one: KeyError 'numbers' when a decoder was built)
         assert lean_forward.forget_outdated_copies(other) == 0

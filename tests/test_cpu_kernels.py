@@ -28,7 +28,8 @@ from specframe.testing.tiny import tiny_llama
 
 def packed_rows(weight: torch.Tensor) -> set[int]:
     """The row counts `weight` has MKL-packed copies kept for."""
-    return {slot[1] for slot in weight.__dict__.get(block_weights._KEPT, {}) if slot[0] == "mkl-packed"}
+    kept = weight.__dict__.get(block_weights._KEPT, {})
+    return {slot[1] for slot in kept if isinstance(slot, tuple) and slot[0] == "mkl-packed"}
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,6 @@
 """The graphed (static-cache) forward, run here without capture (`capture=False`): the same forward on the same
 buffers as on a GPU, where only the capture and replay are added."""
 
-import contextlib
 import re
 
 import pytest
@@ -472,22 +471,11 @@ def test_the_bench_says_when_graphs_were_turned_off_while_it_ran(emulated, monke
     )
 
 
-class NoBar(contextlib.nullcontext):
-    """tqdm's bar, doing nothing."""
-
-    def __init__(self, **kwargs):
-        super().__init__()
-
-    def update(self, n):
-        pass
-
-    def set_postfix_str(self, text):
-        pass
-
-
 def test_the_bench_makes_graph_buffers_for_its_longest_conversation_before_timing(emulated):
     # (else the first prompt to outgrow them captured every graph again inside its timed run)
     from types import SimpleNamespace
+
+    from tqdm import tqdm
 
     from specframe import bench
 
@@ -515,7 +503,7 @@ def test_the_bench_makes_graph_buffers_for_its_longest_conversation_before_timin
     # its own answer and a verification's room (128), 2,148 positions, past 2,048 only with the first answer.
     questions = [bench.Question(1, "qa", "qa", [words(8)]), bench.Question(2, "mt", "mt", [words(1000), words(620)])]
     options = bench.BenchOptions(proposers=[], baselines=[], max_new_tokens=200, progress=False)
-    records, failed, _ = bench.timed_loop(setup, questions, options, lambda line: None, NoBar)
+    records, failed, _ = bench.timed_loop(setup, questions, options, lambda line: None, tqdm)  # (bar disabled)
     assert not failed and [r["new_tokens"] for r in records] == [200] * 3
     assert records[-1]["prompt_tokens"] + 200 + cuda_graphs.MAX_QUERY > 2048 == 2 * cuda_graphs.CAPACITY_STEP
     assert graphs.buffers.capacity > short and graphs.off is None
