@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specframe.errors import ConfigError, ModelLoadError, is_count
+from specframe.proposer import rng_untouched
 
 if TYPE_CHECKING:
     import transformers
@@ -812,7 +813,8 @@ def _apply_adapter(model: Any, adapter: str, base: str, base_dir: Path | None = 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # peft's missing-key warning is replaced by the check below
-            peft_model = PeftModel.from_pretrained(model, str(path), is_trainable=False)
+            with rng_untouched():  # (PEFT initialises the adapter's weights before loading them)
+                peft_model = PeftModel.from_pretrained(model, str(path), is_trainable=False)
     except (*_load_errors(), TypeError, AttributeError) as e:
         raise ModelLoadError(f"{misfit}: {_first_line(e)}") from e
     # peft loads non-strictly: adapter tensors matching no module are dropped silently and missing ones only

@@ -305,3 +305,13 @@ def seeded(seed: int) -> Iterator[None]:
     with _SEEDING, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
+
+
+@contextlib.contextmanager
+def rng_untouched() -> Iterator[None]:
+    """torch's global CPU generator put back after the block: around modules built only to receive saved weights
+    (a trained proposer's, an adapter's), whose initialisers draw from it, so that loading them leaves a user's
+    seeded draws as they were (`torch.manual_seed(0)`, build a decoder, `torch.rand(...)`: the numbers of no
+    build). Holds `seeded`'s lock, so a build in another thread does not draw in between."""
+    with _SEEDING, torch.random.fork_rng(devices=[]):
+        yield

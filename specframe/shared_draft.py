@@ -23,6 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specframe.errors import ConfigError, ModelLoadError, is_count
 from specframe.fingerprint import check_fingerprint, check_vocab_ids, read_artifact, save_weights, target_fingerprint
+from specframe.proposer import rng_untouched
 
 FORMAT = "specframe-shared-draft"
 
@@ -155,7 +156,8 @@ def load_shared_draft(
         raise ModelLoadError(f"{what} is incomplete or corrupt: {type(e).__name__}: {e}") from e
     if not is_count(layers):
         raise ModelLoadError(f"draft '{p}': llama_config.num_hidden_layers must be an integer >= 1, got {layers!r}")
-    draft = build_shared_draft(target, layers, vocab_ids)
+    with rng_untouched():  # (random weights, replaced below)
+        draft = build_shared_draft(target, layers, vocab_ids)
     own = set(own_state_dict(draft))
     missing, unknown = sorted(own - set(state)), sorted(set(state) - own)
     if missing or unknown:
@@ -176,9 +178,10 @@ def load_shared_draft(
 def as_full_vocab_model(draft: LlamaForCausalLM, vocab_ids: torch.Tensor, vocab_size: int) -> LlamaForCausalLM:
     """The same draft with a full-vocabulary head (rows outside `vocab_ids` score -1e4), for libraries that
     need an ordinary causal LM over the target's vocabulary, e.g. transformers' assisted generation."""
-    full = LlamaForCausalLM(LlamaConfig(**{**draft.config.to_dict(), "vocab_size": vocab_size}))
+    with rng_untouched():  # (random weights, all replaced)
+        full = LlamaForCausalLM(LlamaConfig(**{**draft.config.to_dict(), "vocab_size": vocab_size}))
+        head = torch.nn.Linear(draft.config.hidden_size, vocab_size, bias=True)
     full.model = draft.model
-    head = torch.nn.Linear(draft.config.hidden_size, vocab_size, bias=True)
     with torch.no_grad():
         head.weight.zero_()
         head.bias.fill_(-1e4)

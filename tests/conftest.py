@@ -11,6 +11,23 @@ def single_threaded():
 
 
 @pytest.fixture
+def changes_global_rng():
+    """A check: whether `build()` moved torch's global generator (seeded 0 before it: the next draws are compared
+    with seed 0's own). Building a proposer from trained weights must not: a user's `torch.manual_seed(0)`,
+    decoder build, `torch.rand(...)` gives the numbers of no build."""
+    import torch
+
+    def check(build) -> bool:
+        torch.manual_seed(0)
+        expected = torch.rand(4)
+        torch.manual_seed(0)
+        build()
+        return not torch.equal(torch.rand(4), expected)
+
+    return check
+
+
+@pytest.fixture
 def kept_timings(monkeypatch, tmp_path):
     """Timings kept on disk (off elsewhere in the tests: ../conftest.py), under a temporary cache root."""
     from specframe import measurements

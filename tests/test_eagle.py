@@ -207,11 +207,12 @@ def test_training_improves_heldout_top1_and_saves_only_the_drafter(trained):
     assert meta["shape_choice"] == "measured" and not any("cannot be chosen at load" in m for m in logs)
 
 
-def test_saved_drafter_round_trips_and_decodes_exactly(trained):
+def test_saved_drafter_round_trips_and_decodes_exactly(trained, changes_global_rng):
     target, cfg, _, _ = trained
     info = target_info(target)
     config = EagleConfig(model=cfg.out, depth=4, top_k=3, total_tokens=10, dtype="float32")  # exact round trip
     proposer = EagleProposer.from_config(config, info)
+    assert not changes_global_rng(lambda: EagleProposer.from_config(config, info))
     from safetensors.torch import load_file
 
     saved = load_file(f"{cfg.out}/model.safetensors")

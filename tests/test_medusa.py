@@ -142,7 +142,7 @@ def test_a_batch_without_labels_is_skipped(tmp_path):
     assert train_medusa(cfg, target, None, log=lambda m: None)["heldout"]["tree_nodes"] == 4
 
 
-def test_saved_heads_round_trip_and_decode_exactly(trained):
+def test_saved_heads_round_trip_and_decode_exactly(trained, changes_global_rng):
     target, cfg, _ = trained
     info = target_info(target)
     heads, vocab_ids, meta = load_heads(cfg.out, target)
@@ -154,6 +154,7 @@ def test_saved_heads_round_trip_and_decode_exactly(trained):
     assert torch.equal(heads.logits(h, torch.eye(32)), saved.logits(h, torch.eye(32)))
     # The trainer saves `"shape_choice": "measured"`: on a CPU the tree of 1-3 nodes timed fastest at load.
     measured = MedusaProposer.from_config(MedusaConfig(model=cfg.out), info)
+    assert not changes_global_rng(lambda: MedusaProposer.from_config(MedusaConfig(model=cfg.out), info))
     assert meta["shape_choice"] == "measured"
     assert measured.shape_choice.startswith(f"{len(measured.tree)}-node tree (measured: trees of 1-3 nodes, ")
     assert measured.tree == best_tree(meta["path_counts"], len(measured.tree))

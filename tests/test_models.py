@@ -375,10 +375,13 @@ def test_bad_dtype_and_device_through_load_model(tiny_dir: Path) -> None:
 # ------------------------------------------------------------------------------------------------ adapters
 
 
-def test_adapter_is_loaded_and_merged(tiny_dir: Path, lora_dir: Path, tiny_model: LlamaForCausalLM) -> None:
+def test_adapter_is_loaded_and_merged(
+    tiny_dir: Path, lora_dir: Path, tiny_model: LlamaForCausalLM, changes_global_rng
+) -> None:
     from peft import PeftModel
 
     lm = load_model(str(tiny_dir), adapter=str(lora_dir), quiet=True)
+    assert not changes_global_rng(lambda: load_model(str(tiny_dir), adapter=str(lora_dir), quiet=True))
     assert type(lm.model) is LlamaForCausalLM  # merged: the core sees a plain model
     assert str(lora_dir) in lm.source
     ours = logits(lm.model)

@@ -186,9 +186,11 @@ def test_quantize_rounds_the_drafts_own_layers_to_8_bit_blocks_and_stays_exact(t
         DraftConfig(quantize="int4")
 
 
-def test_full_vocab_wrapper_matches_the_reduced_draft(trained):
+def test_full_vocab_wrapper_matches_the_reduced_draft(trained, changes_global_rng):
     target, cfg, _ = trained
     draft, vocab_ids, meta = load_shared_draft(cfg.out, target)
+    assert not changes_global_rng(lambda: DraftProposer.from_config(DraftConfig(model=cfg.out), target_info(target)))
+    assert not changes_global_rng(lambda: as_full_vocab_model(draft, vocab_ids, 16))
     assert meta["format"] == "specframe-shared-draft" and meta["llama_config"]["num_hidden_layers"] == 1
     full = as_full_vocab_model(draft, vocab_ids, 16)
     ids = torch.tensor([[1, 2, 3, 4]])

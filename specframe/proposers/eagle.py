@@ -55,6 +55,7 @@ from specframe.proposer import (
     TargetInfo,
     check_confidence_threshold,
     resolve_confidence_threshold,
+    rng_untouched,
     saved_shape_applies,
     seeded,
 )
@@ -405,7 +406,8 @@ def load_drafter(
             f"{name}: weights do not fit its config: {k} has shape {list(state[k].shape)}, the config "
             f"needs {list(layout[k].shape)}"
         )
-    drafter = EagleDrafter(cfg, tuple(fuse_layers))
+    with rng_untouched():  # (random weights, replaced at once)
+        drafter = EagleDrafter(cfg, tuple(fuse_layers))
     drafter.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     w = target.get_output_embeddings().weight
     drafter = drafter.to(device=w.device, dtype=dtype or w.dtype).attach(target, vocab_ids)

@@ -46,6 +46,7 @@ from specframe.proposer import (
     TargetInfo,
     check_confidence_threshold,
     resolve_confidence_threshold,
+    rng_untouched,
     saved_shape_applies,
     seeded,
 )
@@ -225,7 +226,8 @@ def load_heads(path: str | Path, target: torch.nn.Module) -> tuple[MedusaHeads, 
         raise ModelLoadError(f"medusa heads '{path}' were made for another target: {why}{hint}")
     vocab_ids = check_vocab_ids(listed, vocab, f"medusa heads '{path}'", "medusa_vocab.json")
     try:
-        heads = MedusaHeads(hidden, num_heads, layers)
+        with rng_untouched():  # (random weights, replaced at once)
+            heads = MedusaHeads(hidden, num_heads, layers)
         heads.load_state_dict({k: v.float() for k, v in state.items()})
     except (RuntimeError, TypeError, ValueError) as e:
         raise ModelLoadError(f"medusa heads '{path}': weights do not match medusa_config.json: {e}") from e
