@@ -1,7 +1,7 @@
 """specframe: exact speculative decoding for Hugging Face causal LMs, with pluggable proposers.
 
 The names below (and the submodules, as `specframe.errors`) are imported when first used, so that `import
-specframe` (the CLI's `--help` and `models list`, a plugin's `from specframe import hookimpl`) does not import
+specframe` (the CLI's `--help`, a plugin's `from specframe import hookimpl`) does not import
 PyTorch and transformers (~5 s on a 2-core machine) before anything needs them.
 """
 

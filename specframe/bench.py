@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -671,6 +672,8 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
 
     log = log or (lambda msg: print(f"specframe bench: {msg}", file=sys.stderr, flush=True))
     options.validate()
+    if not plots_possible():  # (said before the run, not found after it)
+        log(f"note: {NO_PLOTS}")
     unused = [flag for flag, off in (("--top-p", options.top_p == 1.0), ("--top-k", options.top_k == 0)) if not off]
     note = greedy_note(unused) if options.greedy else None
     if note:  # (as generate says it: greedy draws nothing)
@@ -750,7 +753,14 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
     return doc
 
 
-REPORT_FILES = ("bench.json", "bench.md", "speedup.png", "accepted_lengths.png")  # what a run writes in --out
+PLOT_FILES = ("speedup.png", "accepted_lengths.png")
+REPORT_FILES = ("bench.json", "bench.md", *PLOT_FILES)  # what a run writes in --out
+NO_PLOTS = "matplotlib is not installed, so the report will have no plots (pip install 'specframe[bench]' for them)"
+
+
+def plots_possible() -> bool:
+    """Whether matplotlib (the `bench` extra) is installed; without it a report is written without plots."""
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def bench_keys(name: str, message: str) -> str:
@@ -814,6 +824,8 @@ def render(path: str | Path, out: str | Path | None = None, results_doc: str | N
         results_page(doc)  # (everything the pages read, checked before anything is written)
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise BadInputError(f"'{p}' is an incomplete or damaged bench.json ({type(e).__name__}: {e})") from e
+    if not plots_possible():
+        print(f"specframe bench: note: {NO_PLOTS}", file=sys.stderr)
     write_outputs(doc, Path(out), results_doc)
     return doc
 
@@ -1487,16 +1499,25 @@ def results_page(doc: dict[str, Any], path: str = "docs/results.md") -> str:
     return "\n".join(head + [markdown(doc, plots=False)])
 
 
-def write_outputs(doc: dict[str, Any], out: Path, results_doc: str | None) -> None:
+def write_outputs(doc: dict[str, Any], out: Path, results_doc: str | None) -> list[Path]:
+    """The report's files in `out` and the results page; returns the paths written."""
+    plots = plots_possible()
     out.mkdir(parents=True, exist_ok=True)
     (out / PARTIAL).unlink(missing_ok=True)  # (an earlier, stopped run's records: this run's report replaces them)
     (out / "bench.json").write_text(json.dumps(doc, indent=1))
-    (out / "bench.md").write_text("# specframe bench\n\n" + markdown(doc))
-    write_plots(doc, out)
+    (out / "bench.md").write_text("# specframe bench\n\n" + markdown(doc, plots=plots))
+    written = [out / "bench.json", out / "bench.md"]
+    if plots:
+        written += write_plots(doc, out)
+    else:
+        for name in PLOT_FILES:  # (an earlier run's plots would read as this one's)
+            (out / name).unlink(missing_ok=True)
     if results_doc:
         page = Path(results_doc)
         page.parent.mkdir(parents=True, exist_ok=True)
         page.write_text(results_page(doc, results_doc))
+        written.append(page)
+    return written
 
 
 class quiet_transformers:

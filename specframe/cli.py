@@ -500,6 +500,11 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
     check_seed(args.seed, "--seed", unset="")
     # (the benchmark's own questions are never training prompts, whatever file they come in)
     path = args.prompts or shared_data_file(DEFAULT_PROMPTS)
+    if args.prompts is None and not Path(path).exists():  # (the shared data folder is not part of the package)
+        raise BadInputError(
+            f"the default prompts file '{path}' does not exist (the project's shared data, beside its checkout): "
+            'give --prompts FILE, a JSONL file with one {"id": ..., "prompt": ...} object per line'
+        )
     empty: list[str] = []
     prompts = read_prompts(path, benchmark_turns=default_benchmark_turns(), empty=empty, limit=args.limit)
     if empty:
@@ -593,7 +598,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise
     doc = run_bench(options)
     print("\n".join(main_table(doc)))
-    wrote = [f"{options.out}/bench.json", f"{options.out}/bench.md", f"{options.out}/*.png"]
+    from specframe.bench import plots_possible
+
+    wrote = [f"{options.out}/bench.json", f"{options.out}/bench.md"] + (
+        [f"{options.out}/*.png"] if plots_possible() else []
+    )
     print(f"wrote {', '.join(wrote + ([options.results_doc] if options.results_doc else []))}", file=sys.stderr)
     return 0
 

@@ -66,7 +66,10 @@ def target_info(model: torch.nn.Module, tokenizer: Any = None, name: str = "") -
 class SpeculativeDecoder:
     """Speculative decoding of one target model with one proposer (batch 1). Building one also prepares the
     target's forward (`specframe.lean_forward.engine_forward`: its first-use check, on a few tokens, and on
-    specframe's CPU kernels its stacked products and their layouts), so that the first call's time is decoding."""
+    specframe's CPU kernels its stacked products and their layouts), so that the first call's time is decoding.
+    The layouts are timed for torch's thread count at the build: a call after `torch.set_num_threads` changed it
+    to a count this machine has not timed yet times them first (a few seconds, said on stderr; once per machine
+    and count, kept in ~/.cache/specframe/layouts)."""
 
     def __init__(
         self,

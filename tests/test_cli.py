@@ -476,6 +476,16 @@ def test_distill_counts_below_one_are_refused_before_the_model_loads(capsys, tmp
     assert not (tmp_path / "d.jsonl").exists()
 
 
+def test_distill_without_the_shared_prompts_says_to_give_prompts(capsys, tmp_path, monkeypatch):
+    import specframe.data
+
+    absent = tmp_path / "shared" / "data" / "train_prompts" / "prompts.jsonl"
+    monkeypatch.setattr(specframe.data, "shared_data_file", lambda relative: absent)  # (as outside a checkout)
+    code, out, err = run(capsys, "data", "distill", "--out", str(tmp_path / "d.jsonl"))
+    assert code == 2 and f"the default prompts file '{absent}' does not exist" in err and "give --prompts FILE" in err
+    assert not (tmp_path / "d.jsonl").exists()
+
+
 def test_an_unknown_option_after_overrides_is_refused_not_dropped(capsys, tiny_dirs):
     # (KEY=VALUE items after a later option join the overrides only when nothing else is left over: with an
     # unknown option among them, all were taken and the option silently dropped)

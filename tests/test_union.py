@@ -224,7 +224,9 @@ def test_a_member_that_is_installed_but_not_usable_is_named_so(monkeypatch):
     registry.autoload = True
     monkeypatch.setattr(plugins, "_registry", registry)
     with pytest.raises(
-        ConfigError, match=r"unknown proposer 'ngram'; installed: .* \(the specframe-ngram plugin: pip install"
+        ConfigError,
+        match=r"unknown proposer 'ngram'; installed: .* \('ngram' comes from the specframe-ngram plugin, "
+        r"plugins/specframe-ngram in specframe's repository: pip install \./plugins/specframe-ngram\)",
     ):
         UnionConfig(members=["ngram"])
 

@@ -106,7 +106,12 @@ class UnionConfig:
                 registry.get(name)
             except BadInputError as e:  # (the registry's words: unknown, contested, plugins not loaded)
                 missing = name == "ngram" and registry.autoload and name not in registry.contested
-                hint = " (the specframe-ngram plugin: pip install plugins/specframe-ngram)" if missing else ""
+                hint = (  # (the bench's words for it)
+                    " ('ngram' comes from the specframe-ngram plugin, plugins/specframe-ngram in specframe's "
+                    "repository: pip install ./plugins/specframe-ngram)"
+                    if missing
+                    else ""
+                )
                 raise ConfigError(f"proposer.members: {e}{hint}; set proposer.members to installed proposers") from e
         if not isinstance(self.options, Mapping):
             raise ConfigError(f"proposer.options must map member names to their options, got {self.options!r}")
