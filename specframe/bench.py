@@ -814,7 +814,7 @@ def render(path: str | Path, out: str | Path | None = None, results_doc: str | N
     check_report_paths(out, results_doc)
     try:
         doc = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:  # (ValueError: not JSON, or not UTF-8)
+    except (OSError, ValueError, RecursionError) as e:  # (not JSON, not UTF-8, nested too deeply)
         raise BadInputError(f"cannot read bench results '{p}': {e}") from e
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise BadInputError(f"'{p}' is not a specframe bench.json")

@@ -97,7 +97,7 @@ def read_jsonl(
                 continue
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, RecursionError) as e:  # (RecursionError: nested too deeply to parse)
                 if unfinished_tail and not line.endswith("\n"):
                     return
                 raise BadInputError(f"{what} '{path}' line {number}: not JSON ({e})") from e

@@ -216,7 +216,8 @@ def read_artifact(folder: Path, kind: str, what: str) -> tuple[dict[str, Any], A
         meta = json.loads((folder / f"{kind}_config.json").read_text())
         listed = json.loads((folder / f"{kind}_vocab.json").read_text())
         tensors = load_file(folder / "model.safetensors")
-    except (OSError, ValueError, SafetensorError) as e:  # (json.JSONDecodeError is a ValueError)
+    except (OSError, ValueError, RecursionError, SafetensorError) as e:  # (JSONDecodeError is a ValueError; a
+        # RecursionError: JSON nested too deeply for Python's parser)
         raise ModelLoadError(f"{what} is incomplete or corrupt: {type(e).__name__}: {e}") from e
     if not isinstance(meta, dict):
         raise ModelLoadError(f"{what} is incomplete or corrupt: {kind}_config.json holds no JSON object")

@@ -460,7 +460,14 @@ def _hushed_stderr(quiet: bool) -> Iterator[None]:
 
 def _load_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean "these files cannot be loaded" rather than a bug in our code."""
-    errors: list[type[BaseException]] = [OSError, ValueError, KeyError, RuntimeError]
+    errors: list[type[BaseException]] = [
+        OSError,
+        ValueError,
+        KeyError,
+        RuntimeError,
+        RecursionError,
+    ]  # (RecursionError:
+    # JSON nested too deeply to parse)
     try:
         from safetensors import SafetensorError
 

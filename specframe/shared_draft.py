@@ -36,7 +36,7 @@ def is_shared_draft(path: str | Path) -> bool:
         return False
     try:
         meta = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, ValueError, RecursionError):  # (not JSON, not UTF-8, nested too deeply: named at load)
         return True
     return not isinstance(meta, dict) or meta.get("format") == FORMAT
 
@@ -156,6 +156,13 @@ def load_shared_draft(
         raise ModelLoadError(f"{what} is incomplete or corrupt: {type(e).__name__}: {e}") from e
     if not is_count(layers):
         raise ModelLoadError(f"draft '{p}': llama_config.num_hidden_layers must be an integer >= 1, got {layers!r}")
+    held = {k.split(".")[2] for k in state if k.startswith("model.layers.")}
+    if layers > len(held):  # (before building: the layers a config claims are allocated, as many as it says)
+        absent = next(i for i in range(len(held) + 1) if str(i) not in held)
+        raise ModelLoadError(
+            f"draft '{p}' is missing weights: layer {absent} on (draft_config.json says {layers} layers, its weights "
+            f"hold {len(held)})"
+        )
     with rng_untouched():  # (random weights, replaced below)
         draft = build_shared_draft(target, layers, vocab_ids)
     own = set(own_state_dict(draft))

@@ -363,6 +363,15 @@ def test_a_folder_given_as_a_data_file_is_named_as_one(tmp_path):
         read_prompts(tmp_path)
 
 
+def test_json_nested_too_deeply_is_named_with_its_line(tmp_path):
+    from specframe.data import read_jsonl
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"a": 1}\n' + "[" * 200_000 + "\n")
+    with pytest.raises(BadInputError, match=r"data '.*d.jsonl' line 2: not JSON \(maximum recursion depth"):
+        list(read_jsonl(path, "data"))  # (before: Python's RecursionError, exit 1)
+
+
 def test_a_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
     from specframe.data import read_jsonl
 

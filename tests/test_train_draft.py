@@ -585,6 +585,10 @@ def test_init_from_refuses_what_it_cannot_continue(trained, tmp_path):
         (lambda d: (d / "draft_vocab.json").write_text("[1, 1]"), "lists a token id more than once"),
         (lambda d: edit_meta(d, lambda m: m.pop("target")), "target fingerprint is missing"),
         (lambda d: edit_meta(d, lambda m: m["llama_config"].update(num_hidden_layers=2)), "is missing weights"),
+        (  # (refused before any is built: a hostile config could claim millions)
+            lambda d: edit_meta(d, lambda m: m["llama_config"].update(num_hidden_layers=200)),
+            "is missing weights: layer 1 on \\(draft_config.json says 200 layers, its weights hold 1\\)",
+        ),
         (lambda d: edit_meta(d, lambda m: m.pop("llama_config")), "incomplete or corrupt: KeyError"),
         (lambda d: edit_meta(d, lambda m: m["llama_config"].update(num_hidden_layers="x")), "must be an integer"),
         (lambda d: truncate(d / "model.safetensors"), "incomplete or corrupt: SafetensorError"),
@@ -603,7 +607,12 @@ def test_a_damaged_draft_folder_is_named(trained, tmp_path, damage, message):
 
 
 @pytest.mark.parametrize(
-    "text, message", [("[1]", "draft_config.json holds no JSON object"), ("{not json", "JSONDecodeError")]
+    "text, message",
+    [
+        ("[1]", "draft_config.json holds no JSON object"),
+        ("{not json", "JSONDecodeError"),
+        ("[" * 200_000, "RecursionError"),  # (nested too deeply for Python's parser: was exit 1, unnamed)
+    ],
 )
 def test_a_damaged_draft_config_is_named_by_the_proposer(trained, tmp_path, text, message):
     # (not "has no config.json", as if the folder were meant as a Hugging Face model)

@@ -246,7 +246,7 @@ def checkpoint_state(folder: Path) -> dict:
     """A checkpoint's state.json (its progress and run identity); a damaged one is named as such."""
     try:
         state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # (not UTF-8, not JSON, nested too deeply)
         raise damaged_checkpoint(folder, f"state.json: {e}") from None
     epoch = state.get("epoch") if isinstance(state, dict) else None
     if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
@@ -478,8 +478,10 @@ def check_same_split(cfg: TrainRunConfig) -> None:
         return  # (a missing or foreign start is the trainer's own error to name)
     try:
         trained = json.loads((Path(start) / f"{kind}_config.json").read_text()).get("train_config") or {}
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, RecursionError, AttributeError):
         return  # (likewise: a damaged start is named when it is loaded)
+    if not isinstance(trained, dict):
+        return
     option = "train.init_from" if getattr(cfg, "init_from", "") else "train.init_heads"
     seed, fraction = trained.get("seed", cfg.seed), trained.get("heldout_fraction", cfg.heldout_fraction)
     # (a smaller fraction with the same seed holds out a subset of the start's held-out prompts: allowed)
