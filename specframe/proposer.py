@@ -293,6 +293,11 @@ def validate_proposal(
     return ProposalStructure(tokens, parents, deterministic, depths)
 
 
+# The most draft nodes a built-in tree proposer verifies per step, from a config or a saved artifact (EAGLE-2 uses
+# 60, Medusa 64): a verification forward's tree attention grows with the square of its nodes, so a mistaken or
+# hostile medusa_config.json of 37,448 nodes took 16 GB and 89 s for 16 tokens of a tiny target.
+MAX_TREE_NODES = 1024
+
 _SEEDING = threading.RLock()  # (re-entrant: a build may call another seeded build)
 
 

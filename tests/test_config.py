@@ -272,6 +272,8 @@ def test_a_config_file_whose_proposer_section_names_none_keeps_its_options(tmp_p
         (lambda: MedusaConfig(tree=[[True]]), r"proposer.tree: each choice must be a non-empty list of ranks"),
         (lambda: MedusaConfig(tree_nodes="5"), "proposer.tree_nodes must be an integer or unset, got '5'"),
         (lambda: EagleConfig(depth=2.0), "proposer.depth must be an integer or unset, got 2.0"),
+        (lambda: EagleConfig(total_tokens=1025), r"proposer.total_tokens must be an integer in \[1, 1024\], got 1025"),
+        (lambda: MedusaConfig(tree_nodes=1025), r"proposer.tree_nodes must be in \[1, 1024\], got 1025"),
         (lambda: DraftTrainConfig(epochs="3"), "train.epochs must be an integer, got '3'"),
         (lambda: EagleTrainConfig(prompt_positions=1), "train.prompt_positions must be true or false, got 1"),
     ],

@@ -48,6 +48,7 @@ def test_untrained_heads_are_the_target_lm_head():
         ([[0], [-1]], "ranks >= 0"),
         ([], "empty"),
         ([[0], [0, 0], [0, 0, 0]], "deeper than the 2 heads"),
+        ([[0]] + [[0, r] for r in range(1024)], "has 1025 choices, more than the 1024 a tree may have"),
     ],
 )
 def test_bad_trees_are_refused(tree, message):
@@ -208,6 +209,7 @@ def test_heads_for_another_target_are_refused(trained, tmp_path):
         ({"version": 9}, "version 9; this specframe reads 1"),
         ({"tree": 5}, "medusa_config.json's tree: must be a list of choices, got 5"),
         ({"tree": [[0, 1]]}, r"medusa_config.json's tree: choice \[0, 1\] has no parent"),
+        ({"tree": [[r] for r in range(1025)]}, "medusa_config.json's tree: has 1025 choices, more than the 1024"),
         ({"path_counts": "x"}, "path_counts must be"),
         ({"path_counts": {"positions": 3, "counts": {"0": -5}}}, "path_counts must be"),
     ],

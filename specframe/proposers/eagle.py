@@ -48,6 +48,7 @@ from specframe.errors import ConfigError, ModelLoadError, brief, check_field_typ
 from specframe.lean_forward import forget_outdated_copies
 from specframe.models import check_proposer_dtype, check_proposer_quantize, proposer_dtype, quantize_proposer
 from specframe.proposer import (
+    MAX_TREE_NODES,
     Acceptance,
     DecodeState,
     Proposal,
@@ -103,6 +104,7 @@ class EagleConfig:
     # the shape saved with the drafter (tuned on held-out training prompts), else 5 / 6 / 24; on a CPU, a drafter
     # saved with `"shape_choice": "measured"` drafts the shape timed fastest at load (`measured_candidates`).
     # Setting any of the three sets the whole shape: the others are then the device's defaults, not the saved ones.
+    # Each at most MAX_TREE_NODES (1024), the config's and the saved shape's alike.
     depth: int | None = None
     # Tree mode: children proposed per frontier node, and frontier nodes kept per level.
     top_k: int | None = None
@@ -130,8 +132,8 @@ class EagleConfig:
         check_field_types(self, "proposer.")
         for key in SHAPE_KEYS:
             value = getattr(self, key)
-            if value is not None and not is_count(value):
-                raise ConfigError(f"proposer.{key} must be an integer >= 1, got {value!r}")
+            if value is not None and not (is_count(value) and value <= MAX_TREE_NODES):
+                raise ConfigError(f"proposer.{key} must be an integer in [1, {MAX_TREE_NODES}], got {value!r}")
         if not isinstance(self.tree, bool):
             raise ConfigError(f"proposer.tree must be true or false, got {self.tree!r}")
         unused = [k for k in ("top_k", "total_tokens") if not self.tree and getattr(self, k) is not None]
@@ -489,8 +491,10 @@ class EagleProposer(Proposer):
             raise ModelLoadError(f"tree_shape {where} must be an object, got {shape!r}")
         for key in SHAPE_KEYS:
             value = shape.get(key)
-            if value is not None and not is_count(value):
-                raise ModelLoadError(f"tree_shape.{key} {where} must be an integer >= 1, got {value!r}")
+            if value is not None and not (is_count(value) and value <= MAX_TREE_NODES):  # (verified every step)
+                raise ModelLoadError(
+                    f"tree_shape.{key} {where} must be an integer in [1, {MAX_TREE_NODES}], got {value!r}"
+                )
         check_confidence_threshold(shape.get("confidence_threshold"), f"tree_shape.confidence_threshold {where}")
         # The saved shape is one shape, tuned whole: a user who sets any of its keys gets the device's defaults for
         # the others (a saved one-node shape would cap `proposer.depth=5` at one node). The threshold still applies.

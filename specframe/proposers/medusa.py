@@ -39,6 +39,7 @@ from specframe.fingerprint import (
 )
 from specframe.models import check_proposer_dtype, proposer_dtype
 from specframe.proposer import (
+    MAX_TREE_NODES,
     Acceptance,
     DecodeState,
     Proposal,
@@ -80,7 +81,8 @@ class MedusaConfig:
     # The tree as Medusa-style choices, e.g. [[0], [1], [0, 0]]; None = the tree saved with the heads (on a CPU,
     # heads saved with `"shape_choice": "measured"`: the 1-3 node tree timed fastest at load, step_costs.py).
     tree: list[list[int]] | None = None
-    # Rebuild the tree with this many nodes from the path statistics saved with the heads; None = as saved.
+    # Rebuild the tree with this many nodes from the path statistics saved with the heads; None = as saved. A tree
+    # (this, `tree` or the saved one) has at most MAX_TREE_NODES (1024) nodes.
     tree_nodes: int | None = None
     # Drop tree nodes whose path probability (the product of each head's probability for the node's token along
     # the path) is below this: the tree shrinks, to its first node (always kept; head 1's best token unless
@@ -96,8 +98,8 @@ class MedusaConfig:
         check_field_types(self, "proposer.")
         if self.tree is not None:
             check_tree(self.tree, num_heads=None)
-        if self.tree_nodes is not None and self.tree_nodes < 1:  # (an integer: checked above)
-            raise ConfigError(f"proposer.tree_nodes must be >= 1, got {self.tree_nodes!r}")
+        if self.tree_nodes is not None and not 1 <= self.tree_nodes <= MAX_TREE_NODES:  # (an integer: checked above)
+            raise ConfigError(f"proposer.tree_nodes must be in [1, {MAX_TREE_NODES}], got {self.tree_nodes!r}")
         if self.tree is not None and self.tree_nodes is not None:
             raise ConfigError("proposer.tree and proposer.tree_nodes are exclusive: give one")
         check_confidence_threshold(self.confidence_threshold)
@@ -113,6 +115,8 @@ def check_tree(tree: list, num_heads: int | None) -> list[tuple[int, ...]]:
         paths.append(tuple(c))
     if not paths:
         raise ConfigError("proposer.tree is empty")
+    if len(paths) > MAX_TREE_NODES:  # (each one verified every step)
+        raise ConfigError(f"proposer.tree has {len(paths)} choices, more than the {MAX_TREE_NODES} a tree may have")
     if len(set(paths)) != len(paths):
         raise ConfigError("proposer.tree has a repeated choice")
     present = set(paths)
