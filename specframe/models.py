@@ -510,6 +510,11 @@ def _from_pretrained(src: str, what: str, **kwargs: Any) -> transformers.PreTrai
             f"weights of {what} do not match its config: {name} has shape {list(found)} in the checkpoint, "
             f"{list(expected)} in the config"
         ) from e
+    if getattr(model, "_hf_peft_config_loaded", False):  # (a hub repo holding an adapter: applied unasked)
+        raise ModelLoadError(
+            f"model {what} holds a PEFT adapter (adapter_config.json), which transformers applied to it unasked: "
+            "specframe applies adapters only as target.adapter (checked and merged), with target.model its base"
+        )
     # transformers only warns about weights the checkpoint lacks and initialises them randomly: a silently
     # different model. Refuse instead.
     missing = sorted(info.get("missing_keys") or ())
@@ -576,6 +581,11 @@ def _load_hf_dir(path: Path, kwargs: dict[str, Any]) -> tuple[Any, Any]:
                 "once, where you trust the file: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir)"
             )
         raise ModelLoadError(f"model directory {path} has no weights: no *.safetensors file")
+    if (path / "adapter_config.json").is_file():  # (transformers would apply it unasked, and unchecked)
+        raise ModelLoadError(
+            f"model directory {path} also holds a PEFT adapter (adapter_config.json): specframe applies an adapter "
+            "only when asked, as target.adapter with target.model its base; keep the adapter in a folder of its own"
+        )
     # use_safetensors=True: never fall back to a pickle, even one sitting next to the safetensors.
     model = _from_pretrained(str(path), str(path), use_safetensors=True, **kwargs)
     tokenizer = None
@@ -624,14 +634,17 @@ def _load_gguf(path: Path, kwargs: dict[str, Any]) -> tuple[Any, Any]:
     try:
         # dequantize=True: a plain dense model. Left packed (when the `kernels` package is installed), transformers
         # swaps in GGUF linear layers and its own attention, which the core's custom masks and exactness tests
-        # are not written against.
-        model = _from_pretrained(
-            str(path.parent),
-            str(path),
-            gguf_file=str(path),
-            quantization_config=GgufConfig(gguf_file=str(path), dequantize=True),
-            **kwargs,
-        )
+        # are not written against. From the file alone: given the file's folder, transformers applies a PEFT
+        # adapter lying beside it.
+        with tempfile.TemporaryDirectory(prefix="specframe-gguf-") as alone:
+            (Path(alone) / path.name).symlink_to(path.resolve())
+            model = _from_pretrained(
+                alone,
+                str(path),
+                gguf_file=path.name,
+                quantization_config=GgufConfig(gguf_file=str(path), dequantize=True),
+                **kwargs,
+            )
     except ModelLoadError as e:
         cause = str(e.__cause__ or "")
         if "not supported" in cause:

@@ -677,6 +677,33 @@ def test_a_gguf_s_tokenizer_comes_from_the_file_not_its_folder(tmp_path: Path, t
     assert lm.tokenizer.name_or_path == str(folder / "model.gguf")
 
 
+def test_a_gguf_is_loaded_alone_not_with_an_adapter_beside_it(
+    tmp_path: Path, tiny_gguf: Path, lora_dir: Path, tiny_model: LlamaForCausalLM
+) -> None:
+    # (given the file's folder, transformers applied a PEFT adapter lying there, unasked and unchecked: a GGUF
+    # downloaded next to some adapter ran as another model)
+    folder = tmp_path / "downloads"
+    folder.mkdir()
+    (folder / "model.gguf").write_bytes(tiny_gguf.read_bytes())
+    for f in lora_dir.iterdir():
+        shutil.copy(f, folder)
+    lm = load_model(str(folder / "model.gguf"), quiet=True)
+    assert type(lm.model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    assert torch.equal(logits(lm.model), logits(tiny_model))
+
+
+def test_a_model_folder_holding_an_adapter_is_refused(tmp_path: Path, tiny_dir: Path, lora_dir: Path) -> None:
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_dir, folder)
+    for f in lora_dir.iterdir():
+        shutil.copy(f, folder)
+    with pytest.raises(ModelLoadError, match=r"also holds a PEFT adapter \(adapter_config.json\).*target.adapter"):
+        load_model(str(folder), quiet=True)
+    # transformers' own load of it (what a hub repo holding an adapter gets) is refused after the fact
+    with pytest.raises(ModelLoadError, match=r"holds a PEFT adapter .*which transformers applied to it unasked"):
+        sm._from_pretrained(str(folder), "org/model", use_safetensors=True)
+
+
 # ------------------------------------------------------------------------------------------------ aliases and pulls
 
 
