@@ -23,9 +23,12 @@ Spec-Bench is for measurement only; prompts that look like Spec-Bench questions 
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import re
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -269,12 +272,6 @@ def distill(
     With a `tag`, responses get the id "<prompt id>#<tag>", so one file can hold several responses per prompt
     (e.g. a greedy pass and a sampled one): a pass is resumed by its own ids. `raw`: the prompt text as it is,
     without the chat template (as `specframe generate --raw` gives it; for base models, which have none)."""
-    from tqdm import tqdm
-
-    from specframe.decoder import eos_token_ids
-    from specframe.fingerprint import data_fingerprint, same_data_target
-    from specframe.models import neutral_generation_config
-
     check_tag(tag)
     check_seed(seed, "seed", unset="")
     if not raw and not getattr(tokenizer, "chat_template", None):
@@ -284,6 +281,58 @@ def distill(
         )
     out = Path(user_path(str(out_path)))
     check_output_path(out, "--out", folder=False)
+    with only_writer(out):
+        return _append_responses(
+            model, tokenizer, prompts, out, max_new_tokens, batch_size, max_prompt_tokens, temperature, seed, quiet,
+            tag, raw,
+        )  # fmt: skip
+
+
+@contextlib.contextmanager
+def only_writer(out: Path) -> Iterator[None]:
+    """This process as the only distill run writing to `out` for the duration: another one is refused (each would
+    answer the same prompts, and the repeated ids make the file unreadable; one could also cut the line the other
+    is writing, taking it for a crash's). An exclusive lock on a file named after `out`'s path in the temporary
+    folder (released when the process ends, however it ends); unlocked where the system has no `fcntl`."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    key = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]
+    lock = Path(tempfile.gettempdir()) / f"specframe-distill-{key}.lock"
+    with open(lock, "a") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BadInputError(
+                f"--out '{out}' is being written by another distill run: wait for it to end (it can then be resumed "
+                "with the same command), or give another --out"
+            ) from None
+        yield  # (the lock goes with the file's closing)
+
+
+def _append_responses(
+    model: torch.nn.Module,
+    tokenizer,
+    prompts: list[dict],
+    out: Path,
+    max_new_tokens: int,
+    batch_size: int,
+    max_prompt_tokens: int,
+    temperature: float,
+    seed: int,
+    quiet: bool,
+    tag: str,
+    raw: bool,
+) -> int:
+    """`distill`'s work, under its lock on `out`."""
+    from tqdm import tqdm
+
+    from specframe.decoder import eos_token_ids
+    from specframe.fingerprint import data_fingerprint, same_data_target
+    from specframe.models import neutral_generation_config
+
     # (read before the unfinished last line is mended, so a file that is not distillation data is refused
     # untouched; the rows are the same after it: a whole last row is read, a cut one skipped and then removed)
     existing = read_distill(out, unfinished_tail=True) if out.exists() else []

@@ -897,9 +897,10 @@ def pull_default_model(
     problem = _cache_problem(final, checksums=verify)
     if problem is None and not force:
         return final
-    if problem and problem != "not cached":
+    replace = "any" if force else "none"
+    if problem and problem != "not cached" and not force:
         _say(quiet, f"the cached copy of {alias} at {final} is {problem}: pulling it again")
-        force = True  # (replace the damaged copy)
+        replace = "damaged"  # (unless another process has replaced it meanwhile)
     root = final.parent
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -936,7 +937,7 @@ def pull_default_model(
             partial.chmod(0o755)
             for f in partial.iterdir():
                 f.chmod(0o644)
-            _publish(partial, final, replace=force)
+            _publish(partial, final, replace=replace, checksums=verify)
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
@@ -944,22 +945,28 @@ def pull_default_model(
     return final
 
 
-def _publish(partial: Path, final: Path, *, replace: bool) -> None:
-    """Rename the finished `partial` dir to `final` atomically, replacing a broken copy (any copy with `replace`)."""
-    if not replace and _is_cached(final):  # another process finished the same pull first: keep theirs
+def _publish(partial: Path, final: Path, *, replace: str, checksums: bool = False) -> None:
+    """Rename the finished `partial` dir to `final`. `replace`: "any" replaces whatever copy is there (a forced
+    pull), "damaged" and "none" only a copy that is not whole, checked as the pull checked it (`checksums`): by now
+    another process may have put a whole one in place, and theirs is kept. For processes reading the cache
+    meanwhile, the old copy is moved aside and the new one renamed in right after (two renames), and only then is
+    the old one deleted."""
+    if replace != "any" and _cache_problem(final, checksums=checksums and replace == "damaged") is None:
         shutil.rmtree(partial, ignore_errors=True)
         return
-    if final.exists():
-        trash = final.with_name(f".{final.name}.old-{os.getpid()}-{time.time_ns()}")
-        os.replace(final, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+    trash = final.with_name(f".{final.name}.old-{os.getpid()}-{time.time_ns()}")
     try:
-        os.replace(partial, final)
-    except OSError:
-        if _is_cached(final):  # another process published the same model first: keep theirs
-            shutil.rmtree(partial, ignore_errors=True)
-            return
-        raise
+        with contextlib.suppress(FileNotFoundError):  # (none there, or another process moved it first)
+            os.replace(final, trash)
+        try:
+            os.replace(partial, final)
+        except OSError:
+            if _is_cached(final):  # another process published the same model first: keep theirs
+                shutil.rmtree(partial, ignore_errors=True)
+                return
+            raise
+    finally:
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def _remove_stale_partials(root: Path, alias: str) -> None:

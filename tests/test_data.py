@@ -45,6 +45,24 @@ def test_greedy_pass_is_the_target_greedy_response_and_resumes(tokenizer, tmp_pa
     assert run(model, tokenizer, out) == 0  # resumed: every prompt is done
 
 
+def test_a_second_run_on_the_same_out_is_refused_while_the_first_writes(tokenizer, tmp_path):
+    # (two runs on one --out each answered every prompt: 80 rows for 40 prompts, and the repeated ids made the
+    # file unreadable for good; the second could also cut the line the first was writing, as a crash's)
+    from specframe.data import only_writer
+
+    model = tiny_llama(vocab_size=8, seed=0)
+    out = tmp_path / "d.jsonl"
+    run(model, tokenizer, out)
+    half = out.read_bytes() + b'{"id": "being written'
+    out.write_bytes(half)
+    with only_writer(tmp_path / "." / "d.jsonl"):  # (the same file, however it is named)
+        with pytest.raises(BadInputError, match=r"--out '.*d.jsonl' is being written by another distill run"):
+            run(model, tokenizer, out, tag="s1", temperature=0.7, seed=1)
+        assert out.read_bytes() == half
+    out.write_bytes(half[: half.rindex(b"\n") + 1])
+    assert run(model, tokenizer, out, tag="s1", temperature=0.7, seed=1) == len(PROMPTS)  # (released)
+
+
 def test_a_resume_ends_or_removes_an_unfinished_last_line(tokenizer, tmp_path, capsys):
     model = tiny_llama(vocab_size=8, seed=0)
     whole = tmp_path / "whole.jsonl"

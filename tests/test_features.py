@@ -180,3 +180,36 @@ def test_other_responses_under_the_same_ids_never_reuse_a_cache_file(tmp_path):
     extract_features(target, a, cache_dir=tmp_path / "f", quiet=True)
     got = extract_features(target, b, cache_dir=tmp_path / "f", quiet=True)
     assert got[0].ids.tolist() == [1, 2, 3, 9, 9, 9]
+
+
+def test_cache_saves_write_files_of_their_own_and_leave_nothing_when_interrupted(tmp_path, monkeypatch):
+    # (trainers of one sweep sharing the cache saved the same key through one fixed temp name: the second one's
+    # rename failed after all its extraction work, and a reader could open the file the second was writing)
+    from pathlib import Path
+
+    import pytest
+
+    from specframe.training import features
+
+    written = []
+    real = features.save_weights
+
+    def spy(tensors, path, metadata=None):
+        written.append(Path(path))
+        real(tensors, path, metadata)
+
+    monkeypatch.setattr(features, "save_weights", spy)
+    target = tmp_path / "features-k.safetensors"
+    for _ in range(2):
+        features._save(target, {"x": torch.ones(2)}, {"a": "b"})
+    assert len(set(written)) == 2 and all(p.parent == tmp_path and p != target for p in written)
+    assert [p.name for p in tmp_path.iterdir()] == [target.name]
+
+    def interrupted(tensors, path, metadata=None):
+        Path(path).write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(features, "save_weights", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        features._save(tmp_path / "features-j.safetensors", {"x": torch.ones(2)}, {})
+    assert [p.name for p in tmp_path.iterdir()] == [target.name]

@@ -806,6 +806,41 @@ def test_alias_from_env_gguf(
     assert sm._is_cached(cached) and [p.name for p in (home / "models").iterdir()] == ["tiny-test"]
 
 
+def test_publishing_a_copy_never_leaves_the_cache_without_one(
+    home: Path, fake_alias: ModelAlias, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Other processes may be loading the cached copy while one replaces it (a forced pull, a repair): the old copy
+    is deleted only after the new one is in place (before, it was deleted first: 70 ms without a model on
+    SmolLM2, and a load in another process failed then). A repair finding a whole copy put there meanwhile by
+    another process keeps that one."""
+    monkeypatch.setenv(fake_alias.wheel_env, str(tiny_gguf))
+    cached = pull_default_model("tiny-test", quiet=True)
+    deleted_with_a_copy_in_place = []
+    real_rmtree = sm.shutil.rmtree
+
+    def rmtree(path: Path, *args: object, **kwargs: object) -> None:
+        if ".old-" in Path(path).name and Path(path).exists():
+            deleted_with_a_copy_in_place.append(sm._is_cached(cached))
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(sm.shutil, "rmtree", rmtree)
+    assert pull_default_model("tiny-test", quiet=True, force=True) == cached
+    assert deleted_with_a_copy_in_place == [True]
+    assert [p.name for p in (home / "models").iterdir()] == ["tiny-test"]  # (nothing left aside)
+    # A repair whose damaged copy another process has replaced with a whole one keeps theirs.
+    theirs = (cached / sm._MARKER).read_text()
+    ours = Path(sm.tempfile.mkdtemp(dir=home / "models"))
+    (ours / "mine").write_text("x")
+    sm._publish(ours, cached, replace="damaged")
+    assert not ours.exists() and (cached / sm._MARKER).read_text() == theirs and not (cached / "mine").exists()
+    # A copy moved away by another process between the check and the move: published all the same.
+    real_rmtree(cached)
+    ours.mkdir()
+    (ours / "mine").write_text("x")
+    sm._publish(ours, cached, replace="any")
+    assert (cached / "mine").is_file() and not ours.exists()
+
+
 def test_a_damaged_cached_copy_is_named_and_pulled_again(
     home: Path, fake_alias: ModelAlias, tiny_gguf: Path, tiny_model: LlamaForCausalLM, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],

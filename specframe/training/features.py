@@ -28,7 +28,9 @@ import copy
 import hashlib
 import itertools
 import json
+import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,10 +199,18 @@ def split_features(cfg, target: torch.nn.Module, train_ex: list, held_ex: list, 
 
 
 def _save(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+    """Written beside `path` under a name of its own, then renamed to it: a reader never sees a half-written file,
+    and trainers saving the same key at once (a sweep sharing the cache) do not write into one file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_weights(tensors, tmp, metadata=meta)
-    tmp.rename(path)  # atomic: an interrupted run never leaves a half-written cache behind
+    fd, name = tempfile.mkstemp(prefix=f"{path.stem}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        save_weights(tensors, tmp, metadata=meta)
+        os.replace(tmp, path)  # (another trainer's file of the same key holds the same features)
+    except BaseException:  # an interrupted save leaves nothing behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _cache_files(cache_dir: Path, context: str, wanted: tuple[int, ...]):
