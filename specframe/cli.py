@@ -487,7 +487,15 @@ def merged_options(path: str | None, overrides: list[str]) -> Any:
 
 def cmd_data_distill(args: argparse.Namespace) -> int:
     from specframe.bench import default_benchmark_turns
-    from specframe.data import DEFAULT_PROMPTS, check_tag, distill, read_distill, read_prompts, shared_data_file
+    from specframe.data import (
+        DEFAULT_PROMPTS,
+        check_tag,
+        distill,
+        only_writer,
+        read_distill,
+        read_prompts,
+        shared_data_file,
+    )
     from specframe.sampling import check_sampling, check_seed
 
     check_tag(args.tag)  # (distill checks these two too; here they fail before the model loads)
@@ -510,24 +518,27 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
     if empty:
         shown = ", ".join(empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
         print(f"skipping {len(empty)} empty prompt{'s' * (len(empty) > 1)} in '{path}': {shown}", file=sys.stderr)
-    if Path(args.out).is_file():  # (before the model loads; distill checks it again, then appends)
-        read_distill(args.out, unfinished_tail=True)
-    loaded = load_target(args, dtype=args.dtype)
-    if loaded.tokenizer is None:
-        raise BadInputError(f"target '{args.target}' has no tokenizer: distillation needs one to encode the prompts")
-    added = distill(
-        loaded.model,
-        loaded.tokenizer,
-        prompts,
-        args.out,
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size,
-        max_prompt_tokens=args.max_prompt_tokens,
-        temperature=args.temperature,
-        seed=args.seed,
-        tag=args.tag,
-        raw=args.raw,
-    )
+    with only_writer(args.out):  # (before the model loads: a second run on the same file is refused at once)
+        if Path(args.out).is_file():  # (before the model loads; distill checks it again, then appends)
+            read_distill(args.out, unfinished_tail=True)
+        loaded = load_target(args, dtype=args.dtype)
+        if loaded.tokenizer is None:
+            raise BadInputError(
+                f"target '{args.target}' has no tokenizer: distillation needs one to encode the prompts"
+            )
+        added = distill(
+            loaded.model,
+            loaded.tokenizer,
+            prompts,
+            args.out,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            max_prompt_tokens=args.max_prompt_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            tag=args.tag,
+            raw=args.raw,
+        )
     created = "" if Path(args.out).exists() else f" ('{args.out}' was not created)"
     print(f"added {added} response{'' if added == 1 else 's'} to {args.out}{created}", file=sys.stderr)
     return 0

@@ -24,11 +24,10 @@ Spec-Bench is for measurement only; prompts that look like Spec-Bench questions 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
+import os
 import re
 import sys
-import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -221,7 +220,7 @@ def end_unfinished_line(path: Path, quiet: bool = False) -> None:
         tail = f.read()
         try:
             whole = isinstance(json.loads(tail), dict)
-        except ValueError:
+        except (ValueError, RecursionError):  # (RecursionError: nested too deeply to parse)
             whole = False
         if whole:
             f.write(b"\n")
@@ -288,28 +287,51 @@ def distill(
         )  # fmt: skip
 
 
+_WRITING: set[str] = set()  # the --out files this process holds the lock of (`only_writer` is re-entrant)
+
+
 @contextlib.contextmanager
-def only_writer(out: Path) -> Iterator[None]:
+def only_writer(out: str | Path) -> Iterator[None]:
     """This process as the only distill run writing to `out` for the duration: another one is refused (each would
     answer the same prompts, and the repeated ids make the file unreadable; one could also cut the line the other
-    is writing, taking it for a crash's). An exclusive lock on a file named after `out`'s path in the temporary
-    folder (released when the process ends, however it ends); unlocked where the system has no `fcntl`."""
+    is writing, taking it for a crash's). An exclusive lock on `.<name>.lock` beside `out` (kept there; released
+    when the process ends, however it ends); unlocked where the system has no `fcntl`, or no lock can be had there
+    (a read-only folder, a file system without locks): the run goes on rather than being refused."""
+    out = Path(user_path(str(out))).resolve()
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows
+        fcntl = None
+    if fcntl is None or str(out) in _WRITING:
         yield
         return
-    key = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]
-    lock = Path(tempfile.gettempdir()) / f"specframe-distill-{key}.lock"
-    with open(lock, "a") as f:
+    lock = out.with_name(f".{out.name}.lock")
+    made_folder = not out.parent.exists()
+    try:  # (read-only: whoever may write --out may lock it, whoever made the lock file)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o666)
+    except OSError:
+        yield
+        return
+    _WRITING.add(str(out))
+    try:
         try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise BadInputError(
                 f"--out '{out}' is being written by another distill run: wait for it to end (it can then be resumed "
                 "with the same command), or give another --out"
             ) from None
-        yield  # (the lock goes with the file's closing)
+        except OSError:  # (a file system without locks)
+            pass
+        yield
+    finally:
+        _WRITING.discard(str(out))
+        os.close(fd)  # (the lock goes with it, as with the process however it ends)
+        if made_folder and not out.exists():  # (nothing written: no folder made either)
+            with contextlib.suppress(OSError):
+                lock.unlink()
+                out.parent.rmdir()
 
 
 def _append_responses(

@@ -160,7 +160,7 @@ def _cache_problem(path: Path, checksums: bool = False) -> str | None:
         marker = json.loads((path / _MARKER).read_text())
     except FileNotFoundError:  # (the pull writes it last: without it, nothing whole was cached)
         return "not cached"
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # (RecursionError: nested too deeply to parse)
         return f"damaged: {_MARKER} is unreadable"
     if not (path / "config.json").is_file():
         return "not cached"

@@ -317,6 +317,8 @@ def rng_untouched() -> Iterator[None]:
     """torch's global CPU generator put back after the block: around modules built only to receive saved weights
     (a trained proposer's, an adapter's), whose initialisers draw from it, so that loading them leaves a user's
     seeded draws as they were (`torch.manual_seed(0)`, build a decoder, `torch.rand(...)`: the numbers of no
-    build). Holds `seeded`'s lock, so a build in another thread does not draw in between."""
+    build). Holds `seeded`'s lock, so a build in another thread does not draw in between (draws another thread
+    makes outside that lock meanwhile are undone too, as with `seeded`; and code inside a `seeded` block must not
+    wait on another thread that builds from saved weights: it would wait for the lock)."""
     with _SEEDING, torch.random.fork_rng(devices=[]):
         yield

@@ -163,6 +163,15 @@ def load_shared_draft(
             f"draft '{p}' is missing weights: layer {absent} on (draft_config.json says {layers} layers, its weights "
             f"hold {len(held)})"
         )
+    target_layers = getattr(getattr(target, "model", None), "layers", None)
+    if target_layers:  # (a draft layer is shaped as the target's: each one's weights whole, before any is built)
+        shapes = {k: tuple(v.shape) for k, v in target_layers[0].state_dict().items()}
+        for i in range(layers):
+            for name, shape in shapes.items():
+                saved = state.get(f"model.layers.{i}.{name}")
+                if saved is None or tuple(saved.shape) != shape:
+                    found = "missing" if saved is None else f"of shape {list(saved.shape)}, not {list(shape)}"
+                    raise ModelLoadError(f"draft '{p}' has weights that do not fit: model.layers.{i}.{name} is {found}")
     with rng_untouched():  # (random weights, replaced below)
         draft = build_shared_draft(target, layers, vocab_ids)
     own = set(own_state_dict(draft))

@@ -45,9 +45,13 @@ def test_greedy_pass_is_the_target_greedy_response_and_resumes(tokenizer, tmp_pa
     assert run(model, tokenizer, out) == 0  # resumed: every prompt is done
 
 
-def test_a_second_run_on_the_same_out_is_refused_while_the_first_writes(tokenizer, tmp_path):
+def test_a_second_run_on_the_same_out_is_refused_while_the_first_writes(tokenizer, tmp_path, capsys):
     # (two runs on one --out each answered every prompt: 80 rows for 40 prompts, and the repeated ids made the
     # file unreadable for good; the second could also cut the line the first was writing, as a crash's)
+    import fcntl
+    import os
+
+    from specframe.cli import main
     from specframe.data import only_writer
 
     model = tiny_llama(vocab_size=8, seed=0)
@@ -55,12 +59,24 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_writes(tokenize
     run(model, tokenizer, out)
     half = out.read_bytes() + b'{"id": "being written'
     out.write_bytes(half)
-    with only_writer(tmp_path / "." / "d.jsonl"):  # (the same file, however it is named)
+    held = os.open(tmp_path / ".d.jsonl.lock", os.O_RDONLY)  # (the lock file beside it, as another run holds it)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
         with pytest.raises(BadInputError, match=r"--out '.*d.jsonl' is being written by another distill run"):
             run(model, tokenizer, out, tag="s1", temperature=0.7, seed=1)
         assert out.read_bytes() == half
+        # the command refuses it before loading the model (here, one that does not exist)
+        (tmp_path / "p.jsonl").write_text(json.dumps(PROMPTS[0]) + "\n")
+        capsys.readouterr()
+        argv = ["data", "distill", "--out", str(tmp_path / "." / "d.jsonl"), "--target", str(tmp_path / "absent")]
+        assert main([*argv, "--prompts", str(tmp_path / "p.jsonl")]) == 2
+        err = capsys.readouterr().err
+        assert "is being written by another distill run" in err and "absent" not in err, err
+    finally:
+        os.close(held)
     out.write_bytes(half[: half.rindex(b"\n") + 1])
-    assert run(model, tokenizer, out, tag="s1", temperature=0.7, seed=1) == len(PROMPTS)  # (released)
+    with only_writer(out):  # (a run's own lock: the run inside it goes on)
+        assert run(model, tokenizer, out, tag="s1", temperature=0.7, seed=1) == len(PROMPTS)
 
 
 def test_a_resume_ends_or_removes_an_unfinished_last_line(tokenizer, tmp_path, capsys):

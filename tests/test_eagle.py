@@ -655,6 +655,23 @@ def test_unset_tree_keys_fit_the_set_ones(given, shape):
     assert (proposer.depth, proposer.top_k, proposer.total_tokens) == shape
 
 
+def test_a_shape_that_would_score_too_many_candidates_a_step_is_refused(trained):
+    # (each key under MAX_TREE_NODES, but depth x top_k^2 candidates scored a step: depth 128 with top_k 1024 did
+    # not finish 130 tokens of a tiny target in 100 s)
+    info = target_info(target16())
+    message = r"scores depth x top_k\^2 = 147456 candidates a step \(top_k in effect 12\), more than the 65536"
+    with pytest.raises(ConfigError, match=message):
+        EagleProposer.random(info, EagleConfig(depth=1024, top_k=1024, total_tokens=1024))
+    EagleProposer.random(info, EagleConfig(depth=455, top_k=1024, total_tokens=1024))  # 455 x 144 = 65520: drafts
+    target, cfg, _, _ = trained  # likewise a drafter's saved shape
+    meta = json.loads(open(f"{cfg.out}/eagle_config.json").read())
+    meta["tree_shape"] = {"depth": 1024, "top_k": 1024, "total_tokens": 1024}
+    shutil.copytree(cfg.out, Path(cfg.out).parent / "wide")
+    (Path(cfg.out).parent / "wide" / "eagle_config.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match="more than the 65536 a tree may"):
+        EagleProposer.from_config(EagleConfig(model=str(Path(cfg.out).parent / "wide")), target_info(target))
+
+
 @pytest.mark.parametrize("depth, total_tokens", [(1, 3), (3, 4), (2, 2), (4, 9)])
 def test_top_k_beyond_total_tokens_drafts_the_same_tree(depth, total_tokens):
     """A node's children beyond the best total_tokens are never kept: they are not made (a top_k of 4,096 with

@@ -213,3 +213,16 @@ def test_cache_saves_write_files_of_their_own_and_leave_nothing_when_interrupted
     with pytest.raises(KeyboardInterrupt):
         features._save(tmp_path / "features-j.safetensors", {"x": torch.ones(2)}, {})
     assert [p.name for p in tmp_path.iterdir()] == [target.name]
+    # A killed save (SIGKILL, out of memory) leaves its temp file: the next save removes it once it is stale, and
+    # leaves a younger one (another trainer's, being written) alone.
+    import os
+    import time
+
+    killed, writing = tmp_path / "features-j.abc.tmp", tmp_path / "features-k.def.tmp"
+    killed.write_bytes(b"x")
+    writing.write_bytes(b"x")
+    old = time.time() - features.STALE_SAVE_S - 1
+    os.utime(killed, (old, old))
+    monkeypatch.setattr(features, "save_weights", real)
+    features._save(target, {"x": torch.ones(2)}, {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [writing.name, target.name]

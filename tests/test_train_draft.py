@@ -589,6 +589,14 @@ def test_init_from_refuses_what_it_cannot_continue(trained, tmp_path):
             lambda d: edit_meta(d, lambda m: m["llama_config"].update(num_hidden_layers=200)),
             "is missing weights: layer 1 on \\(draft_config.json says 200 layers, its weights hold 1\\)",
         ),
+        (  # (layers claimed by a token tensor each: counted by name, they passed, and were all built)
+            lambda d: (edit_meta(d, lambda m: m["llama_config"].update(num_hidden_layers=3)), stub_layers(d, 1, 2)),
+            r"has weights that do not fit: model.layers.1.self_attn.q_proj.weight is missing",
+        ),
+        (
+            lambda d: stretch(d, "model.layers.0.mlp.up_proj.weight"),
+            r"model.layers.0.mlp.up_proj.weight is of shape \[65, 32\], not \[64, 32\]",
+        ),
         (lambda d: edit_meta(d, lambda m: m.pop("llama_config")), "incomplete or corrupt: KeyError"),
         (lambda d: edit_meta(d, lambda m: m["llama_config"].update(num_hidden_layers="x")), "must be an integer"),
         (lambda d: truncate(d / "model.safetensors"), "incomplete or corrupt: SafetensorError"),
@@ -637,6 +645,22 @@ def edit_meta(folder, change):
     meta = json.loads((folder / "draft_config.json").read_text())
     change(meta)
     (folder / "draft_config.json").write_text(json.dumps(meta))
+
+
+def stub_layers(folder, *layers):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    tensors.update({f"model.layers.{i}.stub": torch.zeros(0) for i in layers})
+    save_file(tensors, folder / "model.safetensors")
+
+
+def stretch(folder, name):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    tensors[name] = torch.zeros(tensors[name].shape[0] + 1, *tensors[name].shape[1:], dtype=tensors[name].dtype)
+    save_file(tensors, folder / "model.safetensors")
 
 
 def truncate(file, size=100):

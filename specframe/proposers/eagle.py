@@ -77,6 +77,10 @@ FORMAT = "specframe-eagle"
 DEFAULT_TREE_SHAPE = {"depth": 5, "top_k": 6, "total_tokens": 24}
 ACCELERATOR_TREE_SHAPE = {"depth": 6, "top_k": 10, "total_tokens": 60}
 SHAPE_KEYS = ("depth", "top_k", "total_tokens")  # the keys of a draft shape (config, saved tree_shape)
+# The most candidates a tree may score while drafting one step: depth x k^2, k = min(top_k, vocabulary,
+# total_tokens) nodes a frontier with k children each (the shapes above: 180 and 600). Each key is capped at
+# MAX_TREE_NODES, but depth 1024 with top_k 1024 would score a billion candidates a step.
+MAX_DRAFT_CANDIDATES = 65536
 
 # Weight names the drafter stores (everything else is the target's or recomputed).
 OWN_PREFIXES = ("fc.", "layer.", "norm.", "fuse.", "fuse_norms.")
@@ -447,6 +451,14 @@ class EagleProposer(Proposer):
         self.total_tokens = config.total_tokens if config.total_tokens is not None else shape["total_tokens"]
         if config.tree:
             self._fit_tree_shape(config, vocab_ids.numel())
+            k = min(self.top_k, vocab_ids.numel(), self.total_tokens)
+            if self.depth * k * k > MAX_DRAFT_CANDIDATES:
+                raise ConfigError(
+                    f"the tree shape depth {self.depth}, top_k {self.top_k}, total_tokens {self.total_tokens} "
+                    f"(proposer.* over the drafter's saved tree_shape) scores depth x top_k^2 = {self.depth * k * k} "
+                    f"candidates a step (top_k in effect {k}), more than the {MAX_DRAFT_CANDIDATES} a tree may: set "
+                    "a smaller depth or top_k"
+                )
         self.shape_choice: str | None = None  # how the shape was measured on this machine (use_fastest_shape)
         self.measured_shape: str | None = None  # that shape in a few words, e.g. "chain of 2" (None: not measured)
         threshold = resolve_confidence_threshold(

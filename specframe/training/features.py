@@ -24,6 +24,7 @@ The file's metadata records `base_key` (the key without extra layers), `context`
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import itertools
@@ -31,6 +32,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +53,8 @@ class FeatureSequence:
     id: str = ""  # the example's id (split train / held-out by it)
     extra: torch.Tensor | None = None  # [T, len(layers) * hidden] bfloat16: the extra layers asked for, or None
 
+
+STALE_SAVE_S = 3600  # a cache file's temp file untouched this long is a killed save's (removed at the next save)
 
 # Config keys that name or describe the model rather than change its forward pass (and "_"-private ones).
 _CONFIG_NOT_IN_FORWARD = frozenset(
@@ -202,6 +206,10 @@ def _save(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) ->
     """Written beside `path` under a name of its own, then renamed to it: a reader never sees a half-written file,
     and trainers saving the same key at once (a sweep sharing the cache) do not write into one file."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob("features-*.tmp"):  # a killed save's (a writer's file is younger: it writes)
+        with contextlib.suppress(OSError):
+            if time.time() - stale.stat().st_mtime > STALE_SAVE_S:
+                stale.unlink()
     fd, name = tempfile.mkstemp(prefix=f"{path.stem}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(name)
