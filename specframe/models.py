@@ -964,6 +964,9 @@ def _publish(partial: Path, final: Path, *, replace: str, checksums: bool = Fals
             if _is_cached(final):  # another process published the same model first: keep theirs
                 shutil.rmtree(partial, ignore_errors=True)
                 return
+            with contextlib.suppress(OSError):  # (no new copy in place: the old one back, whatever it was)
+                if not final.exists() and trash.exists():
+                    os.replace(trash, final)
             raise
     finally:
         shutil.rmtree(trash, ignore_errors=True)

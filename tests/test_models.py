@@ -833,6 +833,10 @@ def test_publishing_a_copy_never_leaves_the_cache_without_one(
     (ours / "mine").write_text("x")
     sm._publish(ours, cached, replace="damaged")
     assert not ours.exists() and (cached / sm._MARKER).read_text() == theirs and not (cached / "mine").exists()
+    # A new copy that cannot be renamed in (here: gone) leaves the old one where it was.
+    with pytest.raises(OSError):
+        sm._publish(home / "models" / "gone", cached, replace="any")
+    assert (cached / sm._MARKER).read_text() == theirs
     # A copy moved away by another process between the check and the move: published all the same.
     real_rmtree(cached)
     ours.mkdir()
