@@ -460,14 +460,8 @@ def _hushed_stderr(quiet: bool) -> Iterator[None]:
 
 def _load_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean "these files cannot be loaded" rather than a bug in our code."""
-    errors: list[type[BaseException]] = [
-        OSError,
-        ValueError,
-        KeyError,
-        RuntimeError,
-        RecursionError,
-    ]  # (RecursionError:
-    # JSON nested too deeply to parse)
+    # (RecursionError: JSON nested too deeply for Python's parser)
+    errors: list[type[BaseException]] = [OSError, ValueError, KeyError, RuntimeError, RecursionError]
     try:
         from safetensors import SafetensorError
 
