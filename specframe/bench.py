@@ -1499,16 +1499,15 @@ def results_page(doc: dict[str, Any], path: str = "docs/results.md") -> str:
     return "\n".join(head + [markdown(doc, plots=False)])
 
 
-def write_outputs(doc: dict[str, Any], out: Path, results_doc: str | None) -> list[Path]:
-    """The report's files in `out` and the results page; returns the paths written."""
+def write_outputs(doc: dict[str, Any], out: Path, results_doc: str | None) -> None:
+    """The report's files in `out` (the plots where matplotlib is installed) and the results page."""
     plots = plots_possible()
     out.mkdir(parents=True, exist_ok=True)
     (out / PARTIAL).unlink(missing_ok=True)  # (an earlier, stopped run's records: this run's report replaces them)
     (out / "bench.json").write_text(json.dumps(doc, indent=1))
     (out / "bench.md").write_text("# specframe bench\n\n" + markdown(doc, plots=plots))
-    written = [out / "bench.json", out / "bench.md"]
     if plots:
-        written += write_plots(doc, out)
+        write_plots(doc, out)
     else:
         for name in PLOT_FILES:  # (an earlier run's plots would read as this one's)
             (out / name).unlink(missing_ok=True)
@@ -1516,8 +1515,6 @@ def write_outputs(doc: dict[str, Any], out: Path, results_doc: str | None) -> li
         page = Path(results_doc)
         page.parent.mkdir(parents=True, exist_ok=True)
         page.write_text(results_page(doc, results_doc))
-        written.append(page)
-    return written
 
 
 class quiet_transformers:

@@ -307,7 +307,7 @@ def seeded(seed: int) -> Iterator[None]:
     weights, since PyTorch's module initialisers draw from that generator. One such block runs at a time in the
     process, so builds in parallel threads each get their own seed's weights (a thread that draws from the
     global generator outside such a block still interferes)."""
-    with _SEEDING, torch.random.fork_rng(devices=[]):
+    with rng_untouched():
         torch.manual_seed(seed)
         yield
 
