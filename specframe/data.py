@@ -28,6 +28,7 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -287,51 +288,91 @@ def distill(
         )  # fmt: skip
 
 
-_WRITING: set[str] = set()  # the --out files this process holds the lock of (`only_writer` is re-entrant)
+_WRITING: dict[str, int] = {}  # the --out files this process holds the lock of: the thread's (re-entrant in it)
 
 
 @contextlib.contextmanager
 def only_writer(out: str | Path) -> Iterator[None]:
     """This process as the only distill run writing to `out` for the duration: another one is refused (each would
     answer the same prompts, and the repeated ids make the file unreadable; one could also cut the line the other
-    is writing, taking it for a crash's). An exclusive lock on `.<name>.lock` beside `out` (kept there; released
-    when the process ends, however it ends); unlocked where the system has no `fcntl`, or no lock can be had there
-    (a read-only folder, a file system without locks): the run goes on rather than being refused."""
+    is writing, taking it for a crash's). An exclusive lock on `.<name>.lock` beside `out`, removed at the end
+    (the lock is released when the process ends, however it ends; a file a killed run left is locked again);
+    unlocked where the system has no `fcntl`, or no lock can be had there (a read-only folder, a file system
+    without locks): the run goes on rather than being refused. Folders made for `out` are removed again when
+    nothing was written."""
     out = Path(user_path(str(out))).resolve()
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows
         fcntl = None
-    if fcntl is None or str(out) in _WRITING:
+    writer = _WRITING.get(str(out))
+    if writer is not None and writer != threading.get_ident():
+        raise BadInputError(
+            f"--out '{out}' is being written by another distill run in this process (another thread): give another "
+            "--out"
+        )
+    if fcntl is None or writer is not None:
         yield
         return
     lock = out.with_name(f".{out.name}.lock")
-    made_folder = not out.parent.exists()
-    try:  # (read-only: whoever may write --out may lock it, whoever made the lock file)
+    made = [folder for folder in (out.parent, *out.parent.parents) if not folder.exists()]  # (deepest first)
+    try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o666)
+        fd = _locked(lock, fcntl)
+    except BlockingIOError:
+        _remove_folders(made)
+        raise BadInputError(
+            f"--out '{out}' is being written by another distill run: wait for it to end (it can then be resumed "
+            "with the same command), or give another --out"
+        ) from None
     except OSError:
         yield
         return
-    _WRITING.add(str(out))
+    _WRITING[str(out)] = threading.get_ident()
     try:
+        yield
+    finally:
+        del _WRITING[str(out)]
+        with contextlib.suppress(OSError):  # (while held: a run that opened it meanwhile sees it gone, in _locked)
+            lock.unlink()
+        os.close(fd)
+        if not out.exists():  # (nothing written: no folders made either)
+            _remove_folders(made)
+
+
+def _locked(lock: Path, fcntl) -> int:
+    """A descriptor of `lock` holding its exclusive lock (unlocked where the file system has no locks), or
+    BlockingIOError while another process holds it. The file locked is the one at `lock` once locked: a run that
+    ends removes its lock file, and one that opened that file before it went retries on the file now there."""
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        except PermissionError:  # (another user's file: read-only opens lock too, except on NFS)
+            fd = os.open(lock, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise BadInputError(
-                f"--out '{out}' is being written by another distill run: wait for it to end (it can then be resumed "
-                "with the same command), or give another --out"
-            ) from None
+            os.close(fd)
+            raise
         except OSError:  # (a file system without locks)
-            pass
-        yield
-    finally:
-        _WRITING.discard(str(out))
-        os.close(fd)  # (the lock goes with it, as with the process however it ends)
-        if made_folder and not out.exists():  # (nothing written: no folder made either)
-            with contextlib.suppress(OSError):
-                lock.unlink()
-                out.parent.rmdir()
+            return fd
+        try:
+            now = os.stat(lock)
+        except FileNotFoundError:
+            now = None
+        held = os.fstat(fd)
+        if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            return fd
+        os.close(fd)
+
+
+def _remove_folders(folders: list[Path]) -> None:
+    """Empty folders removed, deepest first (one that is not empty, or not there, ends it)."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def _append_responses(

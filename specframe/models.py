@@ -578,7 +578,8 @@ def _load_hf_dir(path: Path, kwargs: dict[str, Any]) -> tuple[Any, Any]:
     if (path / "adapter_config.json").is_file():  # (transformers would apply it unasked, and unchecked)
         raise ModelLoadError(
             f"model directory {path} also holds a PEFT adapter (adapter_config.json): specframe applies an adapter "
-            "only when asked, as target.adapter with target.model its base; keep the adapter in a folder of its own"
+            "only when asked, as target.adapter with target.model its base; keep the adapter in a folder of its own "
+            "(or, where the folder's weights already have it merged in, remove the stray adapter_config.json)"
         )
     # use_safetensors=True: never fall back to a pickle, even one sitting next to the safetensors.
     model = _from_pretrained(str(path), str(path), use_safetensors=True, **kwargs)
@@ -639,6 +640,8 @@ def _load_gguf(path: Path, kwargs: dict[str, Any]) -> tuple[Any, Any]:
                 quantization_config=GgufConfig(gguf_file=str(path), dequantize=True),
                 **kwargs,
             )
+        # (the folder loaded from is gone: the model names the file's own folder, as PEFT's adapters then record)
+        model.name_or_path = model.config._name_or_path = str(path.resolve().parent)
     except ModelLoadError as e:
         cause = str(e.__cause__ or "")
         if "not supported" in cause:

@@ -308,7 +308,7 @@ def seeded(seed: int) -> Iterator[None]:
     process, so builds in parallel threads each get their own seed's weights (a thread that draws from the
     global generator outside such a block still interferes)."""
     with rng_untouched():
-        torch.manual_seed(seed)
+        torch.random.default_generator.manual_seed(seed)  # (torch.manual_seed would reseed the GPUs' generators too)
         yield
 
 

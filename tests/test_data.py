@@ -59,7 +59,7 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_writes(tokenize
     run(model, tokenizer, out)
     half = out.read_bytes() + b'{"id": "being written'
     out.write_bytes(half)
-    held = os.open(tmp_path / ".d.jsonl.lock", os.O_RDONLY)  # (the lock file beside it, as another run holds it)
+    held = os.open(tmp_path / ".d.jsonl.lock", os.O_RDWR | os.O_CREAT)  # (the lock file beside it, held by a run)
     fcntl.flock(held, fcntl.LOCK_EX)
     try:
         with pytest.raises(BadInputError, match=r"--out '.*d.jsonl' is being written by another distill run"):
@@ -77,6 +77,72 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_writes(tokenize
     out.write_bytes(half[: half.rindex(b"\n") + 1])
     with only_writer(out):  # (a run's own lock: the run inside it goes on)
         assert run(model, tokenizer, out, tag="s1", temperature=0.7, seed=1) == len(PROMPTS)
+
+
+def test_a_distill_run_leaves_no_lock_file_and_no_folders_when_it_wrote_nothing(tokenizer, tmp_path, capsys):
+    from specframe.cli import main
+
+    model = tiny_llama(vocab_size=8, seed=0)
+    out = tmp_path / "runs" / "d.jsonl"
+    run(model, tokenizer, out)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["d.jsonl"]  # (no .d.jsonl.lock left beside it)
+    (tmp_path / "p.jsonl").write_text(json.dumps(PROMPTS[0]) + "\n")
+    argv = ["data", "distill", "--out", str(tmp_path / "n1" / "n2" / "n3" / "d.jsonl"), "--raw"]
+    assert main([*argv, "--target", str(tmp_path / "absent"), "--prompts", str(tmp_path / "p.jsonl")]) == 2
+    assert "absent" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.jsonl", "runs"]  # (n1 and n1/n2 went too)
+
+
+def test_a_lock_file_replaced_while_a_run_opened_it_is_locked_again(tmp_path):
+    # A run opens the lock file just as the run holding it ends (and removes it) and a third run makes a new one
+    # and locks it: the lock then had on the removed file is no lock, and the run tries the file now there.
+    import fcntl
+    import os
+    import types
+
+    from specframe.data import _locked
+
+    lock = tmp_path / ".d.jsonl.lock"
+    lock.touch()
+    third = []
+
+    def flock(fd, how):
+        if not third:  # (between this run's open and its lock: the first ends, a third starts)
+            lock.unlink()
+            third.append(os.open(lock, os.O_RDWR | os.O_CREAT))
+            fcntl.flock(third[0], fcntl.LOCK_EX)
+        fcntl.flock(fd, how)
+
+    try:
+        with pytest.raises(BlockingIOError):
+            _locked(lock, types.SimpleNamespace(flock=flock, LOCK_EX=fcntl.LOCK_EX, LOCK_NB=fcntl.LOCK_NB))
+    finally:
+        os.close(third[0])
+    fd = _locked(lock, fcntl)  # (once the third is done, its file is had)
+    assert os.fstat(fd).st_ino == os.stat(lock).st_ino
+    os.close(fd)
+
+
+def test_another_thread_distilling_to_the_same_out_is_refused(tmp_path):
+    import threading
+
+    from specframe.data import only_writer
+
+    out = tmp_path / "d.jsonl"
+    refused = []
+
+    def other():
+        try:
+            with only_writer(out):
+                refused.append(False)
+        except BadInputError as e:
+            refused.append(str(e))
+
+    with only_writer(out), only_writer(out):  # (re-entrant in its own thread)
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+    assert "being written by another distill run in this process (another thread)" in refused[0]
 
 
 def test_a_resume_ends_or_removes_an_unfinished_last_line(tokenizer, tmp_path, capsys):

@@ -939,6 +939,19 @@ def test_a_seeded_build_may_call_another():
     assert all(torch.equal(a, b) for a, b in zip(built[0].parameters(), alone.parameters(), strict=True))
 
 
+def test_a_seeded_build_leaves_the_gpu_generators_alone(monkeypatch):
+    # (random weights are drawn on the CPU; torch.manual_seed also reseeded every CUDA generator, which the block
+    # does not put back: a user's seeded GPU draws changed)
+    from specframe.proposer import seeded
+
+    reseeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", reseeded.append)
+    with seeded(3):
+        drawn = torch.rand(2)
+    torch.manual_seed(3)
+    assert torch.equal(drawn, torch.rand(2)) and reseeded == [3]  # (only the last: the test's own)
+
+
 def test_a_copied_decoder_has_its_own_lock():
     import copy
 

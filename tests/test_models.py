@@ -631,6 +631,9 @@ def test_offline_a_cached_hub_id_s_own_error_is_shown(
 def test_gguf_file(tiny_gguf: Path, tiny_model: LlamaForCausalLM) -> None:
     lm = load_model(str(tiny_gguf), quiet=True)
     assert lm.source == str(tiny_gguf.resolve())
+    # (the model names the file's folder, which a PEFT adapter made on it records, not the temporary one it was
+    # loaded from)
+    assert lm.model.name_or_path == lm.model.config._name_or_path == str(tiny_gguf.resolve().parent)
     assert type(lm.model) is LlamaForCausalLM and lm.dtype == torch.float32
     assert getattr(lm.model, "hf_quantizer", None) is None  # a plain dense model
     assert torch.equal(logits(lm.model), logits(tiny_model))
