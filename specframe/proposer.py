@@ -46,6 +46,10 @@ class Proposal:
         may be any integer dtype (made int64); floats are refused, not rounded."""
         if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise TypeError(f"Proposal.chain: tokens must be an integer tensor, got {tokens.dtype}")
+        if tokens.dim() > 1 and not (tokens.dim() == 2 and tokens.shape[0] == 1):  # (a batch is not one chain)
+            raise ValueError(
+                f"Proposal.chain: tokens must be one chain, [n] or [1, n], got shape {tuple(tokens.shape)}"
+            )
         n = tokens.numel()
         parents = torch.arange(-1, n - 1, device=tokens.device)
         det = torch.full((n,), deterministic or draft_probs is None, dtype=torch.bool, device=tokens.device)
@@ -219,7 +223,17 @@ def validate_proposal(
     """Raise ProposerError naming `who` unless `p` is a well-formed proposal; return its tree as host lists.
     `device`: where the target's logits are (a tensor's `.device`, so "cuda:0", not "cuda"), and so where sampled
     nodes' draft_probs must be."""
+    try:
+        return _checked_structure(p, vocab_size, max_depth, who, device)
+    except ProposerError:
+        raise
+    except Exception as e:  # (tensors the checks cannot read: a meta tensor's .tolist(), a sparse one's gather)
+        raise ProposerError(f"{who} returned a malformed proposal: {type(e).__name__}: {e}") from e
 
+
+def _checked_structure(
+    p: Proposal, vocab_size: int, max_depth: int, who: str, device: torch.device | None
+) -> ProposalStructure:
     def bad(msg: str) -> ProposerError:
         return ProposerError(f"{who} returned a malformed proposal: {msg}")
 
@@ -243,6 +257,8 @@ def validate_proposal(
         raise bad("tokens and parents must be int64 and deterministic bool: " + ", ".join(wrong))
     if n == 0:
         return ProposalStructure([], [], [], [])
+    if n > MAX_TREE_NODES:  # (verification's tree attention grows with the square of the nodes)
+        raise bad(f"{n} draft nodes; at most {MAX_TREE_NODES} are verified in one step")
     # The structure comes to the host in one transfer, then is checked in Python (a sync per check would stall
     # a GPU several times a step; proposals are small).
     structure = torch.cat([p.tokens, p.parents.to(p.tokens.device), p.deterministic.to(p.tokens.device, torch.long)])
@@ -268,26 +284,30 @@ def validate_proposal(
             raise bad(f"draft_probs must be a [{n}, {vocab_size}] tensor for sampled nodes, got {got}")
         if device is not None and q.device != device:  # (acceptance compares q with the target's p)
             raise bad(f"draft_probs is on {q.device}, the target's logits on {device}")
-        # Rows of deterministic nodes are not read, so not checked; the three checks come back in one transfer.
-        rows, sampled = q.float(), ~p.deterministic.to(q.device)
-        broken = (~torch.isfinite(rows) | (rows < 0)).any(-1)
-        unnormalised = ~torch.isclose(rows.sum(-1), torch.ones_like(rows[:, 0]), rtol=0.0, atol=1e-3)
+        # Only the rows of sampled nodes are read, so only they are checked: two reductions over each (a row's
+        # smallest entry is NaN or negative, or its sum not finite, where it has a NaN, a negative or an infinite
+        # entry), the three checks back in one transfer.
+        nodes = [i for i, d in enumerate(deterministic) if not d]
+        index = torch.tensor(nodes, device=q.device)
+        rows = (q if len(nodes) == n else q.index_select(0, index)).float()
+        smallest, total = rows.amin(-1), rows.sum(-1)
+        broken = ~(smallest >= 0) | ~torch.isfinite(total)
+        unnormalised = ~torch.isclose(total, torch.ones_like(total), rtol=0.0, atol=1e-3)
         # (a sampled token must have been drawn from its row: at q = 0 the rejection rule would accept it always)
-        impossible = rows.gather(1, p.tokens.to(q.device)[:, None])[:, 0] <= 0
-        flags = torch.stack([(broken & sampled).any(), (unnormalised & sampled).any(), (impossible & sampled).any()])
+        impossible = rows.gather(1, p.tokens.to(q.device)[index][:, None])[:, 0] <= 0
+        flags = torch.stack([broken.any(), unnormalised.any(), impossible.any()])
         broken_rows, unnormalised_rows, impossible_token = flags.tolist()
         # (said with the first offending node: only now, on the way to an error, is more read from the device)
         if broken_rows:
-            node = int((broken & sampled).nonzero()[0, 0])
+            node = nodes[int(broken.nonzero()[0, 0])]
             raise bad(f"draft_probs has negative or non-finite entries (node {node}'s row)")
         if unnormalised_rows:
-            node = int((unnormalised & sampled).nonzero()[0, 0])
-            total = float(rows[node].sum())
+            row = int(unnormalised.nonzero()[0, 0])
             short = q.is_floating_point() and q.element_size() < 4
             coarse = f"; it is {q.dtype}: give float32 probabilities" if short else ""
-            raise bad(f"draft_probs rows do not sum to 1 (node {node}'s sums to {total:.6g}{coarse})")
+            raise bad(f"draft_probs rows do not sum to 1 (node {nodes[row]}'s sums to {float(total[row]):.6g}{coarse})")
         if impossible_token:
-            node = int((impossible & sampled).nonzero()[0, 0])
+            node = nodes[int(impossible.nonzero()[0, 0])]
             raise bad(f"node {node}'s token {tokens[node]} has draft probability 0 in its draft_probs row (a sampled "
                       "token must be drawn from its row)")  # fmt: skip
     return ProposalStructure(tokens, parents, deterministic, depths)

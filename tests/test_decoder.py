@@ -386,7 +386,24 @@ L = torch.long
             ),
             "draft_probs is on meta, the target's logits on cpu",
         ),
+        (  # (a row of a deterministic node is not read; the sampled node's row is, and is named by its index)
+            lambda s: Proposal(
+                torch.tensor([1, 2]),
+                torch.tensor([-1, 0]),
+                torch.tensor([True, False]),
+                torch.stack([torch.full((8,), float("nan")), torch.full((8,), 0.5)]),
+            ),
+            "rows do not sum to 1 (node 1's sums to 4)",
+        ),
         (lambda s: Proposal.chain(torch.ones(s.max_depth + 1, dtype=L)), "depth"),
+        (
+            lambda s: Proposal(torch.ones(1025, dtype=L), torch.full((1025,), -1), torch.ones(1025, dtype=torch.bool)),
+            "1025 draft nodes; at most 1024 are verified in one step",
+        ),
+        (  # (one the checks cannot read: named as the proposer's, not a bare NotImplementedError)
+            lambda s: Proposal.chain(torch.tensor([1], device="meta")),
+            "returned a malformed proposal: NotImplementedError",
+        ),
         (lambda s: [1, 2], "expected a Proposal"),
         (lambda s: 1 / 0, "ZeroDivisionError"),
     ],
@@ -396,6 +413,20 @@ def test_malformed_proposals_are_stopped_naming_the_proposer(target, info, make,
     named = f"(?s)proposer 'malformed' \\(plugin 'acme-plugin'\\).*{re.escape(message)}"
     with pytest.raises(ProposerError, match=named):
         dec.generate([1, 2, 3], max_new_tokens=5)
+
+
+def test_only_sampled_nodes_rows_are_read(target, info):
+    # (a deterministic node's row of draft_probs is never read: NaN there is no error)
+    rows = torch.stack([torch.full((8,), float("nan")), torch.nn.functional.one_hot(torch.tensor(2), 8).float()])
+    proposal = Proposal(torch.tensor([1, 2]), torch.tensor([-1, 0]), torch.tensor([True, False]), rows)
+    dec = SpeculativeDecoder(target, Malformed(info, lambda s: proposal if s.max_depth >= 2 else Proposal.empty()))
+    assert len(dec.generate([1, 2, 3], max_new_tokens=5, temperature=1.0, seed=0).token_ids) == 5
+
+
+def test_a_batch_of_chains_is_not_taken_for_one_chain():
+    with pytest.raises(ValueError, match=r"tokens must be one chain, \[n\] or \[1, n\], got shape \(2, 2\)"):
+        Proposal.chain(torch.tensor([[1, 2], [3, 4]]))
+    assert Proposal.chain(torch.tensor([[1, 2]])).tokens.tolist() == [1, 2]
 
 
 def test_draft_vocabulary_mismatch_is_refused(info):
