@@ -149,7 +149,6 @@ bench() {
         local kept="nothing finished"
         [ -f "$WORK/$name/bench.partial.json" ] && kept="the turns it finished are in $name/bench.partial.json"
         say "CUT $name ($(why "$rc" "$seconds")): no report; $kept"
-        FINISHED_OK=$INCOMPLETE
     elif [ "$rc" != 0 ]; then
         fail "$name ($(why "$rc" "$seconds")): $(tail -n +$((mark + 1)) "$LOG" | tail -2)"
     fi

@@ -20,7 +20,10 @@ SUMMARY="$OUT/summary.txt"
 FAILED=0
 START=$(date +%s)
 SF=("$PY" -m specframe)
-say() { echo "$*" | tee -a "$SUMMARY"; }
+say() {  # a line of the summary; one saying a phase was skipped or cut off makes the last line say so
+    case "$1" in SKIP* | CUT*) FINISHED_OK=$INCOMPLETE ;; esac
+    echo "$*" | tee -a "$SUMMARY"
+}
 fail() { say "FAIL $*"; FAILED=1; }
 elapsed() { echo "$(($(date +%s) - START))s"; }
 left() { echo "$(($1 - ($(date +%s) - START)))"; }  # seconds left of a budget of $1 seconds from the start
@@ -30,7 +33,6 @@ phase_limit() { local l; l=$(($(left "$2") - 20)); l=$((l < 0 ? 0 : l)); echo $(
 enough() {  # enough <seconds> <what> <least>: whether a phase given that many seconds is worth starting (else said)
     [ "$1" -ge "$3" ] && return 0
     say "SKIP $2: $1 s of the budget left for it"
-    FINISHED_OK=$INCOMPLETE
     return 1
 }
 INCOMPLETE="no check failed, but not every phase ran to its end (SKIP or CUT above)"

@@ -72,3 +72,21 @@ def test_summary_says_whether_the_checks_ran_through_cuda_graphs(tmp_path):
     assert "PASS conformance (quick) none-float32: 1/1 checks passed (verification forwards as CUDA graphs)" in lines
     assert "PASS conformance (quick) eagle-float32: 1/1 checks passed (CUDA graphs off: capturing failed: OOM)" in lines
     assert "PASS conformance (quick) ngram-float32: 1/1 checks passed" in lines, run.stdout
+
+
+@pytest.mark.parametrize(
+    "line, complete",
+    [
+        ("SKIP benches: no Spec-Bench questions", False),
+        ("CUT bench-graphs (cut off by its 300 s time limit): no report", False),
+        ("PASS conformance (quick) none-bfloat16: 2/2 checks passed", True),
+    ],
+)
+def test_the_last_line_says_whether_every_phase_ran(tmp_path, line, complete):
+    # (a bench skipped for want of questions or of the model ended "every step passed")
+    common = SCRIPT.with_name("gpu_common.sh")
+    program = f'NAME=t OUT="{tmp_path}"; source "{common}"; say "{line}"'
+    subprocess.run(["bash", "-c", program], capture_output=True, text=True, check=True)
+    said = (tmp_path / "summary.txt").read_text().splitlines()
+    incomplete = "no check failed, but not every phase ran to its end (SKIP or CUT above)"
+    assert said[0] == line and said[-1].endswith("finished: " + ("every step passed" if complete else incomplete))
