@@ -849,7 +849,8 @@ DEFINITIONS = {
     "(k accepted drafts + the target's token)",
     "alpha": "per-token acceptance probability, estimated as accepted / (accepted + rejections); a step that "
     "accepted fewer drafts than the deepest depth proposed counts one rejection (so a whole shorter "
-    "draft near the token budget counts as a rejection: a slight underestimate)",
+    "draft near the token budget counts as a rejection: a slight underestimate); only for chains of one depth "
+    "(at most gamma + 1 steps a turn drafting fewer, near its token budget): of others the prediction is not made",
     "predicted_speedup": "Leviathan et al.: E[tokens/step] = (1 - alpha^(gamma+1)) / (1 - alpha); speedup = "
     "E[tokens/step] x plain step cost / (gamma x draft cost per token + verify cost per "
     "step); costs from the stats' propose_time_s / proposed_tokens and verify_time_s / steps, "
@@ -1098,6 +1099,7 @@ def pooled_stats(records: list[dict[str, Any]]) -> dict[str, Any] | None:
         "verify_time_s": 0.0,
         "steps": 0,
         "decode_tokens": 0,
+        "turns": len(with_stats),
         "proposed_by_position": [],
         "accepted_by_position": [],
     }
@@ -1157,6 +1159,15 @@ def prediction(pooled: dict[str, Any] | None, plain: dict[str, Any] | None) -> d
     if plain is None or not plain["steps"]:
         return {"applies": False, "why": f"needs `{ENGINE_BASELINE}` in the run for the plain step's cost"}
     gamma = len(pooled["proposed_by_position"])
+    # The formula is for γ drafts every step. Near each turn's token budget up to γ steps draft fewer, and one
+    # none; more than that, and the chain's depth varied (a confidence threshold, a lookup that found less).
+    shorter = pooled["steps"] - pooled["proposed_by_position"][-1]
+    if shorter > (gamma + 1) * pooled.get("turns", 1):
+        return {
+            "applies": False,
+            "why": f"the chain's depth varied: {shorter} of {pooled['steps']} steps drafted fewer than its "
+            f"deepest {gamma} (the formula is for {gamma} every step)",
+        }
     alpha = estimate_alpha(pooled["accepted_tokens"], pooled["proposed_by_position"], pooled["accepted_by_position"])
     draft_cost = pooled["propose_time_s"] / pooled["proposed_tokens"]
     verify_cost = pooled["verify_time_s"] / pooled["steps"]

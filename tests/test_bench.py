@@ -701,6 +701,14 @@ def test_prediction_needs_a_chain_and_none():
     assert p["measured_loop_speedup"] == pytest.approx((8 / 1.8) / (10 / 2.0))
     assert not bench.prediction({**chain, "proposed_nodes": 12}, plain)["applies"]  # a tree
     assert not bench.prediction(chain, None)["applies"]
+    # A chain whose depth varies (here: 1 and 4 in turn, every draft accepted, 40 steps of one turn) is not
+    # predicted: α would read 21 / 26 for an α of 1, and γ = 4 would be assumed every step.
+    varied = {**chain, "steps": 40, "turns": 1, "proposed_by_position": [40, 20, 20, 20]}
+    varied |= {"accepted_by_position": [40, 20, 20, 20], "proposed_tokens": 100, "proposed_nodes": 100}
+    p = bench.prediction(varied, plain)
+    assert not p["applies"] and "depth varied: 20 of 40 steps drafted fewer than its deepest 4" in p["why"]
+    # ... but the few shorter steps at each turn's end are allowed (here 5 of 2 turns: at most 2 x (4 + 1))
+    assert bench.prediction({**varied, "turns": 2, "proposed_by_position": [39, 38, 36, 35]}, plain)["applies"]
 
 
 def test_summarize_speedups_and_identity():
