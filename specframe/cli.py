@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -450,6 +451,7 @@ def load_target(args: argparse.Namespace, dtype: str):
 
 def cmd_train(args: argparse.Namespace) -> int:
     from specframe.config import recipe_for, structured
+    from specframe.data import only_writer
     from specframe.plugins import get_registry
     from specframe.training.common import TrainRunConfig, check_run_inputs
 
@@ -466,12 +468,15 @@ def cmd_train(args: argparse.Namespace) -> int:
             "(and --device, --adapter, --trust-remote-code); it trains in float32, with the target as loaded from there"
         )
     config = structured(schema, recipe_for(entry.name, options, schema), "train")
-    if isinstance(config, TrainRunConfig):  # (a built-in trainer's data and checkpoint: said before the target loads)
-        check_run_inputs(config, args.resume)
-    loaded = load_target(args, dtype="float32")
-    default = " (the default; --target chooses another)" if args.target == DEFAULT_TARGET else ""
-    print(f"specframe: training {entry.name} for target {loaded.source}{default}", file=sys.stderr, flush=True)
-    metrics = entry.cls.train(config, loaded.model, loaded.tokenizer, resume=args.resume)
+    # (a built-in trainer's out folder locked, its data and checkpoint checked: before the target loads)
+    built_in = isinstance(config, TrainRunConfig)
+    with only_writer(config.out, "train.out", "training run") if built_in else contextlib.nullcontext():
+        if built_in:
+            check_run_inputs(config, args.resume)
+        loaded = load_target(args, dtype="float32")
+        default = " (the default; --target chooses another)" if args.target == DEFAULT_TARGET else ""
+        print(f"specframe: training {entry.name} for target {loaded.source}{default}", file=sys.stderr, flush=True)
+        metrics = entry.cls.train(config, loaded.model, loaded.tokenizer, resume=args.resume)
     print(json.dumps(metrics.get("heldout", metrics)))
     return 0
 

@@ -292,11 +292,13 @@ _WRITING: dict[str, int] = {}  # the --out files this process holds the lock of:
 
 
 @contextlib.contextmanager
-def only_writer(out: str | Path) -> Iterator[None]:
-    """This process as the only distill run writing to `out` for the duration: another one is refused (each would
-    answer the same prompts, and the repeated ids make the file unreadable; one could also cut the line the other
-    is writing, taking it for a crash's). An exclusive lock on `.<name>.lock` beside `out`, removed at the end
-    (the lock is released when the process ends, however it ends; a file a killed run left is locked again);
+def only_writer(out: str | Path, option: str = "--out", run: str = "distill run") -> Iterator[None]:
+    """This process as the only `run` writing to `out` (a file or a folder, given as `option`) for the duration:
+    another one is refused (two distill runs would each answer the same prompts, and the repeated ids make the
+    file unreadable; one could also cut the line the other is writing, taking it for a crash's; two training
+    runs would leave one's weights with the other's config). An exclusive lock on `.<name>.lock` beside `out`,
+    removed at the end (the lock is released when the process ends, however it ends; a file a killed run left is
+    locked again);
     unlocked where the system has no `fcntl`, or no lock can be had there (a read-only folder, a file system
     without locks): the run goes on rather than being refused. Folders made for `out` are removed again when
     nothing was written."""
@@ -308,8 +310,8 @@ def only_writer(out: str | Path) -> Iterator[None]:
     writer = _WRITING.get(str(out))
     if writer is not None and writer != threading.get_ident():
         raise BadInputError(
-            f"--out '{out}' is being written by another distill run in this process (another thread): give another "
-            "--out"
+            f"{option} '{out}' is being written by another {run} in this process (another thread): give another "
+            f"{option}"
         )
     if fcntl is None or writer is not None:
         yield
@@ -321,9 +323,10 @@ def only_writer(out: str | Path) -> Iterator[None]:
         fd = _locked(lock, fcntl)
     except BlockingIOError:
         _remove_folders(made)
+        resumed = "with the same command" if run == "distill run" else "with --resume"
         raise BadInputError(
-            f"--out '{out}' is being written by another distill run: wait for it to end (it can then be resumed "
-            "with the same command), or give another --out"
+            f"{option} '{out}' is being written by another {run}: wait for it to end (it can then be resumed "
+            f"{resumed}), or give another {option}"
         ) from None
     except OSError:
         yield

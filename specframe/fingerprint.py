@@ -175,6 +175,23 @@ def artifact_kind(folder: str | Path) -> str | None:
     return next((k for k in ARTIFACT_KINDS if (Path(folder) / f"{k}_config.json").is_file()), None)
 
 
+def begin_artifact(out: Path, kind: str) -> None:
+    """Before a trained `kind` artifact's files are written into `out` (a new run's, or a resumed one's over its
+    old ones): its `<kind>_config.json`, what makes the folder an artifact, goes first and comes back last
+    (`finish_artifact`), so a run killed in between leaves a folder that is no artifact (named as an unfinished
+    run's), never one whose weights and config come from two runs."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{kind}_config.json").unlink(missing_ok=True)
+
+
+def finish_artifact(out: Path, kind: str, meta: dict[str, Any], indent: int) -> None:
+    """The artifact's `<kind>_config.json`, after its other files: written whole (a temp file renamed in)."""
+    path = out / f"{kind}_config.json"
+    part = path.with_name(f".{path.name}.part")
+    part.write_text(json.dumps(meta, indent=indent))
+    os.replace(part, path)
+
+
 def is_checkpoint(folder: Path) -> bool:
     """Whether `folder` is a training run's checkpoint (`specframe.training.common.save_checkpoint` writes its
     state.json last: a folder with one is a whole checkpoint)."""

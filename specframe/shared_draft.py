@@ -22,7 +22,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specframe.errors import ConfigError, ModelLoadError, is_count
-from specframe.fingerprint import check_fingerprint, check_vocab_ids, read_artifact, save_weights, target_fingerprint
+from specframe.fingerprint import (
+    begin_artifact,
+    check_fingerprint,
+    check_vocab_ids,
+    finish_artifact,
+    read_artifact,
+    save_weights,
+    target_fingerprint,
+)
 from specframe.proposer import rng_untouched
 
 FORMAT = "specframe-shared-draft"
@@ -89,7 +97,7 @@ def save_shared_draft(
     metrics: dict,
     extra: dict | None = None,
 ) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+    begin_artifact(out, "draft")
     tensors = {k: v.detach().to(torch.float16).contiguous().cpu() for k, v in own_state_dict(draft).items()}
     save_weights(tensors, out / "model.safetensors")
     (out / "draft_vocab.json").write_text(json.dumps(vocab_ids.tolist()))
@@ -103,7 +111,7 @@ def save_shared_draft(
         "metrics": metrics,
         **(extra or {}),
     }
-    (out / "draft_config.json").write_text(json.dumps(meta, indent=2))
+    finish_artifact(out, "draft", meta, indent=2)
 
 
 def saved_gamma(meta: dict, path: str | Path) -> int | None:

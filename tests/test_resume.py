@@ -3,6 +3,7 @@ the checkpoint restores the weights, the optimizer's moments, the learning-rate 
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -308,3 +309,84 @@ def test_a_run_killed_after_its_last_checkpoint_resumes_with_the_same_epochs_and
     final = train_draft(cfg, target, None, resume=True, log=lambda m: None)
     assert (tmp_path / "out" / "draft_config.json").is_file()
     assert [h["epoch"] for h in final["history"]] == [0, 1]
+
+
+@pytest.mark.parametrize("name", list(TRAINERS))
+def test_a_resumed_run_killed_while_saving_leaves_no_artifact_of_two_runs(tmp_path, name, monkeypatch):
+    # (a finished run resumed with more epochs wrote its weights over the old ones, then its config: killed in
+    # between, the folder loaded as whole, the new weights with the old run's epochs, metrics and γ statistics)
+    import specframe.fingerprint
+    import specframe.proposers.medusa
+    import specframe.shared_draft
+    from specframe.decoder import target_info
+    from specframe.errors import ModelLoadError
+    from specframe.proposers.draft import DraftConfig, DraftProposer
+    from specframe.proposers.eagle import EagleConfig, EagleProposer
+    from specframe.proposers.medusa import MedusaConfig, MedusaProposer
+
+    train, make = TRAINERS[name]
+    kind = name.split("-")[0]
+    data = tmp_path / "d.jsonl"
+    write_distill_data(data, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), n=40)
+
+    def run(epochs: int, **kw):
+        target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
+        common = {**COMMON, "epochs": epochs}
+        cfg = make(data=str(data), out=str(tmp_path / "out"), features_cache=str(tmp_path / "f"), **common)
+        return train(cfg, target, None, log=lambda m: None, **kw), target
+
+    _, target = run(2)
+    assert (tmp_path / "out" / f"{kind}_config.json").is_file()
+    real = specframe.fingerprint.save_weights
+
+    def killed_after_writing(tensors, path, *args, **kwargs):
+        real(tensors, path, *args, **kwargs)
+        if str(path).endswith("out/model.safetensors"):  # (the artifact's weights, not a checkpoint's)
+            raise Interrupted("killed")
+
+    for module in (specframe.fingerprint, specframe.shared_draft, specframe.proposers.medusa):
+        monkeypatch.setattr(module, "save_weights", killed_after_writing)
+    with pytest.raises(Interrupted):
+        run(3, resume=True)
+    assert not (tmp_path / "out" / f"{kind}_config.json").exists()
+    proposer, config = {
+        "draft": (DraftProposer, DraftConfig),
+        "medusa": (MedusaProposer, MedusaConfig),
+        "eagle": (EagleProposer, EagleConfig),
+    }[kind]
+    info = target_info(target)
+    with pytest.raises(ModelLoadError, match=r"holds only the checkpoint of an unfinished training run .*--resume"):
+        proposer.from_config(config(model=str(tmp_path / "out")), info)
+    monkeypatch.undo()
+    metrics, target = run(3, resume=True)  # (what the message says: the resumed run saves it whole)
+    saved = json.loads((tmp_path / "out" / f"{kind}_config.json").read_text())
+    assert saved["train_config"]["epochs"] == 3, saved.get("train_config")
+
+
+def test_a_second_training_run_into_the_same_out_is_refused(tmp_path, capsys):
+    # (two runs into one out folder both finished, one's weights beside the other's config and metrics)
+    import fcntl
+
+    from specframe.cli import main
+    from specframe.errors import BadInputError
+
+    train, make = TRAINERS["draft"]
+    data = tmp_path / "d.jsonl"
+    write_distill_data(data, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), n=40)
+    cfg = make(data=str(data), out=str(tmp_path / "out"), features_cache=str(tmp_path / "f"), **COMMON)
+    held = os.open(tmp_path / ".out.lock", os.O_RDWR | os.O_CREAT)  # (the lock beside it, as another run holds it)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        busy = "train.out '.*out' is being written by another training run: wait for it to end (it can then be "
+        with pytest.raises(BadInputError, match=re.escape(busy).replace(r"\.\*", ".*") + r"resumed with --resume\)"):
+            train(cfg, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), None, log=lambda m: None)
+        capsys.readouterr()
+        argv = ["train", "--proposer", "draft", "--target", str(tmp_path / "absent"), f"out={tmp_path / 'out'}"]
+        assert main([*argv, f"data={data}"]) == 2
+        err = capsys.readouterr().err
+        assert "is being written by another training run" in err and "absent" not in err, err  # (before the load)
+    finally:
+        os.close(held)
+    assert not (tmp_path / "out").exists()
+    train(cfg, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), None, log=lambda m: None)
+    assert (tmp_path / "out" / "draft_config.json").is_file() and not (tmp_path / ".out.lock").exists()

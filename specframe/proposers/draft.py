@@ -10,6 +10,7 @@ Without tokenizers the two logit widths must be equal.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -23,6 +24,7 @@ from specframe.errors import (
     is_number,
     user_path,
 )
+from specframe.fingerprint import is_checkpoint, not_an_artifact
 from specframe.kv_cache import new_cache
 from specframe.lean_forward import engine_forward
 from specframe.models import check_proposer_dtype, check_proposer_quantize, proposer_dtype, quantize_proposer
@@ -158,6 +160,8 @@ class DraftProposer(Proposer):
             if measure and target.device.type == "cpu" and config.num_speculative_tokens is None:
                 proposer.use_fastest_gamma(candidates)
             return proposer
+        if is_checkpoint(Path(folder) / "checkpoint") and not (Path(folder) / "config.json").is_file():
+            raise ModelLoadError(f"proposer.model '{folder}' {not_an_artifact(folder, 'draft')}")
         try:
             loaded = load_model(path, dtype=dtype, device=str(target.device), quiet=True, fast_cpu_kernels=False)
         except ModelLoadError as e:  # (say which model: the draft, not the target)

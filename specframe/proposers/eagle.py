@@ -334,10 +334,10 @@ def save_drafter(
     metrics: dict,
     extra: dict | None = None,
 ) -> None:
-    from specframe.fingerprint import save_weights, target_fingerprint
+    from specframe.fingerprint import begin_artifact, finish_artifact, save_weights, target_fingerprint
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    begin_artifact(out, "eagle")
     tensors = {k: v.detach().to(torch.float16).contiguous().cpu() for k, v in drafter.own_state_dict().items()}
     save_weights(tensors, out / "model.safetensors")
     (out / "eagle_vocab.json").write_text(json.dumps(vocab_ids.tolist()))
@@ -351,7 +351,7 @@ def save_drafter(
         "metrics": metrics,
         **(extra or {}),
     }
-    (out / "eagle_config.json").write_text(json.dumps(meta, indent=2))
+    finish_artifact(out, "eagle", meta, indent=2)
 
 
 def load_drafter(

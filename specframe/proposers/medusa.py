@@ -30,8 +30,10 @@ from torch import nn
 from specframe.cpu_kernels import few_rows_linear, forget_outdated
 from specframe.errors import ConfigError, ModelLoadError, check_field_types, is_count, user_path
 from specframe.fingerprint import (
+    begin_artifact,
     check_vocab_ids,
     fingerprint_mismatch,
+    finish_artifact,
     not_an_artifact,
     read_artifact,
     save_weights,
@@ -167,7 +169,7 @@ def save_heads(
 ) -> None:
     """Save `heads` for `target` (fingerprinted as it will be verified with: with its adapter, in stage 2)."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    begin_artifact(out, "medusa")
     state = {k: v.detach().to(torch.float16).contiguous().cpu() for k, v in heads.state_dict().items()}
     save_weights(state, out / "model.safetensors")
     (out / "medusa_vocab.json").write_text(json.dumps([int(t) for t in vocab_ids.tolist()]))
@@ -182,7 +184,7 @@ def save_heads(
         "tree": [list(p) for p in tree],
         **extra,
     }
-    (out / "medusa_config.json").write_text(json.dumps(meta, indent=1))
+    finish_artifact(out, "medusa", meta, indent=1)
 
 
 def load_heads(path: str | Path, target: torch.nn.Module) -> tuple[MedusaHeads, torch.Tensor, dict]:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import random
 import shutil
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -16,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from specframe.data import DISTILL_HINT, DistillExample, existing_file
+from specframe.data import DISTILL_HINT, DistillExample, existing_file, only_writer
 from specframe.errors import (
     BadInputError,
     ConfigError,
@@ -326,6 +328,19 @@ def run_identity(
             if k not in RESUME_MAY_CHANGE
         },
     }
+
+
+def only_run_in_out(train: Callable[..., dict]) -> Callable[..., dict]:
+    """A trainer `train(cfg, ...)` as the only training run writing into `cfg.out` while it runs: another one is
+    refused (two runs in one folder both finished, one's weights beside the other's config and metrics). The
+    command takes the same lock before the target loads; this one holds for a trainer called from Python."""
+
+    @functools.wraps(train)
+    def one_run(cfg: TrainRunConfig, *args, **kwargs) -> dict:
+        with only_writer(cfg.out, "train.out", "training run"):
+            return train(cfg, *args, **kwargs)
+
+    return one_run
 
 
 def check_run_inputs(cfg: TrainRunConfig, resume: bool) -> None:

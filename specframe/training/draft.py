@@ -30,6 +30,7 @@ from specframe.training.common import (
     collate,
     make_batches,
     on_device,
+    only_run_in_out,
     optimizer_step,
     recovered,
     resume_from,
@@ -133,6 +134,7 @@ def initial_draft(cfg: DraftTrainConfig, target) -> tuple[torch.nn.Module, torch
     return draft, vocab_ids.cpu(), init
 
 
+@only_run_in_out
 def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, log=print) -> dict:
     """Train and save a shared draft for `target` (a float32 model); returns the held-out metrics."""
     from tqdm import tqdm

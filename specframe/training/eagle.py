@@ -34,7 +34,7 @@ import torch
 
 from specframe.errors import ConfigError, is_count, is_number
 from specframe.fingerprint import target_fingerprint
-from specframe.training.common import TrainRunConfig, optimizer_step
+from specframe.training.common import TrainRunConfig, only_run_in_out, optimizer_step
 
 
 @dataclass
@@ -242,6 +242,7 @@ def initial_drafter(cfg: EagleTrainConfig, target) -> tuple[torch.nn.Module, tor
     return drafter.requires_grad_(True).train(), vocab_ids  # (its parameters are its own weights only)
 
 
+@only_run_in_out
 def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, log=print) -> dict:
     """Train and save an EAGLE drafter for `target` (a float32 model); returns the held-out metrics."""
     from tqdm import tqdm

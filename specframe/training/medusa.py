@@ -31,11 +31,12 @@ from pathlib import Path
 import torch
 
 from specframe.errors import ConfigError, ModelLoadError
-from specframe.fingerprint import ADAPTER_KEY, mark_adapter, readable, target_fingerprint
+from specframe.fingerprint import ADAPTER_KEY, begin_artifact, mark_adapter, readable, target_fingerprint
 from specframe.training.common import (
     NO_MEASURED_SHAPE,
     TrainRunConfig,
     on_device,
+    only_run_in_out,
     optimizer_step,
     recovered,
     resume_from,
@@ -215,6 +216,7 @@ def summary(metrics: dict, tree) -> str:
 # ---------------------------------------------------------------------------------------------- training
 
 
+@only_run_in_out
 def train_medusa(cfg: MedusaTrainConfig, target, tokenizer, resume: bool = False, log=print) -> dict:
     """Train and save Medusa heads for `target` (a float32 model); returns the held-out metrics."""
     from specframe.proposers.medusa import MedusaHeads, load_heads, save_heads
@@ -452,6 +454,7 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     # (the held-out size from the last evaluation's metrics: also when a resumed run had no epoch left to train)
     final, tree = _final(history, cfg, sum(len(s.ids) for s in seqs), history[-1]["positions"])
     adapter_dir = out / "adapter"
+    begin_artifact(out, "medusa")  # (the adapter is part of the artifact: written after its config went)
     model.save_pretrained(str(adapter_dir))  # PEFT's own format (adapter_config.json + safetensors)
     for f in adapter_dir.iterdir():  # (its safetensors file is made owner-only)
         if f.is_file():
