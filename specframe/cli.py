@@ -452,6 +452,7 @@ def load_target(args: argparse.Namespace, dtype: str):
 def cmd_train(args: argparse.Namespace) -> int:
     from specframe.config import recipe_for, structured
     from specframe.data import only_writer
+    from specframe.fingerprint import is_checkpoint
     from specframe.plugins import get_registry
     from specframe.training.common import TrainRunConfig, check_run_inputs
 
@@ -476,7 +477,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         loaded = load_target(args, dtype="float32")
         default = " (the default; --target chooses another)" if args.target == DEFAULT_TARGET else ""
         print(f"specframe: training {entry.name} for target {loaded.source}{default}", file=sys.stderr, flush=True)
-        metrics = entry.cls.train(config, loaded.model, loaded.tokenizer, resume=args.resume)
+        try:
+            metrics = entry.cls.train(config, loaded.model, loaded.tokenizer, resume=args.resume)
+        except KeyboardInterrupt:  # (then "specframe: interrupted", exit 130, as for any command)
+            if built_in and is_checkpoint(Path(config.out) / "checkpoint"):
+                print(f"specframe: the last checkpoint is in {config.out}/checkpoint: continue with --resume and "
+                      "the same options", file=sys.stderr)  # fmt: skip
+            raise
     print(json.dumps(metrics.get("heldout", metrics)))
     return 0
 

@@ -390,3 +390,25 @@ def test_a_second_training_run_into_the_same_out_is_refused(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
     train(cfg, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), None, log=lambda m: None)
     assert (tmp_path / "out" / "draft_config.json").is_file() and not (tmp_path / ".out.lock").exists()
+
+
+def test_a_training_command_interrupted_says_where_its_checkpoint_is(tmp_path, tiny_dirs, capsys, monkeypatch):
+    import specframe.training.draft
+    from specframe.cli import main
+    from specframe.models import load_model
+
+    data = tmp_path / "d.jsonl"
+    write_distill_data(data, load_model(str(tiny_dirs["target"]), quiet=True).model, n=40)
+    real = specframe.training.draft.save_checkpoint
+
+    def then_ctrl_c(*args, **kwargs):  # (Ctrl-C just after epoch 1's checkpoint)
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(specframe.training.draft, "save_checkpoint", then_ctrl_c)
+    out = tmp_path / "out"
+    argv = ["train", "--proposer", "draft", "--target", str(tiny_dirs["target"]), f"out={out}", f"data={data}"]
+    assert main([*argv, "epochs=3", "layers=1", "heldout_fraction=0.2", f"features_cache={tmp_path / 'f'}"]) == 130
+    err = capsys.readouterr().err
+    assert f"the last checkpoint is in {out}/checkpoint: continue with --resume and the same options" in err
+    assert err.rstrip().endswith("specframe: interrupted"), err

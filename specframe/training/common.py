@@ -99,8 +99,9 @@ class TrainRunConfig:
         other = artifact_kind(self.out)
         if other is not None and other != self.artifact:
             raise ConfigError(
-                f"train.out '{self.out}' holds a trained {other} artifact ({other}_config.json): training a "
-                f"{self.artifact} there would mix the two; train into another folder"
+                f"train.out '{self.out}' holds a trained {other} artifact ({other}_config.json): training "
+                f"{'an' if self.artifact == 'eagle' else 'a'} {self.artifact} there would mix the two; train into "
+                "another folder"
             )
 
 
