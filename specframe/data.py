@@ -298,10 +298,9 @@ def only_writer(out: str | Path, option: str = "--out", run: str = "distill run"
     file unreadable; one could also cut the line the other is writing, taking it for a crash's; two training
     runs would leave one's weights with the other's config). An exclusive lock on `.<name>.lock` beside `out`,
     removed at the end (the lock is released when the process ends, however it ends; a file a killed run left is
-    locked again);
-    unlocked where the system has no `fcntl`, or no lock can be had there (a read-only folder, a file system
-    without locks): the run goes on rather than being refused. Folders made for `out` are removed again when
-    nothing was written."""
+    locked again); unlocked where the system has no `fcntl`, or no lock can be had there (a read-only folder, a
+    file system without locks, the root folder): the run goes on rather than being refused. Folders made for
+    `out` are removed again when nothing was written."""
     out = Path(user_path(str(out))).resolve()
     try:
         import fcntl
@@ -313,7 +312,7 @@ def only_writer(out: str | Path, option: str = "--out", run: str = "distill run"
             f"{option} '{out}' is being written by another {run} in this process (another thread): give another "
             f"{option}"
         )
-    if fcntl is None or writer is not None:
+    if fcntl is None or writer is not None or not out.name:  # (the root folder has no name, nor anything beside it)
         yield
         return
     lock = out.with_name(f".{out.name}.lock")

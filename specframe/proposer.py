@@ -288,13 +288,16 @@ def _checked_structure(
         # smallest entry is NaN or negative, or its sum not finite, where it has a NaN, a negative or an infinite
         # entry), the three checks back in one transfer.
         nodes = [i for i, d in enumerate(deterministic) if not d]
-        index = torch.tensor(nodes, device=q.device)
-        rows = (q if len(nodes) == n else q.index_select(0, index)).float()
+        drafted = p.tokens.to(q.device)
+        if len(nodes) < n:  # (when all are sampled, as a draft model's chain: no index to copy to the device)
+            index = torch.tensor(nodes, device=q.device)
+            q, drafted = q.index_select(0, index), drafted[index]
+        rows = q.float()
         smallest, total = rows.amin(-1), rows.sum(-1)
         broken = ~(smallest >= 0) | ~torch.isfinite(total)
         unnormalised = ~torch.isclose(total, torch.ones_like(total), rtol=0.0, atol=1e-3)
         # (a sampled token must have been drawn from its row: at q = 0 the rejection rule would accept it always)
-        impossible = rows.gather(1, p.tokens.to(q.device)[index][:, None])[:, 0] <= 0
+        impossible = rows.gather(1, drafted[:, None])[:, 0] <= 0
         flags = torch.stack([broken.any(), unnormalised.any(), impossible.any()])
         broken_rows, unnormalised_rows, impossible_token = flags.tolist()
         # (said with the first offending node: only now, on the way to an error, is more read from the device)
