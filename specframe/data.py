@@ -346,11 +346,14 @@ def _locked(lock: Path, fcntl) -> int:
     """A descriptor of `lock` holding its exclusive lock (unlocked where the file system has no locks), or
     BlockingIOError while another process holds it. The file locked is the one at `lock` once locked: a run that
     ends removes its lock file, and one that opened that file before it went retries on the file now there."""
-    while True:
+    for _ in range(100):
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
         except PermissionError:  # (another user's file: read-only opens lock too, except on NFS)
             fd = os.open(lock, os.O_RDONLY)
+        except FileNotFoundError:  # (a run ending with nothing written removed the folder it had made: again)
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -366,6 +369,7 @@ def _locked(lock: Path, fcntl) -> int:
         if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
             return fd
         os.close(fd)
+    raise OSError(f"no steady lock file at {lock}")  # (runs went on removing it: then unlocked)
 
 
 def _remove_folders(folders: list[Path]) -> None:

@@ -46,9 +46,9 @@ class Proposal:
         may be any integer dtype (made int64); floats are refused, not rounded."""
         if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise TypeError(f"Proposal.chain: tokens must be an integer tensor, got {tokens.dtype}")
-        if tokens.dim() > 1 and not (tokens.dim() == 2 and tokens.shape[0] == 1):  # (a batch is not one chain)
+        if tokens.dim() > 1 and not (tokens.dim() == 2 and 1 in tokens.shape):  # (a batch is not one chain)
             raise ValueError(
-                f"Proposal.chain: tokens must be one chain, [n] or [1, n], got shape {tuple(tokens.shape)}"
+                f"Proposal.chain: tokens must be one chain, [n], [1, n] or [n, 1], got shape {tuple(tokens.shape)}"
             )
         n = tokens.numel()
         parents = torch.arange(-1, n - 1, device=tokens.device)
@@ -257,8 +257,6 @@ def _checked_structure(
         raise bad("tokens and parents must be int64 and deterministic bool: " + ", ".join(wrong))
     if n == 0:
         return ProposalStructure([], [], [], [])
-    if n > MAX_TREE_NODES:  # (verification's tree attention grows with the square of the nodes)
-        raise bad(f"{n} draft nodes; at most {MAX_TREE_NODES} are verified in one step")
     # The structure comes to the host in one transfer, then is checked in Python (a sync per check would stall
     # a GPU several times a step; proposals are small).
     structure = torch.cat([p.tokens, p.parents.to(p.tokens.device), p.deterministic.to(p.tokens.device, torch.long)])

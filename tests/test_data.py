@@ -123,6 +123,25 @@ def test_a_lock_file_replaced_while_a_run_opened_it_is_locked_again(tmp_path):
     os.close(fd)
 
 
+def test_a_lock_whose_folder_another_run_removed_is_still_taken(tmp_path):
+    # (a run ending with nothing written removes the folder it made, between another run's mkdir and its open of
+    # the lock file there: that run went on unlocked)
+    import fcntl
+    import os
+
+    from specframe.data import _locked
+
+    lock = tmp_path / "gone" / ".d.jsonl.lock"
+    fd = _locked(lock, fcntl)
+    try:
+        other = os.open(lock, os.O_RDWR)
+        with pytest.raises(BlockingIOError):  # (held)
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(other)
+    finally:
+        os.close(fd)
+
+
 def test_another_thread_distilling_to_the_same_out_is_refused(tmp_path):
     import threading
 
