@@ -178,14 +178,22 @@ def artifact_kind(folder: str | Path) -> str | None:
 def begin_artifact(out: Path, kind: str) -> None:
     """Before a trained `kind` artifact's files are written into `out` (a new run's, or a resumed one's over its
     old ones): its `<kind>_config.json`, what makes the folder an artifact, goes first and comes back last
-    (`finish_artifact`), so a run killed in between leaves a folder that is no artifact (named as an unfinished
+    (`write_artifact`), so a run killed in between leaves a folder that is no artifact (named as an unfinished
     run's), never one whose weights and config come from two runs."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{kind}_config.json").unlink(missing_ok=True)
 
 
-def finish_artifact(out: Path, kind: str, meta: dict[str, Any], indent: int) -> None:
-    """The artifact's `<kind>_config.json`, after its other files: written whole (a temp file renamed in)."""
+def write_artifact(
+    out: Path, kind: str, tensors: dict[str, torch.Tensor], vocab_ids: torch.Tensor, meta: dict[str, Any], indent: int
+) -> None:
+    """A trained `kind` artifact's files, as `read_artifact` reads them: `model.safetensors` (`tensors` in
+    float16), `{kind}_vocab.json` and, last and whole (a temp file renamed in), `{kind}_config.json` (`meta`)."""
+    begin_artifact(out, kind)
+    save_weights(
+        {k: v.detach().to(torch.float16).contiguous().cpu() for k, v in tensors.items()}, out / "model.safetensors"
+    )
+    (out / f"{kind}_vocab.json").write_text(json.dumps(vocab_ids.tolist()))
     path = out / f"{kind}_config.json"
     part = path.with_name(f".{path.name}.part")
     part.write_text(json.dumps(meta, indent=indent))

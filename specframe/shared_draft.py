@@ -23,13 +23,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specframe.errors import ConfigError, ModelLoadError, is_count
 from specframe.fingerprint import (
-    begin_artifact,
     check_fingerprint,
     check_vocab_ids,
-    finish_artifact,
     read_artifact,
-    save_weights,
     target_fingerprint,
+    write_artifact,
 )
 from specframe.proposer import rng_untouched
 
@@ -97,10 +95,6 @@ def save_shared_draft(
     metrics: dict,
     extra: dict | None = None,
 ) -> None:
-    begin_artifact(out, "draft")
-    tensors = {k: v.detach().to(torch.float16).contiguous().cpu() for k, v in own_state_dict(draft).items()}
-    save_weights(tensors, out / "model.safetensors")
-    (out / "draft_vocab.json").write_text(json.dumps(vocab_ids.tolist()))
     cfg = {k: v for k, v in draft.config.to_dict().items() if k not in ("transformers_version",)}
     meta = {
         "format": FORMAT,
@@ -111,7 +105,7 @@ def save_shared_draft(
         "metrics": metrics,
         **(extra or {}),
     }
-    finish_artifact(out, "draft", meta, indent=2)
+    write_artifact(out, "draft", own_state_dict(draft), vocab_ids, meta, indent=2)
 
 
 def saved_gamma(meta: dict, path: str | Path) -> int | None:

@@ -33,7 +33,6 @@ Saved drafter (a folder, see docs/eagle.md):
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -334,13 +333,8 @@ def save_drafter(
     metrics: dict,
     extra: dict | None = None,
 ) -> None:
-    from specframe.fingerprint import begin_artifact, finish_artifact, save_weights, target_fingerprint
+    from specframe.fingerprint import target_fingerprint, write_artifact
 
-    out = Path(out)
-    begin_artifact(out, "eagle")
-    tensors = {k: v.detach().to(torch.float16).contiguous().cpu() for k, v in drafter.own_state_dict().items()}
-    save_weights(tensors, out / "model.safetensors")
-    (out / "eagle_vocab.json").write_text(json.dumps(vocab_ids.tolist()))
     cfg = {k: v for k, v in drafter.config.to_dict().items() if k != "transformers_version"}
     meta = {
         "format": FORMAT,
@@ -351,7 +345,7 @@ def save_drafter(
         "metrics": metrics,
         **(extra or {}),
     }
-    finish_artifact(out, "eagle", meta, indent=2)
+    write_artifact(Path(out), "eagle", drafter.own_state_dict(), vocab_ids, meta, indent=2)
 
 
 def load_drafter(

@@ -20,7 +20,6 @@ PEFT adapter they were trained with; load that adapter as `target.adapter` (see 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,14 +29,12 @@ from torch import nn
 from specframe.cpu_kernels import few_rows_linear, forget_outdated
 from specframe.errors import ConfigError, ModelLoadError, check_field_types, is_count, user_path
 from specframe.fingerprint import (
-    begin_artifact,
     check_vocab_ids,
     fingerprint_mismatch,
-    finish_artifact,
     not_an_artifact,
     read_artifact,
-    save_weights,
     target_fingerprint,
+    write_artifact,
 )
 from specframe.models import check_proposer_dtype, proposer_dtype
 from specframe.proposer import (
@@ -168,11 +165,6 @@ def save_heads(
     heads: MedusaHeads, vocab_ids: torch.Tensor, target: torch.nn.Module, out: str | Path, tree, extra: dict
 ) -> None:
     """Save `heads` for `target` (fingerprinted as it will be verified with: with its adapter, in stage 2)."""
-    out = Path(out)
-    begin_artifact(out, "medusa")
-    state = {k: v.detach().to(torch.float16).contiguous().cpu() for k, v in heads.state_dict().items()}
-    save_weights(state, out / "model.safetensors")
-    (out / "medusa_vocab.json").write_text(json.dumps([int(t) for t in vocab_ids.tolist()]))
     meta = {
         "format": FORMAT,
         "version": 1,
@@ -184,7 +176,7 @@ def save_heads(
         "tree": [list(p) for p in tree],
         **extra,
     }
-    finish_artifact(out, "medusa", meta, indent=1)
+    write_artifact(Path(out), "medusa", heads.state_dict(), vocab_ids, meta, indent=1)
 
 
 def load_heads(path: str | Path, target: torch.nn.Module) -> tuple[MedusaHeads, torch.Tensor, dict]:
