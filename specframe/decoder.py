@@ -448,10 +448,11 @@ class SpeculativeDecoder:
         return GenerationResult(token_ids, text, stats.as_dict(len(token_ids), wall, finish_reason))
 
     def _call(self, fn: Any, *args: Any) -> Any:
-        """Call a proposer method; any exception becomes a ProposerError that names the proposer."""
+        """Call a proposer method; any exception becomes a ProposerError that names the proposer, but running out
+        of memory stays itself (what a caller catches to retry smaller, and no fault of the proposer's)."""
         try:
             return fn(*args)
-        except ProposerError:
+        except (ProposerError, MemoryError, torch.OutOfMemoryError):
             raise
         except Exception as e:
             raise ProposerError(f"{self.who} raised {type(e).__name__}: {e}") from e

@@ -225,7 +225,7 @@ def validate_proposal(
     nodes' draft_probs must be."""
     try:
         return _checked_structure(p, vocab_size, max_depth, who, device)
-    except ProposerError:
+    except (ProposerError, MemoryError, torch.OutOfMemoryError):  # (out of memory is not the proposal's fault)
         raise
     except Exception as e:  # (tensors the checks cannot read: a meta tensor's .tolist(), a sparse one's gather)
         raise ProposerError(f"{who} returned a malformed proposal: {type(e).__name__}: {e}") from e

@@ -411,6 +411,23 @@ def test_malformed_proposals_are_stopped_naming_the_proposer(target, info, make,
         dec.generate([1, 2, 3], max_new_tokens=5)
 
 
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"), MemoryError()])
+@pytest.mark.parametrize("where", ["propose", "validation"])
+def test_running_out_of_memory_stays_itself(target, info, monkeypatch, error, where):
+    # (what a server catches to retry smaller; not reported as the proposer's fault or a malformed proposal)
+    def raise_it(*args):
+        raise error
+
+    if where == "propose":
+        dec = SpeculativeDecoder(target, Malformed(info, raise_it))
+    else:
+        monkeypatch.setattr("specframe.proposer._checked_structure", raise_it)
+        dec = SpeculativeDecoder(target, Malformed(info, lambda s: Proposal.chain(torch.tensor([1]))))
+    with pytest.raises(type(error)) as caught:
+        dec.generate([1, 2, 3], max_new_tokens=5)
+    assert caught.value is error
+
+
 def test_only_sampled_nodes_rows_are_read(target, info):
     # (a deterministic node's row of draft_probs is never read: NaN there is no error)
     rows = torch.stack([torch.full((8,), float("nan")), torch.nn.functional.one_hot(torch.tensor(2), 8).float()])

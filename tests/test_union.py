@@ -291,6 +291,19 @@ def test_a_failing_member_is_named(target, info):
         SpeculativeDecoder(target, twice).generate([1, 2], max_new_tokens=5)
 
 
+def test_a_member_running_out_of_memory_stays_itself(target, info):
+    union = UnionProposer.random(info, UnionConfig(members=["none", "draft"]))
+    oom = torch.OutOfMemoryError("CUDA out of memory")
+
+    def raise_it(state):
+        raise oom
+
+    union.members[1].propose = raise_it
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        SpeculativeDecoder(target, union).generate([1, 2], max_new_tokens=5)
+    assert caught.value is oom
+
+
 def test_a_plugin_member_s_failure_names_its_plugin(target, info):
     pytest.importorskip("specframe_ngram")
     union = UnionProposer.random(info, UnionConfig(members=["none", "ngram"]))

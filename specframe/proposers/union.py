@@ -259,9 +259,11 @@ class UnionProposer(Proposer):
         return who if plugin == "builtin" else f"{who} (plugin '{plugin}')"
 
     def _call(self, m: int, fn: Any, *args: Any) -> Any:
-        """Call a member's method; its failure names the member."""
+        """Call a member's method; its failure names the member (running out of memory stays itself)."""
         try:
             return fn(*args)
+        except (MemoryError, torch.OutOfMemoryError):
+            raise
         except Exception as e:
             raise ProposerError(f"{self.whos[m]} raised {type(e).__name__}: {e}") from e
 
