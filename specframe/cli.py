@@ -7,7 +7,9 @@ import contextlib
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import traceback
 import warnings
 from collections.abc import Callable
@@ -479,7 +481,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"specframe: training {entry.name} for target {loaded.source}{default}", file=sys.stderr, flush=True)
         try:
             metrics = entry.cls.train(config, loaded.model, loaded.tokenizer, resume=args.resume)
-        except KeyboardInterrupt:  # (then "specframe: interrupted", exit 130, as for any command)
+        except KeyboardInterrupt:  # (Ctrl-C or SIGTERM; then "specframe: interrupted"/"terminated", as for any command)
             if built_in and is_checkpoint(Path(config.out) / "checkpoint"):
                 print(f"specframe: the last checkpoint is in {config.out}/checkpoint: continue with --resume and "
                       "the same options", file=sys.stderr)  # fmt: skip
@@ -682,22 +684,46 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, name, user_path(getattr(args, name)))
     run: Callable[[argparse.Namespace], int] = args.run
     try:
-        for given in sys.argv[1:] if argv is None else argv:  # (undecodable bytes reach Python as surrogates)
-            try:
-                given.encode("utf-8")
-            except UnicodeEncodeError:
-                raise BadInputError(f"the argument {ascii(given)} is not UTF-8 text") from None
-        return run(args)
+        with terminated_as_interrupt():
+            for given in sys.argv[1:] if argv is None else argv:  # (undecodable bytes reach Python as surrogates)
+                try:
+                    given.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise BadInputError(f"the argument {ascii(given)} is not UTF-8 text") from None
+            return run(args)
     except BadInputError as e:
         return fail(args, e, 2)
-    except KeyboardInterrupt:
-        print("specframe: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        print(f"specframe: {'terminated' if isinstance(e, Terminated) else 'interrupted'}", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
     except BrokenPipeError:  # (its reader has gone, e.g. `| head -1`: quietly, as cat does; nothing more to write)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except Exception as e:
         return fail(args, e, 1)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a job scheduler's or `kill`'s stop), raised where the process is, as Ctrl-C's KeyboardInterrupt
+    is: so that it unwinds the same way (a training run's checkpoint hint, locks and temporary files cleaned up)
+    instead of dying on the spot."""
+
+
+@contextlib.contextmanager
+def terminated_as_interrupt() -> Any:
+    """SIGTERM raises Terminated for the duration (the main thread only: signals can be handled nowhere else)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum: int, frame: Any) -> NoReturn:
+        raise Terminated()
+
+    before = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:  # (None: a handler set outside Python, which cannot be put back; the default is what it most likely was)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)
 
 
 def subcommand_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:

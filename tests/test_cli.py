@@ -1,5 +1,6 @@
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -387,6 +388,28 @@ def test_failures_that_are_not_bad_input_exit_1_and_an_interrupt_130(capsys, mon
     monkeypatch.setattr(specframe.models, "list_models", boom)
     code_got, out, err = run(capsys, "models", "list")
     assert (code_got, out, err) == (code, "", line + "\n")
+
+
+def test_sigterm_unwinds_as_an_interrupt_and_exits_143(capsys, monkeypatch):
+    # (a scheduler's or kill's stop: `finally` blocks run, locks and temporary files go, as for Ctrl-C)
+    import signal
+    import time
+
+    import specframe.models
+
+    unwound = []
+
+    def stopped(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        finally:
+            unwound.append(True)
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(specframe.models, "list_models", stopped)
+    assert run(capsys, "models", "list") == (143, "", "specframe: terminated\n")
+    assert unwound == [True] and signal.getsignal(signal.SIGTERM) is before
 
 
 def test_generate_flags_are_taken_as_typed_and_may_not_contradict_an_override(capsys, tiny_dirs, tmp_path):
