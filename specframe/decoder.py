@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -103,6 +105,18 @@ class SpeculativeDecoder:
         # The dtype of the hidden states the attention adds a tree mask to (an LM head may be kept in another).
         self.mask_dtype = model.get_input_embeddings().weight.dtype
         self.who = proposer_who(proposer.name, plugin)
+        built_for = getattr(proposer, "target", None)
+        if isinstance(built_for, TargetInfo):  # (a proposer built for another target fails later on a shape)
+            differ = [
+                f"{key} {getattr(built_for, key)} (this target's: {getattr(self.info, key)})"
+                for key in ("vocab_size", "hidden_size", "num_layers")
+                if getattr(built_for, key) != getattr(self.info, key)
+            ]
+            if differ:
+                raise ProposerError(
+                    f"{self.who} was built for another target: {', '.join(differ)}; build it with this target's "
+                    "specframe.decoder.target_info(model, tokenizer)"
+                )
         states = getattr(model.config, "num_hidden_layers", None)  # hidden states: the embeddings + each layer
         for asked in proposer.hidden_state_layers:
             try:
@@ -133,6 +147,21 @@ class SpeculativeDecoder:
         self.cache = None  # the target's KV cache, during a generate call
         self._one_call = threading.Lock()  # held by the running generate call
         self._caller: int | None = None  # that call's thread
+
+    # `dec.temperature = 0.7` (and top_k, top_p) sets the decoder's sampling, as the generate arguments of those
+    # names do for one call: without these, the assignment would make an attribute that nothing reads.
+    temperature = property(
+        lambda self: self.sampling.temperature,
+        lambda self, value: setattr(self, "sampling", replace(self.sampling, temperature=value)),
+    )
+    top_k = property(
+        lambda self: self.sampling.top_k,
+        lambda self, value: setattr(self, "sampling", replace(self.sampling, top_k=value)),
+    )
+    top_p = property(
+        lambda self: self.sampling.top_p,
+        lambda self, value: setattr(self, "sampling", replace(self.sampling, top_p=value)),
+    )
 
     def graphs_status(self) -> str:
         """Whether the verification forwards run as CUDA graphs, in words for reports: "verification forwards as
@@ -297,7 +326,7 @@ class SpeculativeDecoder:
                 "SpeculativeDecoder.generate was called from inside a generate call of the same decoder (by its "
                 f"{self.who}?): a decoder runs one call at a time; use another decoder"
             )
-        with self._one_call:
+        with self._one_call, proposer_in_use(self.proposer, self.who):
             self._caller = threading.get_ident()
             try:
                 return self._generate(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, raw)
@@ -329,7 +358,7 @@ class SpeculativeDecoder:
         max_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         if not is_count(max_new):
             raise BadInputError(f"max_new_tokens must be an integer >= 1, got {max_new!r}")
-        stop = self.stop if stop is None else stop_strings(stop)
+        stop = stop_strings(self.stop if stop is None else stop)  # (`dec.stop = "x"` too: one string, not its letters)
         if stop and self.tokenizer is None:
             raise BadInputError(f"stop strings {stop!r} need the target's tokenizer to match text, and it has none")
         seed = self.seed if seed is None else seed
@@ -630,6 +659,29 @@ def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
         elif isinstance(source, list | tuple):
             ids.update(int(t) for t in source)
     return ids
+
+
+_PROPOSERS_IN_USE: set[int] = set()  # id() of each proposer a generate call is running with
+_IN_USE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def proposer_in_use(proposer: Proposer, who: str) -> Iterator[None]:
+    """Mark `proposer` as running a call for the duration; a ProposerError if another call already runs with it (two
+    decoders, or a decoder and its copy, given one proposer: its state is one sequence's, and calls at once would
+    mix two)."""
+    with _IN_USE_LOCK:
+        if id(proposer) in _PROPOSERS_IN_USE:
+            raise ProposerError(
+                f"{who} is already running a generate call of another decoder: a proposer holds one sequence's "
+                "state, so decoders used at the same time need a proposer each (build one per decoder)"
+            )
+        _PROPOSERS_IN_USE.add(id(proposer))
+    try:
+        yield
+    finally:
+        with _IN_USE_LOCK:
+            _PROPOSERS_IN_USE.discard(id(proposer))
 
 
 class Counter:

@@ -6,7 +6,7 @@ import torch
 
 from specframe import Proposal, SamplingParams, SpeculativeDecoder
 from specframe.decoder import target_info
-from specframe.errors import BadInputError, ProposerError, SpecframeError
+from specframe.errors import BadInputError, ConfigError, ProposerError, SpecframeError
 from specframe.proposers.draft import DraftConfig, DraftProposer
 from specframe.proposers.none import NoneConfig, NoneProposer
 from specframe.testing.conformance import reference_greedy
@@ -651,6 +651,44 @@ def test_one_stop_string_is_not_split_into_characters(target):
     j = next(j for j in range(1, 12) if text[j : j + 3] not in text[: j + 2] and set(text[j : j + 3]) & set(text[:j]))
     stop = text[j : j + 3]
     assert dec.generate([4, 5], max_new_tokens=16, stop=stop).text == text[:j]
+    dec.stop = stop  # (set on the decoder, as the README sets dec.seed: for every call after)
+    assert dec.generate([4, 5], max_new_tokens=16).text == text[:j]
+
+
+def test_sampling_set_on_the_decoder_applies_to_its_calls(target, info):
+    dec = SpeculativeDecoder(target, NoneProposer(NoneConfig(), info))
+    dec.temperature, dec.top_k, dec.top_p = 0.7, 3, 0.9
+    assert dec.sampling == SamplingParams(0.7, 3, 0.9) and (dec.temperature, dec.top_k, dec.top_p) == (0.7, 3, 0.9)
+    fresh = SpeculativeDecoder(target, NoneProposer(NoneConfig(), info), sampling=SamplingParams(0.7, 3, 0.9))
+    assert dec.generate([1, 2], max_new_tokens=8, seed=3).token_ids == fresh.generate([1, 2], 8, seed=3).token_ids
+    with pytest.raises(ConfigError, match="temperature must be a finite number >= 0"):
+        dec.temperature = -1
+
+
+def test_a_proposer_built_for_another_target_is_refused(target):
+    other = target_info(tiny_llama(vocab_size=8, seed=1, hidden_size=32, num_layers=3))
+    proposer = DraftProposer.random(other)
+    with pytest.raises(ProposerError, match=r"proposer 'draft' was built for another target: hidden_size 32 \(this "
+                       r"target's: 16\), num_layers 3 \(this target's: 2\)"):  # fmt: skip
+        SpeculativeDecoder(target, proposer)
+
+
+def test_one_proposer_runs_one_call_at_a_time_across_decoders(target, info):
+    # (two decoders given one proposer, used at once, would mix two sequences' state in it: refused by name)
+    shared = DraftProposer.random(info)
+    first, second = SpeculativeDecoder(target, shared), SpeculativeDecoder(target, shared)
+    want = second.generate([1, 2], max_new_tokens=6).token_ids
+    propose = shared.propose
+
+    def propose_while_another_call_runs(state):
+        second.generate([3], max_new_tokens=2)
+        return propose(state)
+
+    shared.propose = propose_while_another_call_runs
+    with pytest.raises(ProposerError, match="proposer 'draft' is already running a generate call of another decoder"):
+        first.generate([1, 2], max_new_tokens=6)
+    shared.propose = propose  # (and after that failure, the proposer is free again)
+    assert first.generate([1, 2], max_new_tokens=6).token_ids == want
 
 
 def test_a_tree_needs_an_attention_that_applies_its_mask(target, info):
