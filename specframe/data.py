@@ -274,6 +274,9 @@ def distill(
     without the chat template (as `specframe generate --raw` gives it; for base models, which have none)."""
     check_tag(tag)
     check_seed(seed, "seed", unset="")
+    from specframe.kv_cache import new_cache  # (here: reading data files needs no transformers)
+
+    new_cache(model)  # (a target that speculative decoding refuses, e.g. with a sliding-window cache: refused here too)
     if not raw and not getattr(tokenizer, "chat_template", None):
         raise BadInputError(
             "the target's tokenizer has no chat template: distill applies it to every prompt, as specframe generate "

@@ -484,6 +484,9 @@ def _from_pretrained(src: str, what: str, **kwargs: Any) -> transformers.PreTrai
     try:
         model, info = AutoModelForCausalLM.from_pretrained(src, output_loading_info=True, **kwargs)
     except _load_errors() as e:
+        if kwargs.get("attn_implementation") == "sdpa" and "does not support" in str(e) and "scaled_dot" in str(e):
+            # (e.g. Gemma 2: transformers has no SDPA attention for it; eager attention applies tree masks too)
+            return _from_pretrained(src, what, **{**kwargs, "attn_implementation": "eager"})
         if "trust_remote_code" in str(e) and not kwargs.get("trust_remote_code"):  # (its hub URL fits no folder)
             raise ModelLoadError(
                 f"model {what} needs its own Python code (its config.json's auto_map), which specframe runs only "
@@ -648,10 +651,10 @@ def _load_gguf(path: Path, kwargs: dict[str, Any]) -> tuple[Any, Any]:
             raise ModelLoadError(
                 f"GGUF architecture {arch!r} of {path} is not supported by transformers {hf_version}"
             ) from e.__cause__
-        if "does not support" in cause and "attn_implementation" in cause:  # (e.g. mamba: no sdpa attention)
+        if "does not support" in cause and "attn_implementation" in cause:  # (no sdpa attention, nor eager)
             raise ModelLoadError(
                 f"GGUF architecture {arch!r} of {path} is not supported by specframe: its transformers model "
-                "has no sdpa attention, which verification with custom attention masks needs"
+                "has neither sdpa nor eager attention, which verification with custom attention masks needs"
             ) from e.__cause__
         if isinstance(e.__cause__, OSError | ValueError | struct.error):  # (what a file cut short raises)
             raise ModelLoadError(f"{e} (is the file truncated or damaged?)") from e.__cause__

@@ -54,7 +54,10 @@ def build_shared_draft(
     target's output rows `vocab_ids` (a copy, [K, hidden]). Layers start as copies of `init_layers`."""
     tcfg = target.config
     if tcfg.model_type != "llama":
-        raise ModelLoadError(f"the shared draft needs a Llama-architecture target, got '{tcfg.model_type}'")
+        raise ModelLoadError(
+            f"the shared draft needs a Llama-architecture target, got '{tcfg.model_type}': for this target, give "
+            "the draft proposer any smaller model with its vocabulary (proposer.model), or train medusa or eagle"
+        )
     outside = [i for i in init_layers or [] if not is_count(i, 0) or i >= tcfg.num_hidden_layers]
     if outside:
         raise ConfigError(

@@ -44,12 +44,16 @@ def test_a_model_without_a_key_value_cache_is_refused():
         new_cache(model)
 
 
-def test_a_sliding_window_target_is_refused_when_the_decoder_is_built():
+def test_a_sliding_window_target_is_refused_when_the_decoder_is_built_and_by_distill_and_training(tmp_path):
+    # (distilling or training for a target that the decoder refuses would make data and weights never used)
     from transformers import MistralConfig, MistralForCausalLM
 
     from specframe import SpeculativeDecoder
+    from specframe.data import distill
     from specframe.decoder import target_info
     from specframe.proposers.none import NoneConfig, NoneProposer
+    from specframe.training.common import start_run
+    from specframe.training.eagle import EagleTrainConfig
 
     config = MistralConfig(
         vocab_size=16,
@@ -63,6 +67,12 @@ def test_a_sliding_window_target_is_refused_when_the_decoder_is_built():
     model = MistralForCausalLM(config)
     with pytest.raises(BadInputError, match="uses a DynamicSlidingWindowLayer in layer 0"):
         SpeculativeDecoder(model, NoneProposer(NoneConfig(), target_info(model)))
+    with pytest.raises(BadInputError, match="uses a DynamicSlidingWindowLayer in layer 0"):
+        distill(model, None, [{"id": "p", "text": "hi"}], tmp_path / "d.jsonl", quiet=True)
+    assert not (tmp_path / "d.jsonl").exists()
+    (tmp_path / "d.jsonl").write_text('{"id": "p", "prompt_ids": [1], "response_ids": [2, 3]}\n')
+    with pytest.raises(BadInputError, match="uses a DynamicSlidingWindowLayer in layer 0"):
+        start_run(EagleTrainConfig(data=str(tmp_path / "d.jsonl"), out=str(tmp_path / "o")), model, None)
 
 
 def test_the_growing_cache_writes_in_place_and_matches_the_dynamic_one():

@@ -215,6 +215,28 @@ def test_dtype_and_attention_override(tiny_dir: Path) -> None:
     assert lm.model.config._attn_implementation == "eager"
 
 
+def test_an_architecture_without_sdpa_attention_loads_with_eager_attention(tmp_path: Path) -> None:
+    # (Gemma 2 has no SDPA attention in transformers; eager attention applies tree masks too, and decodes exactly)
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from specframe import SpeculativeDecoder
+    from specframe.decoder import target_info
+    from specframe.proposers.draft import DraftProposer
+    from specframe.testing.conformance import reference_greedy
+
+    config = Gemma2Config(
+        vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, layer_types=["full_attention"] * 2,
+    )  # fmt: skip
+    torch.manual_seed(1)  # (weights whose greedy output is not one token repeated)
+    Gemma2ForCausalLM(config).save_pretrained(tmp_path)
+    model = load_model(str(tmp_path), dtype="float32", device="cpu", quiet=True).model
+    assert model.config._attn_implementation == "eager"
+    dec = SpeculativeDecoder(model, DraftProposer.random(target_info(model)))
+    out = dec.generate([1, 2, 3], max_new_tokens=20).token_ids
+    assert out == reference_greedy(model, [1, 2, 3], 20) and len(set(out)) > 1
+
+
 def test_pickle_only_dir_refused(tmp_path: Path, tiny_model: LlamaForCausalLM) -> None:
     tiny_model.config.save_pretrained(tmp_path)
     torch.save(tiny_model.state_dict(), tmp_path / "pytorch_model.bin")

@@ -795,3 +795,16 @@ def test_top1_agreement_maps_draft_columns_to_target_ids():
     clone = build_shared_draft(target, 3, vocab, init_layers=[0, 1, 2]).eval()
     m = evaluate(clone, teacher_reference(target, vocab, seqs, pad=0), vocab, seqs, pad=0)
     assert m["top1_agreement"] == 1.0
+
+
+def test_the_shared_draft_needs_a_llama_target_and_says_what_to_do_instead():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from specframe.shared_draft import build_shared_draft
+
+    mistral = MistralForCausalLM(
+        MistralConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, sliding_window=None)
+    )  # fmt: skip
+    with pytest.raises(ModelLoadError, match="Llama-architecture target, got 'mistral': .*smaller model with its"):
+        build_shared_draft(mistral, 1, torch.arange(4))

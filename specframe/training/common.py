@@ -30,6 +30,7 @@ from specframe.errors import (
     user_path,
 )
 from specframe.fingerprint import artifact_kind, save_weights
+from specframe.kv_cache import new_cache
 from specframe.sampling import check_seed
 
 # Options naming files or folders (those a trainer has), where a leading `~` is the home folder.
@@ -521,6 +522,7 @@ def start_run(cfg: TrainRunConfig, target: torch.nn.Module, tokenizer, log=print
             f"training needs a decoder-only target laid out like Llama (a `.model` body and an LM head); "
             f"{type(target).__name__} is not"
         )
+    new_cache(target)  # (a target that speculative decoding refuses: nothing trained for it could be used)
     check_same_split(cfg)
     torch.manual_seed(cfg.seed)
     examples = read_distill(cfg.data)
