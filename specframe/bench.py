@@ -13,7 +13,8 @@ The numbers (docs/architecture.md "Stats"; the data: shared/data/README.md):
 - acceptance rate: accepted / proposed draft tokens (tree: accepted / depth proposed), and by draft position;
 - identity (greedy only): each turn's tokens against `hf`'s for the same conversation; at a first difference
   the target's top-2 logits are recomputed from scratch in float32 to tell a near-tie from a bug;
-- predicted speedup (chain proposers): Leviathan et al.'s model fed with the measured α and costs.
+- predicted speedup (chain proposers): Leviathan et al.'s model fed with the measured α and costs (a
+  consistency check of the model against the run's own timings, not an independent prediction).
 
 Results go to `<out>/bench.json`, `<out>/bench.md` and two PNG plots; `results_doc` also writes a Markdown
 page with the machine and the command (docs/results.md).
@@ -854,7 +855,10 @@ DEFINITIONS = {
     "predicted_speedup": "Leviathan et al.: E[tokens/step] = (1 - alpha^(gamma+1)) / (1 - alpha); speedup = "
     "E[tokens/step] x plain step cost / (gamma x draft cost per token + verify cost per "
     "step); costs from the stats' propose_time_s / proposed_tokens and verify_time_s / steps, "
-    "the plain step from `none` (propose + verify time per step)",
+    "the plain step from `none` (propose + verify time per step). A consistency check of the model against this "
+    "run's own alpha and costs, not an independent prediction: the measured decode-loop speedup comes from the "
+    "same times, so for gamma 1 the two agree by construction. A draft model's cost per token includes its own "
+    "prompt prefill (its first proposal of each turn feeds the prompt); the target's prefill is in neither cost",
     "identical": "greedy only: the turn's tokens equal hf's for the same conversation; a turn after an earlier "
     "difference has another context and is not compared",
 }
@@ -1310,7 +1314,10 @@ def markdown(doc: dict[str, Any], plots: bool = True) -> str:
         if s["greedy"]
         else f"sampling (temperature {s['temperature']}, top-p {s['top_p']}, top-k {s['top_k']})"
     )
-    per = ", ".join(f"{k} {v}" for k, v in s["questions_run"].items())
+    categories: dict[str, dict[int, str]] = {}  # subtask -> question id -> category (mt_bench has eight)
+    for r in doc["records"]:
+        categories.setdefault(r["subtask"], {})[r["question_id"]] = r.get("category", r["subtask"])
+    per = ", ".join(f"{k} {v}{categories_in_words(categories.get(k, {}), k)}" for k, v in s["questions_run"].items())
     planned, ran = s.get("questions_planned"), sum(s["questions_run"].values())
     if planned is not None and ran < planned:
         per += f"; stopped by the time limit ({s['time_limit_s']:g} s) after {ran} of {planned} questions"
@@ -1365,7 +1372,8 @@ def markdown(doc: dict[str, Any], plots: bool = True) -> str:
     ]
     if preds:
         lines += [
-            "## Predicted vs measured speedup (chain proposers; Leviathan et al.)",
+            "## Predicted vs measured speedup (chain proposers; Leviathan et al.; a consistency check, see "
+            "predicted_speedup below)",
             "",
             "| subtask | method | γ | α | tokens/step predicted | measured | draft cost/token | "
             "verify cost/step | plain step | predicted speedup | measured (decode loop) | "
@@ -1417,6 +1425,18 @@ def markdown(doc: dict[str, Any], plots: bool = True) -> str:
             "",
         ]
     return "\n".join(lines)
+
+
+def categories_in_words(categories: dict[int, str], subtask: str) -> str:
+    """Which categories a subtask's questions came from, e.g. " (writing 5)", where they are not the subtask itself
+    (MT-bench's eight; `--limit` takes each subtask's first questions in file order, MT-bench's first ten being
+    all writing), else ""."""
+    counts: dict[str, int] = {}
+    for category in categories.values():
+        counts[category] = counts.get(category, 0) + 1
+    if set(counts) <= {subtask}:
+        return ""
+    return " (" + ", ".join(f"{c} {n}" for c, n in counts.items()) + ")"
 
 
 def busy_note(doc: dict[str, Any]) -> list[str]:

@@ -169,6 +169,9 @@ def test_render_remakes_the_report_from_the_json(full_run, tmp_path):
     again = json.loads((tmp_path / "bench.json").read_text())
     assert again["summary"] == doc["summary"] and again["command"] == doc["command"]
     assert (tmp_path / "speedup.png").is_file() and doc["command"] in (tmp_path / "results.md").read_text()
+    # (which of MT-bench's categories ran is said; a subtask of one category is not spelled out again)
+    page = (tmp_path / "results.md").read_text()
+    assert "- questions: mt_bench 2 (writing 1, roleplay 1), translation 2 (from" in page
     code, _, err = run_cli("bench", "--render", str(tmp_path / "results.md"))
     assert code == 2 and "cannot read bench results" in err
 
