@@ -490,7 +490,8 @@ def hf_assistant(draft: Any, target_vocab: int) -> tuple[torch.nn.Module, int]:
     cfg.num_assistant_tokens = gamma
     cfg.num_assistant_tokens_schedule = "constant"
     # transformers stops drafting early below this confidence by default; 0 makes it draft exactly γ tokens
-    # per step, as specframe's `draft` does, so the two differ only in their engines.
+    # per step, as specframe's `draft` does, so the two differ only in their engines and kernels (transformers'
+    # run on its stock kernels; `target.fast_cpu_kernels=false` puts specframe's there too, docs/results-stock.md).
     cfg.assistant_confidence_threshold = 0.0
     assistant.generation_config = cfg
     return assistant, gamma
@@ -1523,8 +1524,8 @@ def results_page(doc: dict[str, Any], path: str = "docs/results.md", plots: bool
         "The latest benchmark numbers on this machine. Regenerate this page with the command below (with "
         f"`--results-doc {path}` where it lacks one: it rewrites this file); plots and per-turn records are in the "
         f"run's `--out` folder ({files}{'' if plots else ', no plots: matplotlib was not installed'}; a local "
-        "folder, not in the repository), and `specframe bench --render <out>/bench.json --results-doc {path}` re-makes "
-        "this page from them without generating anything. The GPU check (conformance suite and benchmark on "
+        f"folder, not in the repository), and `specframe bench --render <out>/bench.json --results-doc {path}` "
+        "re-makes this page from them without generating anything. The GPU check (conformance suite and benchmark on "
         "CUDA) and its results: " + ("[gpu.md](gpu.md)." if in_docs else "docs/gpu.md in specframe's repository."),
         "",
     ]

@@ -172,6 +172,7 @@ def test_render_remakes_the_report_from_the_json(full_run, tmp_path):
     # (which of MT-bench's categories ran is said; a subtask of one category is not spelled out again)
     page = (tmp_path / "results.md").read_text()
     assert "- questions: mt_bench 2 (writing 1, roleplay 1), translation 2 (from" in page
+    assert f"--render <out>/bench.json --results-doc {tmp_path / 'results.md'}` re-makes" in page
     code, _, err = run_cli("bench", "--render", str(tmp_path / "results.md"))
     assert code == 2 and "cannot read bench results" in err
 
