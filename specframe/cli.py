@@ -711,8 +711,9 @@ class Terminated(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def terminated_as_interrupt() -> Any:
-    """SIGTERM raises Terminated for the duration (the main thread only: signals can be handled nowhere else)."""
-    if threading.current_thread() is not threading.main_thread():
+    """SIGTERM raises Terminated for the duration (the main thread only: signals can be handled nowhere else; and
+    not where the parent process set it to be ignored)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
         yield
         return
 

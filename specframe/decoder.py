@@ -107,9 +107,11 @@ class SpeculativeDecoder:
         self.who = proposer_who(proposer.name, plugin)
         built_for = getattr(proposer, "target", None)
         if isinstance(built_for, TargetInfo):  # (a proposer built for another target fails later on a shape)
+            # (what a proposer's drafts depend on: the vocabulary always, the hidden size where it reads features)
+            keys = ("vocab_size", "hidden_size") if proposer.hidden_state_layers else ("vocab_size",)
             differ = [
                 f"{key} {getattr(built_for, key)} (this target's: {getattr(self.info, key)})"
-                for key in ("vocab_size", "hidden_size", "num_layers")
+                for key in keys
                 if getattr(built_for, key) != getattr(self.info, key)
             ]
             if differ:
@@ -152,15 +154,15 @@ class SpeculativeDecoder:
     # names do for one call: without these, the assignment would make an attribute that nothing reads.
     temperature = property(
         lambda self: self.sampling.temperature,
-        lambda self, value: setattr(self, "sampling", replace(self.sampling, temperature=value)),
+        lambda self, value: setattr(self, "sampling", replace(self.sampling, temperature=_as_float(value))),
     )
     top_k = property(
         lambda self: self.sampling.top_k,
-        lambda self, value: setattr(self, "sampling", replace(self.sampling, top_k=value)),
+        lambda self, value: setattr(self, "sampling", replace(self.sampling, top_k=_as_int(value))),
     )
     top_p = property(
         lambda self: self.sampling.top_p,
-        lambda self, value: setattr(self, "sampling", replace(self.sampling, top_p=value)),
+        lambda self, value: setattr(self, "sampling", replace(self.sampling, top_p=_as_float(value))),
     )
 
     def graphs_status(self) -> str:
@@ -661,27 +663,36 @@ def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
     return ids
 
 
-_PROPOSERS_IN_USE: set[int] = set()  # id() of each proposer a generate call is running with
+_PROPOSERS_IN_USE: dict[int, object] = {}  # id() of each proposer a generate call runs with -> that call's mark
 _IN_USE_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
 def proposer_in_use(proposer: Proposer, who: str) -> Iterator[None]:
-    """Mark `proposer` as running a call for the duration; a ProposerError if another call already runs with it (two
-    decoders, or a decoder and its copy, given one proposer: its state is one sequence's, and calls at once would
-    mix two)."""
-    with _IN_USE_LOCK:
-        if id(proposer) in _PROPOSERS_IN_USE:
-            raise ProposerError(
-                f"{who} is already running a generate call of another decoder: a proposer holds one sequence's "
-                "state, so decoders used at the same time need a proposer each (build one per decoder)"
-            )
-        _PROPOSERS_IN_USE.add(id(proposer))
+    """Mark `proposer`, and a union's members, as running a call for the duration; a ProposerError if another call
+    already runs with one of them (two decoders, or a decoder and its copy, given one proposer: its state is one
+    sequence's, and calls at once would mix two). Only this call's marks are removed, so an interrupt anywhere
+    leaves none behind."""
+    within, mark = [proposer], object()
+    for p in within:  # (a union's members, and theirs)
+        within += [m for m in getattr(p, "members", ()) if isinstance(m, Proposer) and all(m is not q for q in within)]
     try:
+        with _IN_USE_LOCK:
+            busy = next((p for p in within if id(p) in _PROPOSERS_IN_USE), None)
+            if busy is not None:
+                raise ProposerError(
+                    f"{who}{'' if busy is proposer else f' (its member {busy.name!r})'} is already running a generate "
+                    "call of another decoder: a proposer holds one sequence's state, so decoders used at the same "
+                    "time need a proposer each (build one per decoder)"
+                )
+            for p in within:
+                _PROPOSERS_IN_USE[id(p)] = mark
         yield
     finally:
         with _IN_USE_LOCK:
-            _PROPOSERS_IN_USE.discard(id(proposer))
+            for p in within:
+                if _PROPOSERS_IN_USE.get(id(p)) is mark:
+                    del _PROPOSERS_IN_USE[id(p)]
 
 
 class Counter:

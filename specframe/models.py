@@ -486,7 +486,11 @@ def _from_pretrained(src: str, what: str, **kwargs: Any) -> transformers.PreTrai
     except _load_errors() as e:
         if kwargs.get("attn_implementation") == "sdpa" and "does not support" in str(e) and "scaled_dot" in str(e):
             # (e.g. Gemma 2: transformers has no SDPA attention for it; eager attention applies tree masks too)
-            return _from_pretrained(src, what, **{**kwargs, "attn_implementation": "eager"})
+            from specframe.kv_cache import new_cache
+
+            model = _from_pretrained(src, what, **{**kwargs, "attn_implementation": "eager"})
+            new_cache(model)  # (a model with no attention at all, e.g. Mamba, says the same: refused here, at load)
+            return model
         if "trust_remote_code" in str(e) and not kwargs.get("trust_remote_code"):  # (its hub URL fits no folder)
             raise ModelLoadError(
                 f"model {what} needs its own Python code (its config.json's auto_map), which specframe runs only "

@@ -410,6 +410,15 @@ def test_sigterm_unwinds_as_an_interrupt_and_exits_143(capsys, monkeypatch):
     monkeypatch.setattr(specframe.models, "list_models", stopped)
     assert run(capsys, "models", "list") == (143, "", "specframe: terminated\n")
     assert unwound == [True] and signal.getsignal(signal.SIGTERM) is before
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (ignored by the parent, as `nohup`-like wrappers may: kept so)
+    try:
+        monkeypatch.setattr(specframe.models, "list_models", lambda *a, **k: [])
+        assert run(capsys, "models", "list")[0] == 0 and signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        monkeypatch.setattr(specframe.models, "list_models", lambda *a, **k: unwound.append(signal.getsignal(15)))
+        run(capsys, "models", "list")
+        assert unwound[-1] == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def test_generate_flags_are_taken_as_typed_and_may_not_contradict_an_override(capsys, tiny_dirs, tmp_path):

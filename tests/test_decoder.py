@@ -1,6 +1,7 @@
 import random
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -657,7 +658,7 @@ def test_one_stop_string_is_not_split_into_characters(target):
 
 def test_sampling_set_on_the_decoder_applies_to_its_calls(target, info):
     dec = SpeculativeDecoder(target, NoneProposer(NoneConfig(), info))
-    dec.temperature, dec.top_k, dec.top_p = 0.7, 3, 0.9
+    dec.temperature, dec.top_k, dec.top_p = torch.tensor(0.7, dtype=torch.float64), np.int64(3), 0.9  # (any kind)
     assert dec.sampling == SamplingParams(0.7, 3, 0.9) and (dec.temperature, dec.top_k, dec.top_p) == (0.7, 3, 0.9)
     fresh = SpeculativeDecoder(target, NoneProposer(NoneConfig(), info), sampling=SamplingParams(0.7, 3, 0.9))
     assert dec.generate([1, 2], max_new_tokens=8, seed=3).token_ids == fresh.generate([1, 2], 8, seed=3).token_ids
@@ -665,12 +666,18 @@ def test_sampling_set_on_the_decoder_applies_to_its_calls(target, info):
         dec.temperature = -1
 
 
-def test_a_proposer_built_for_another_target_is_refused(target):
-    other = target_info(tiny_llama(vocab_size=8, seed=1, hidden_size=32, num_layers=3))
-    proposer = DraftProposer.random(other)
-    with pytest.raises(ProposerError, match=r"proposer 'draft' was built for another target: hidden_size 32 \(this "
-                       r"target's: 16\), num_layers 3 \(this target's: 2\)"):  # fmt: skip
-        SpeculativeDecoder(target, proposer)
+def test_a_proposer_built_for_another_target_is_refused_where_its_drafts_depend_on_it(target):
+    from specframe.proposers.eagle import EagleProposer
+    from specframe.proposers.medusa import MedusaProposer
+
+    wider = target_info(tiny_llama(vocab_size=8, seed=1, hidden_size=32, num_layers=3))
+    for proposer in (EagleProposer.random(wider), MedusaProposer.random(wider)):  # (they read its features)
+        with pytest.raises(ProposerError, match=r"was built for another target: hidden_size 32 \(this target's: 16"):
+            SpeculativeDecoder(target, proposer)
+    for proposer in (DraftProposer.random(wider), NoneProposer(NoneConfig(), wider)):  # (only the vocabulary counts)
+        assert len(SpeculativeDecoder(target, proposer).generate([1, 2], max_new_tokens=4).token_ids) == 4
+    with pytest.raises(ProposerError, match=r"proposer 'draft' was built for another target: vocab_size 16 \(this"):
+        SpeculativeDecoder(target, DraftProposer.random(target_info(tiny_llama(vocab_size=16, seed=1))))
 
 
 def test_one_proposer_runs_one_call_at_a_time_across_decoders(target, info):
@@ -689,6 +696,41 @@ def test_one_proposer_runs_one_call_at_a_time_across_decoders(target, info):
         first.generate([1, 2], max_new_tokens=6)
     shared.propose = propose  # (and after that failure, the proposer is free again)
     assert first.generate([1, 2], max_new_tokens=6).token_ids == want
+
+
+def test_a_union_member_in_use_by_another_decoder_is_refused_and_marks_go_with_an_interrupt(target, info):
+    from specframe.decoder import _PROPOSERS_IN_USE
+    from specframe.proposers.union import UnionConfig, UnionProposer
+
+    union = UnionProposer.random(info, UnionConfig(members=["none", "draft"]))
+    alone = SpeculativeDecoder(target, union.members[1])
+    propose = union.members[1].propose
+
+    def propose_while_another_call_runs(state):
+        alone.generate([3], max_new_tokens=2)
+        return propose(state)
+
+    union.members[1].propose = propose_while_another_call_runs
+    with pytest.raises(ProposerError, match="member 'draft' raised ProposerError: proposer 'draft' is already running"):
+        SpeculativeDecoder(target, union).generate([1, 2], max_new_tokens=6)
+
+    def propose_while_the_union_runs(state):  # (the other way round: the union is refused, naming its member)
+        SpeculativeDecoder(target, union).generate([3], max_new_tokens=2)
+        return propose(state)
+
+    union.members[1].propose = propose_while_the_union_runs
+    with pytest.raises(ProposerError, match="proposer 'union' \\(its member 'draft'\\) is already running"):
+        alone.generate([1, 2], max_new_tokens=6)
+
+    def interrupted(state):
+        raise KeyboardInterrupt
+
+    union.members[1].propose = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        SpeculativeDecoder(target, union).generate([1, 2], max_new_tokens=6)
+    assert not _PROPOSERS_IN_USE  # (no mark left behind: the proposer and its members are free)
+    union.members[1].propose = propose
+    assert len(alone.generate([3], max_new_tokens=2).token_ids) == 2
 
 
 def test_a_tree_needs_an_attention_that_applies_its_mask(target, info):

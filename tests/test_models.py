@@ -235,6 +235,12 @@ def test_an_architecture_without_sdpa_attention_loads_with_eager_attention(tmp_p
     dec = SpeculativeDecoder(model, DraftProposer.random(target_info(model)))
     out = dec.generate([1, 2, 3], max_new_tokens=20).token_ids
     assert out == reference_greedy(model, [1, 2, 3], 20) and len(set(out)) > 1
+    # (a model with no attention at all says it has no SDPA too: refused at load by its cache, not loaded as eager)
+    from transformers import MambaConfig, MambaForCausalLM
+
+    MambaForCausalLM(MambaConfig(vocab_size=16, hidden_size=16, num_hidden_layers=2)).save_pretrained(tmp_path / "m")
+    with pytest.raises(BadInputError, match="MambaForCausalLM uses a LinearAttentionLayer in layer 0"):
+        load_model(str(tmp_path / "m"), dtype="float32", device="cpu", quiet=True)
 
 
 def test_pickle_only_dir_refused(tmp_path: Path, tiny_model: LlamaForCausalLM) -> None:
