@@ -30,6 +30,7 @@ import json
 import math
 import os
 import platform
+import random
 import re
 import shlex
 import statistics
@@ -837,6 +838,9 @@ DEFINITIONS = {
     "subtask (pooled, not a mean of per-turn ratios); plain decoding scores 1.00",
     "tokens_per_s": "mean over questions of (new tokens of all its turns / seconds of all its turns), Spec-Bench's",
     "speedup": "tokens/s of the method / tokens/s of the baseline (hf or none) on the same questions, same run",
+    "speedup_vs_none_interval": "in parentheses after a speedup vs none: a 90% interval of it from resampling the "
+    "questions with replacement (2,000 draws, paired: a question drawn counts for both methods): how much the "
+    "ratio depends on which questions ran, the machine's load changing during the run included",
     "kernels": "transformers' methods (hf, hf-assisted, hf-pld) run on PyTorch's and transformers' own kernels, as "
     "a transformers user gets them; specframe's methods on its CPU kernels when target.fast_cpu_kernels "
     "is on (specframe/cpu_kernels.py) and, for a Llama target, on its lean forward (specframe/lean_forward.py, "
@@ -1085,6 +1089,33 @@ def tokens_per_second(records: list[dict[str, Any]]) -> float | None:
     return statistics.mean(speeds) if speeds else None
 
 
+def speedup_interval(
+    records: list[dict[str, Any]], method: str, baseline: str, draws: int = 2000
+) -> list[float] | None:
+    """A 90% interval of the speedup of `method` over `baseline` (their `tokens_per_second` ratio), from
+    resampling the questions both ran with replacement (paired: a question drawn counts for both); None with
+    fewer than 3 such questions. Seeded: the same records give the same interval."""
+    rates: dict[str, dict[int, float]] = {}
+    for m in (method, baseline):
+        by_q: dict[int, list[float]] = {}
+        for r in records:
+            if r["method"] == m:
+                acc = by_q.setdefault(r["question_id"], [0.0, 0.0])
+                acc[0] += r["new_tokens"]
+                acc[1] += r["seconds"]
+        rates[m] = {q: tokens / seconds for q, (tokens, seconds) in by_q.items() if seconds > 0}
+    both = sorted(set(rates[method]) & set(rates[baseline]))
+    if len(both) < 3:
+        return None
+    rng = random.Random(0)
+    ratios = []
+    for _ in range(draws):
+        drawn = [rng.choice(both) for _ in both]
+        ratios.append(sum(rates[method][q] for q in drawn) / sum(rates[baseline][q] for q in drawn))
+    ratios.sort()
+    return [ratios[int(0.05 * draws)], ratios[int(0.95 * draws) - 1]]
+
+
 def add_lists(a: list[int], b: list[int]) -> list[int]:
     """Elementwise sum of two count lists of different lengths (missing entries count 0)."""
     n = max(len(a), len(b))
@@ -1238,6 +1269,7 @@ def summarize(records: list[dict[str, Any]], methods: list[str], subtasks: list[
                 "tokens_per_s": speed[m],
                 "speedup_vs_hf": ratio(speed[m], speed.get(REFERENCE)),
                 "speedup_vs_none": ratio(speed[m], speed.get(ENGINE_BASELINE)),
+                "speedup_vs_none_interval": speedup_interval(rows, m, ENGINE_BASELINE),
                 "acceptance_rate": ratio(pooled["accepted_tokens"], pooled["proposed_tokens"]) if pooled else None,
                 "proposed_by_position": pooled["proposed_by_position"] if pooled else None,
                 "accepted_by_position": pooled["accepted_by_position"] if pooled else None,
@@ -1301,10 +1333,17 @@ def main_table(doc: dict[str, Any]) -> list[str]:
             lines.append(
                 f"| {subtask} | {m} | {s['questions']} | {fmt(s['mean_accepted_length'])} | "
                 f"{fmt(s['tokens_per_s'], '.1f')} | {fmt(s['speedup_vs_hf'], '.2f', 'x')} | "
-                f"{fmt(s['speedup_vs_none'], '.2f', 'x')} | {fmt(s['acceptance_rate'], '.3f')} | "
+                f"{fmt(s['speedup_vs_none'], '.2f', 'x')}{interval_cell(s, m)} | {fmt(s['acceptance_rate'], '.3f')} | "
                 f"{identity_cell(s['identity'])} |"
             )
     return lines
+
+
+def interval_cell(numbers: dict[str, Any], method: str) -> str:
+    """ " (1.15-1.40)": the 90% interval of a method's speedup vs none, where one was computed (reports before
+    2026-12-06 have none); "" for `none` itself."""
+    interval = numbers.get("speedup_vs_none_interval")
+    return "" if interval is None or method == ENGINE_BASELINE else f" ({interval[0]:.2f}-{interval[1]:.2f})"
 
 
 def markdown(doc: dict[str, Any], plots: bool = True) -> str:

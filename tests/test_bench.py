@@ -126,6 +126,7 @@ def test_outputs_exist_with_their_structure(full_run):
         assert (root / "out" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (root / "out" / "bench.md").read_text()
     assert "| subtask | method |" in md and "| overall | draft |" in md and "## Skipped" in md
+    assert re.search(r"\| overall \| draft \| 4 \|( [^|]* \|){3} [0-9.]+x \([0-9.]+-[0-9.]+\) \|", md)  # (its interval)
     assert "| subtask | method |" in out  # the table is also printed
     page = (root / "docs" / "results.md").read_text()
     assert "do not edit by hand" in page and doc["command"] in page and doc["machine"]["cpu"] in page
@@ -725,6 +726,24 @@ def test_summarize_speedups_and_identity():
     table = bench.summarize(records, ["hf", "none", "x"], ["qa"])["overall"]
     assert table["x"]["speedup_vs_hf"] == 4.0 and table["x"]["speedup_vs_none"] == 2.0
     assert table["x"]["identity"]["differ_at_near_tie"] == 1 and table["x"]["identity"]["identical"] == 1
+    assert table["x"]["speedup_vs_none_interval"] is None  # (two questions: too few to resample)
+
+
+def test_the_speedup_interval_resamples_questions_in_pairs():
+    def run(method, rates):  # one turn per question, 10 tokens at each question's rate
+        return [rec(q, 10, 10, 10 / rate, method=method) for q, rate in enumerate(rates)]
+
+    same = run("none", [10, 20, 40, 80]) + run("x", [20, 40, 80, 160])  # 2x on every question
+    assert bench.speedup_interval(same, "x", "none") == pytest.approx([2.0, 2.0])
+    mixed = run("none", [10, 10, 10, 10, 10]) + run("x", [10, 12, 14, 16, 30])
+    low, high = bench.speedup_interval(mixed, "x", "none")
+    assert 1.0 <= low < bench.summarize(mixed, ["none", "x"], ["qa"])["overall"]["x"]["speedup_vs_none"] < high <= 3.0
+    assert bench.speedup_interval(mixed, "x", "none") == [low, high]  # (seeded)
+    assert bench.speedup_interval(mixed[:2] + mixed[5:7], "x", "none") is None
+    numbers = {"speedup_vs_none_interval": [low, high]}
+    assert (
+        bench.interval_cell(numbers, "x") == f" ({low:.2f}-{high:.2f})" and bench.interval_cell(numbers, "none") == ""
+    )
 
 
 # ------------------------------------------------------------------------------------------------ identity
