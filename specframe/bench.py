@@ -1078,14 +1078,19 @@ def mean_accepted_length(records: list[dict[str, Any]]) -> float | None:
     return sum(r["new_tokens"] for r in records) / forwards if forwards else None
 
 
-def tokens_per_second(records: list[dict[str, Any]]) -> float | None:
-    """Spec-Bench's speed: per question, all its turns' tokens over all their seconds; then the mean."""
+def question_speeds(records: list[dict[str, Any]]) -> dict[int, float]:
+    """Per question: all its turns' tokens over all their seconds (questions timed at 0 s left out)."""
     per_q: dict[int, list[float]] = {}
     for r in records:
         acc = per_q.setdefault(r["question_id"], [0.0, 0.0])
         acc[0] += r["new_tokens"]
         acc[1] += r["seconds"]
-    speeds = [tokens / seconds for tokens, seconds in per_q.values() if seconds > 0]
+    return {q: tokens / seconds for q, (tokens, seconds) in per_q.items() if seconds > 0}
+
+
+def tokens_per_second(records: list[dict[str, Any]]) -> float | None:
+    """Spec-Bench's speed: the mean over questions of `question_speeds`."""
+    speeds = list(question_speeds(records).values())
     return statistics.mean(speeds) if speeds else None
 
 
@@ -1095,15 +1100,7 @@ def speedup_interval(
     """A 90% interval of the speedup of `method` over `baseline` (their `tokens_per_second` ratio), from
     resampling the questions both ran with replacement (paired: a question drawn counts for both); None with
     fewer than 3 such questions. Seeded: the same records give the same interval."""
-    rates: dict[str, dict[int, float]] = {}
-    for m in (method, baseline):
-        by_q: dict[int, list[float]] = {}
-        for r in records:
-            if r["method"] == m:
-                acc = by_q.setdefault(r["question_id"], [0.0, 0.0])
-                acc[0] += r["new_tokens"]
-                acc[1] += r["seconds"]
-        rates[m] = {q: tokens / seconds for q, (tokens, seconds) in by_q.items() if seconds > 0}
+    rates = {m: question_speeds([r for r in records if r["method"] == m]) for m in (method, baseline)}
     both = sorted(set(rates[method]) & set(rates[baseline]))
     if len(both) < 3:
         return None
