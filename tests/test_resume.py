@@ -82,6 +82,65 @@ def test_an_interrupted_run_resumed_ends_where_an_uninterrupted_one_does(tmp_pat
 
 
 @pytest.mark.parametrize("name", list(TRAINERS))
+def test_a_run_stopped_within_an_epoch_resumes_at_its_last_checkpoint_as_if_never_stopped(tmp_path, name, monkeypatch):
+    """With train.checkpoint_every, a checkpoint is saved within epochs too; a run stopped two steps past the one
+    in epoch 2 resumes at the batch after it (the schedule, running loss and EAGLE's noise generator restored)
+    and ends with the weights and losses of a run never stopped and never checkpointed within an epoch."""
+    import sys
+
+    from specframe.training import common
+
+    train, make = TRAINERS[name]
+    data = tmp_path / "d.jsonl"
+    write_distill_data(data, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), n=40)
+
+    def run(out: str, every: int, **kw):
+        target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
+        options = {**COMMON, "batch_size": 4, "checkpoint_every": every}  # (8 batches an epoch, 3 steps apart)
+        cfg = make(data=str(data), out=str(tmp_path / out), features_cache=str(tmp_path / "f"), **options)
+        return train(cfg, target, None, **kw)
+
+    straight = run("straight", every=0, log=lambda m: None)
+    saved: list[dict] = []
+    real_save, trainer = common.save_checkpoint, sys.modules[train.__module__]
+    real_step = trainer.optimizer_step
+    steps, armed = [0, 0], [True]  # (steps in all and since the last save; the stop, once)
+
+    def save(folder, params, optimizer, state):
+        real_save(folder, params, optimizer, state)
+        saved.append(json.loads(json.dumps(state)))
+        steps[1] = 0
+
+    def step(*args, **kwargs):
+        if armed[0] and saved and saved[-1]["epoch"] == 1 and "within" in saved[-1] and steps[1] == 2:
+            armed[0] = False
+            raise Interrupted("two steps past epoch 2's first checkpoint within it")
+        steps[0] += 1
+        steps[1] += 1
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(common, "save_checkpoint", save)
+    monkeypatch.setattr(trainer, "optimizer_step", step)
+    with pytest.raises(Interrupted):
+        run("resumed", every=3, log=lambda m: None)
+    within = saved[-1]
+    assert within["within"]["batches"] >= 1 and within["steps"] == steps[0] - 2, within
+    assert [s["epoch"] for s in saved if "within" not in s] == [1]  # (epoch 1's end, and checkpoints within)
+    done = steps[0]
+    logs: list[str] = []
+    resumed = run("resumed", every=3, resume=True, log=logs.append)
+    assert f"after {within['within']['batches']} batches of epoch 2" in " ".join(logs), logs
+    a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    losses = [(h["epoch"], h.get("train_loss", h.get("train_kl"))) for h in straight["history"]]
+    assert losses == [(h["epoch"], h.get("train_loss", h.get("train_kl"))) for h in resumed["history"]]
+    # Not vacuous: the resumed run took only the steps after the checkpoint, and checkpoints were made within epochs.
+    total = json.loads((tmp_path / "straight" / "checkpoint" / "state.json").read_text())["steps"]
+    assert steps[0] - done == total - within["steps"], (steps, within, total)
+    assert sum("within" in s for s in saved) >= 2
+
+
+@pytest.mark.parametrize("name", list(TRAINERS))
 def test_a_new_run_never_overwrites_another_run_s_out_folder(tmp_path, name):
     """Without --resume, an out folder holding a checkpoint or trained weights is refused (it was overwritten)."""
     import shutil
@@ -219,6 +278,12 @@ DAMAGE = {
     "optimizer cut short": lambda c: (c / "optim.safetensors").write_bytes((c / "optim.safetensors").read_bytes()[:6]),
     "no history": lambda c: (c / "state.json").write_text('{"epoch": 1}'),
     "no epoch": lambda c: (c / "state.json").write_text('{"history": []}'),
+    "within an epoch, batches not a count": lambda c: (c / "state.json").write_text(
+        '{"epoch": 1, "history": [], "within": {"batches": -1}}'
+    ),
+    "within an epoch, generator state not base64": lambda c: (c / "state.json").write_text(
+        '{"epoch": 1, "history": [], "within": {"batches": 2, "generator": "not base64!"}}'
+    ),
 }
 
 
@@ -248,6 +313,40 @@ def test_a_damaged_checkpoint_is_named_before_any_feature_extraction(tmp_path, n
         damage(copy / "checkpoint")
         with pytest.raises(ConfigError, match=r"^the checkpoint in .*checkpoint is damaged \(.*\): it cannot be"):
             run(copy, resume=True, log=lambda m: None)
+
+
+def test_a_checkpoint_within_an_epoch_is_named_by_its_batch_and_needs_that_epoch_to_end(tmp_path):
+    import shutil
+
+    train, make = TRAINERS["draft"]
+    data = tmp_path / "d.jsonl"
+    write_distill_data(data, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), n=40)
+
+    def run(out, **kw):
+        target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
+        options = {**COMMON, **kw.pop("options", {})}
+        return train(
+            make(data=str(data), out=str(out), features_cache=str(tmp_path / "f"), **options), target, None, **kw
+        )
+
+    with pytest.raises(ConfigError, match=r"train.checkpoint_every must be >= 0 \(0: at epoch ends only\), got -1"):
+        make(data=str(data), out=str(tmp_path / "x"), checkpoint_every=-1)
+    with pytest.raises(Interrupted):
+        run(tmp_path / "run", log=interrupt_at("epoch 2:"))
+    state_file = tmp_path / "run" / "checkpoint" / "state.json"
+    state = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({**state, "within": {"batches": 2, "running": 1.5, "seconds": 3.0}}))
+    with pytest.raises(ConfigError, match=r"holds the checkpoint of another run \(after 2 batches of epoch 2\)"):
+        run(tmp_path / "run", log=lambda m: None)
+    with pytest.raises(
+        ConfigError,
+        match=r"saved after 2 batches of epoch 2: train.epochs=1 would not finish that epoch; give train.epochs >= 2",
+    ):
+        run(tmp_path / "run", options={"epochs": 1}, resume=True, log=lambda m: None)
+    shutil.copytree(tmp_path / "run", tmp_path / "past")  # an epoch of 4 batches has no batch 9
+    (tmp_path / "past" / "checkpoint" / "state.json").write_text(json.dumps({**state, "within": {"batches": 9}}))
+    with pytest.raises(ConfigError, match=r"is damaged \(it is after 9 batches of epoch 2, which has 4\)"):
+        run(tmp_path / "past", resume=True, log=lambda m: None)
 
 
 def one_epoch_run(name, tmp_path, data, **options):
@@ -390,19 +489,19 @@ def test_a_second_training_run_into_the_same_out_is_refused(tmp_path, capsys):
 
 
 def test_a_training_command_interrupted_says_where_its_checkpoint_is(tmp_path, tiny_dirs, capsys, monkeypatch):
-    import specframe.training.draft
+    import specframe.training.common
     from specframe.cli import main
     from specframe.models import load_model
 
     data = tmp_path / "d.jsonl"
     write_distill_data(data, load_model(str(tiny_dirs["target"]), quiet=True).model, n=40)
-    real = specframe.training.draft.save_checkpoint
+    real = specframe.training.common.save_checkpoint
 
     def then_ctrl_c(*args, **kwargs):  # (Ctrl-C just after epoch 1's checkpoint)
         real(*args, **kwargs)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(specframe.training.draft, "save_checkpoint", then_ctrl_c)
+    monkeypatch.setattr(specframe.training.common, "save_checkpoint", then_ctrl_c)
     out = tmp_path / "out"
     argv = ["train", "--proposer", "draft", "--target", str(tiny_dirs["target"]), f"out={out}", f"data={data}"]
     assert main([*argv, "epochs=3", "layers=1", "heldout_fraction=0.2", f"features_cache={tmp_path / 'f'}"]) == 130

@@ -416,7 +416,9 @@ def test_a_held_out_fraction_that_leaves_one_side_empty_is_named(trained, tmp_pa
 def test_resume_with_fewer_epochs_than_done_is_refused(trained, tmp_path):
     target, cfg, _ = trained
     fewer = DraftTrainConfig(**{**cfg.__dict__, "epochs": cfg.epochs - 1, "features_cache": str(tmp_path / "fresh")})
-    with pytest.raises(ConfigError, match=f"has {cfg.epochs} epochs done: train.epochs={cfg.epochs - 1} would train"):
+    with pytest.raises(
+        ConfigError, match=f"was saved after epoch {cfg.epochs}: train.epochs={cfg.epochs - 1} would train none"
+    ):
         train_draft(fewer, target, None, resume=True, log=lambda m: None)
 
 

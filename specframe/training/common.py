@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import math
 import os
 import random
 import shutil
+import sys
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,6 +77,9 @@ class TrainRunConfig:
     seed: int = 0
     # Folder caching the target's features over the data, shared by every trainer ("" = recompute each run).
     features_cache: str = "runs/features"
+    # Optimizer steps between checkpoints within an epoch (0 = at epoch ends only): a run stopped mid-epoch and
+    # resumed loses at most these steps, and ends with the weights it would have had, never stopped.
+    checkpoint_every: int = 200
 
     def __post_init__(self) -> None:
         check_field_types(self, "train.")
@@ -84,6 +90,10 @@ class TrainRunConfig:
             value = getattr(self, key)
             if value < 1:  # (an integer: checked first)
                 raise ConfigError(f"train.{key} must be >= 1, got {value}")
+        if self.checkpoint_every < 0:
+            raise ConfigError(
+                f"train.checkpoint_every must be >= 0 (0: at epoch ends only), got {self.checkpoint_every}"
+            )
         check_seed(self.seed, "train.seed", unset="")  # (torch.manual_seed's range)
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError(f"train.lr must be a finite number > 0, got {self.lr}")
@@ -257,7 +267,60 @@ def checkpoint_state(folder: Path) -> dict:
         raise damaged_checkpoint(folder, f"state.json holds no epoch count: {str(state)[:80]}")
     if not isinstance(state.get("history"), list):
         raise damaged_checkpoint(folder, "state.json holds no metrics history")
+    try:
+        progress_of(state)
+    except (TypeError, ValueError) as e:
+        raise damaged_checkpoint(folder, f"state.json: {e}") from None
     return state
+
+
+def _count(value, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{what} is not a count: {value!r}")
+    return value
+
+
+@dataclass
+class Progress:
+    """Where a run stands, as a checkpoint's state.json records it: `epoch` epochs done and `batches` batches of
+    the next one (0 at an epoch's end); `steps` optimizer steps in all (the schedule's position); and for a
+    checkpoint within an epoch, that epoch's running loss, its seconds so far and the state of its random
+    generator (EAGLE draws its feature noise from it)."""
+
+    epoch: int = 0
+    batches: int = 0
+    steps: int | None = None  # (None: a checkpoint from before 2026-12-06, made at an epoch's end)
+    running: float | None = None
+    seconds: float = 0.0
+    generator: bytes = b""
+
+    def steps_done(self, steps_per_epoch: int) -> int:
+        return self.steps if self.steps is not None else self.epoch * steps_per_epoch
+
+    def words(self) -> str:
+        if self.batches:
+            return f"after {self.batches} batches of epoch {self.epoch + 1}"
+        return f"after epoch {self.epoch}"
+
+
+def progress_of(state: dict) -> Progress:
+    """A checkpoint state's `Progress` (ValueError / TypeError when a field is not what it should be)."""
+    steps = state.get("steps")
+    progress = Progress(state["epoch"], steps=None if steps is None else _count(steps, "steps"))
+    within = state.get("within")
+    if within is not None:
+        if not isinstance(within, dict):
+            raise ValueError(f"within is not an object: {str(within)[:40]}")
+        running = within.get("running")
+        if running is not None and not (isinstance(running, float | int) and math.isfinite(running)):
+            raise ValueError(f"within.running is not a number: {running!r}")
+        seconds = within.get("seconds", 0.0)
+        if not isinstance(seconds, float | int) or seconds < 0:
+            raise ValueError(f"within.seconds is not a duration: {seconds!r}")
+        progress.batches = _count(within.get("batches"), "within.batches")
+        progress.running, progress.seconds = running, float(seconds)
+        progress.generator = base64.b64decode(within.get("generator", ""), validate=True)
+    return progress
 
 
 def check_checkpoint_params(folder: Path, named_params: dict[str, torch.Tensor]) -> None:
@@ -296,7 +359,18 @@ RUN_PARTS = {  # what a resumed run must share with its checkpoint (`run_identit
 # says so), the tree chosen from the heads at the end, and where things are (the data's content is checked, and
 # init_from/init_heads only choose a start, which the checkpoint replaces). Every other option must match.
 RESUME_MAY_CHANGE = frozenset(
-    {"epochs", "lr", "self_fed_steps", "tree_nodes", "data", "out", "features_cache", "init_from", "init_heads"}
+    {
+        "epochs",
+        "lr",
+        "self_fed_steps",
+        "tree_nodes",
+        "checkpoint_every",
+        "data",
+        "out",
+        "features_cache",
+        "init_from",
+        "init_heads",
+    }
 )
 
 
@@ -389,11 +463,13 @@ def resuming_from(
                     f"(a resume may change only {', '.join(sorted(RESUME_MAY_CHANGE))})"
                 )
     check_checkpoint_params(ckpt, named_params)  # (after the options: a changed one is named as such)
-    done = state.get("epoch", 0)
+    progress = progress_of(state)
+    done = progress.epoch + (1 if progress.batches else 0)  # (a checkpoint within an epoch: that epoch must end)
     if epochs is not None and epochs < done:
         raise ConfigError(
-            f"the checkpoint in {ckpt} has {done} epochs done: train.epochs={epochs} would train none and record "
-            f"{epochs}; give train.epochs >= {done}"
+            f"the checkpoint in {ckpt} was saved {progress.words()}: train.epochs={epochs} would "
+            f"{'not finish that epoch' if progress.batches else f'train none and record {epochs}'}; "
+            f"give train.epochs >= {done}"
         )
     return True
 
@@ -403,7 +479,7 @@ def check_new_run(ckpt: Path) -> None:
     out = ckpt.parent
     if (ckpt / "state.json").is_file():
         try:
-            done = f"after epoch {checkpoint_state(ckpt)['epoch']}"
+            done = progress_of(checkpoint_state(ckpt)).words()
         except ConfigError:  # (a damaged state is still another run's)
             done = "damaged"
         raise ConfigError(
@@ -443,14 +519,120 @@ def load_checkpoint(
     return checkpoint_state(folder)
 
 
-def resume_from(ckpt: Path, params: dict, optimizer: torch.optim.Optimizer, *, resuming: bool, log) -> tuple[int, list]:
-    """(epochs done, metrics history) from `ckpt` when `resuming`, which must be the answer of `resuming_from`
-    (it checks the checkpoint's parameters; this does not); else (0, [])."""
-    if resuming:
-        state = load_checkpoint(ckpt, params, optimizer)
-        log(f"resumed from {ckpt} after epoch {state['epoch']}")
-        return state["epoch"], state["history"]
-    return 0, []
+def resume_from(
+    ckpt: Path,
+    params: dict,
+    optimizer: torch.optim.Optimizer,
+    *,
+    resuming: bool,
+    run: dict,
+    every: int,
+    log,
+    extra: dict | None = None,
+) -> Checkpoints:
+    """The run's `Checkpoints`, starting from `ckpt`'s weights, moments, progress and metrics history when
+    `resuming` (which must be the answer of `resuming_from`: it checks the checkpoint's parameters; this does
+    not), else from the start with no history."""
+    if not resuming:
+        return Checkpoints(ckpt, params, optimizer, run, every, Progress(), [], extra)
+    state = load_checkpoint(ckpt, params, optimizer)
+    progress = progress_of(state)
+    log(f"resumed from {ckpt} {progress.words()}")
+    return Checkpoints(ckpt, params, optimizer, run, every, progress, state["history"], extra)
+
+
+class Checkpoints:
+    """A run's checkpoints into `ckpt`: at each epoch's end (`epoch_done`), and within an epoch every `every`
+    optimizer steps (`batches`; 0: never). Each holds the weights, the optimizer's moments and the `Progress`,
+    so a resumed run continues at the batch after it with all that an uninterrupted run would have had. `start`
+    is where this run started; `history` its metrics list, which the trainer appends to; `extra` goes into
+    every state.json."""
+
+    def __init__(
+        self,
+        ckpt: Path,
+        params: dict,
+        optimizer: torch.optim.Optimizer,
+        run: dict,
+        every: int,
+        start: Progress,
+        history: list,
+        extra: dict | None = None,
+    ) -> None:
+        self.ckpt, self.params, self.optimizer, self.run, self.every = ckpt, params, optimizer, run, every
+        self.start, self.history, self.extra = start, history, extra or {}
+        self.schedule: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.first_step = self.saved_at = 0
+
+    def make_schedule(self, steps_per_epoch: int, epochs: int) -> torch.optim.lr_scheduler.LambdaLR:
+        """The learning-rate schedule (`warmup_cosine`) over `epochs`, at the step this run starts from."""
+        self.first_step = self.saved_at = self.start.steps_done(steps_per_epoch)
+        self.schedule = warmup_cosine(self.optimizer, steps_per_epoch * epochs, self.first_step)
+        return self.schedule
+
+    def steps(self) -> int:
+        return self.first_step + self.schedule.last_epoch  # (LambdaLR counts its steps in last_epoch)
+
+    def _save(self, epoch: int, within: dict | None) -> None:
+        state = {"epoch": epoch, "history": self.history, "run": self.run, **self.extra, "steps": self.steps()}
+        if within is not None:
+            state["within"] = within
+        save_checkpoint(self.ckpt, self.params, self.optimizer, state)
+        self.saved_at = self.steps()
+
+    def epoch_done(self, epochs: int) -> None:
+        """The checkpoint after `epochs` epochs (the history holds the last one's metrics)."""
+        self._save(epochs, None)
+
+    def batches(self, epoch: int, order: list, generator: torch.Generator | None = None) -> EpochBatches:
+        """Epoch `epoch` (from 0)'s batches in `order`; see `EpochBatches`."""
+        return EpochBatches(self, epoch, order, generator)
+
+
+class EpochBatches:
+    """The batches of one epoch (items of `order`), from the batch after the checkpoint a resumed run started
+    from when that checkpoint is within this epoch (then its running loss, seconds and `generator`'s state
+    are restored too). After each batch, a checkpoint when `every` optimizer steps were taken since the last
+    and batches remain. The trainer keeps its running loss in `running`; `seconds()` is the epoch's time."""
+
+    def __init__(self, owner: Checkpoints, epoch: int, order: list, generator: torch.Generator | None) -> None:
+        start = owner.start
+        within = start.batches > 0 and start.epoch == epoch
+        if within and start.batches >= len(order):
+            raise damaged_checkpoint(owner.ckpt, f"it is {start.words()}, which has {len(order)}")
+        if within and generator is not None:
+            try:
+                generator.set_state(torch.frombuffer(bytearray(start.generator), dtype=torch.uint8))
+            except (RuntimeError, ValueError) as e:
+                raise damaged_checkpoint(owner.ckpt, f"its generator state: {brief(e)}") from None
+        self.owner, self.epoch, self.order, self.generator = owner, epoch, order, generator
+        self.done = start.batches if within else 0
+        self.running: float | None = start.running if within else None
+        self.started = time.perf_counter() - (start.seconds if within else 0.0)
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started
+
+    def bar(self, desc: str, unit: str = "batch"):
+        """A progress bar over these batches (starting at those already done)."""
+        from tqdm import tqdm
+
+        return tqdm(self, desc=desc, file=sys.stderr, unit=unit, initial=self.done, total=len(self.order))
+
+    def __iter__(self):
+        owner = self.owner
+        for i in range(self.done, len(self.order)):
+            yield self.order[i]
+            self.done = i + 1  # (reached when the trainer asks for the next batch: this one is done)
+            if owner.every and self.done < len(self.order) and owner.steps() - owner.saved_at >= owner.every:
+                state = self.generator.get_state().numpy().tobytes() if self.generator is not None else b""
+                within = {
+                    "batches": self.done,
+                    "running": self.running,
+                    "seconds": self.seconds(),
+                    "generator": base64.b64encode(state).decode(),
+                }
+                owner._save(self.epoch, within)
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, done_steps: int = 0):

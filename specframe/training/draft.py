@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,9 +34,7 @@ from specframe.training.common import (
     resume_from,
     resuming_from,
     run_identity,
-    save_checkpoint,
     start_run,
-    warmup_cosine,
 )
 from specframe.training.features import split_features
 
@@ -137,8 +133,6 @@ def initial_draft(cfg: DraftTrainConfig, target) -> tuple[torch.nn.Module, torch
 @only_run_in_out
 def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, log=print) -> dict:
     """Train and save a shared draft for `target` (a float32 model); returns the held-out metrics."""
-    from tqdm import tqdm
-
     out = Path(cfg.out)
     have = target.config.num_hidden_layers
     if not cfg.init_from and not cfg.init_layers and cfg.layers > have:  # (the default start: layers 0..layers-1)
@@ -179,25 +173,24 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
     )
 
     optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
-    steps_per_epoch = math.ceil(len(train_seqs) / cfg.batch_size)
-    total_steps = steps_per_epoch * cfg.epochs
-    start_epoch, history = resume_from(ckpt, params, optimizer, resuming=resuming, log=log)
-    schedule = warmup_cosine(optimizer, total_steps, start_epoch * steps_per_epoch)
+    checkpoints = resume_from(ckpt, params, optimizer, resuming=resuming, run=run, every=cfg.checkpoint_every, log=log)
+    progress, history = checkpoints.start, checkpoints.history
+    schedule = checkpoints.make_schedule(math.ceil(len(train_seqs) / cfg.batch_size), cfg.epochs)
 
     vocab_ids = vocab_ids.to(target.device)  # (the coverage above counted on the CPU)
     teacher_head = target.get_output_embeddings().weight.detach()[vocab_ids].float()  # [K, hidden]
     # float32, once per run (the target is frozen); not needed when resuming a run that already finished
-    reference = teacher_reference(target, vocab_ids, held_seqs, pad) if start_epoch < cfg.epochs else None
-    metrics = evaluate(draft.eval(), reference, vocab_ids, held_seqs, pad) if start_epoch == 0 else history[-1]
-    if start_epoch == 0:
+    reference = teacher_reference(target, vocab_ids, held_seqs, pad) if progress.epoch < cfg.epochs else None
+    if not history:  # (a new run: a resumed one has these in its checkpoint's history)
+        metrics = evaluate(draft.eval(), reference, vocab_ids, held_seqs, pad)
         log(f"before training: held-out top-1 agreement {metrics['top1_agreement']:.3f}, alpha {metrics['alpha']:.3f}")
         history.append({"epoch": 0, **metrics})
     batches = make_batches(train_seqs, cfg.batch_size, cfg.seed)
-    for epoch in range(start_epoch, cfg.epochs):
+    for epoch in range(progress.epoch, cfg.epochs):
         draft.train()
         order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
-        bar = tqdm(order, desc=f"epoch {epoch + 1}/{cfg.epochs}", file=sys.stderr, unit="batch")
-        t0, running = time.perf_counter(), None
+        epoch_batches = checkpoints.batches(epoch, order)
+        bar = epoch_batches.bar(f"epoch {epoch + 1}/{cfg.epochs}")
         for b in bar:
             ids, attn, mask = collate(batches[b], pad)
             with torch.no_grad():  # (the cached features stay on the CPU: only the batch's go to the device)
@@ -207,15 +200,16 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
             h = draft.model(input_ids=ids, attention_mask=attn).last_hidden_state[mask]
             q_log = draft.lm_head(h).float().log_softmax(-1)
             loss = (p_log.exp() * (p_log - q_log)).sum(-1).mean()  # KL(p || q)
-            running = optimizer_step(loss, params, optimizer, schedule, running)
+            running = epoch_batches.running = optimizer_step(loss, params, optimizer, schedule, epoch_batches.running)
             bar.set_postfix(kl=f"{running:.3f}", lr=f"{schedule.get_last_lr()[0]:.1e}")
         metrics = evaluate(draft.eval(), reference, vocab_ids, held_seqs, pad)
-        history.append({"epoch": epoch + 1, "train_kl": running, "seconds": time.perf_counter() - t0, **metrics})
+        running = epoch_batches.running
+        history.append({"epoch": epoch + 1, "train_kl": running, "seconds": epoch_batches.seconds(), **metrics})
         log(
             f"epoch {epoch + 1}: train KL {running:.3f}; held-out top-1 agreement {metrics['top1_agreement']:.3f}, "
             f"alpha {metrics['alpha']:.3f}"
         )
-        save_checkpoint(ckpt, params, optimizer, {"epoch": epoch + 1, "history": history, "run": run})
+        checkpoints.epoch_done(epoch + 1)
     final = {
         "heldout": history[-1],
         "history": history,

@@ -25,8 +25,6 @@ predicted features for one and two steps: draft levels 2 and 3, whatever `self_f
 from __future__ import annotations
 
 import math
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -245,7 +243,6 @@ def initial_drafter(cfg: EagleTrainConfig, target) -> tuple[torch.nn.Module, tor
 @only_run_in_out
 def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, log=print) -> dict:
     """Train and save an EAGLE drafter for `target` (a float32 model); returns the held-out metrics."""
-    from tqdm import tqdm
 
     from specframe.proposers.eagle import build_drafter, save_drafter
     from specframe.training.common import (
@@ -255,9 +252,7 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
         resume_from,
         resuming_from,
         run_identity,
-        save_checkpoint,
         start_run,
-        warmup_cosine,
     )
     from specframe.training.features import check_extra_layers, split_features
 
@@ -307,20 +302,23 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
     optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
     order_by_len = sorted(range(len(train_seqs)), key=lambda i: train_seqs[i].ids.numel())
     batches = [order_by_len[i : i + cfg.batch_size] for i in range(0, len(order_by_len), cfg.batch_size)]
-    total_steps = len(batches) * cfg.epochs
-    start_epoch, history = resume_from(ckpt, params, optimizer, resuming=resuming, log=log)
-    schedule = warmup_cosine(optimizer, total_steps, start_epoch * len(batches))
+    extra = {"fuse_layers": cfg.fuse_layers, "self_fed_steps": cfg.self_fed_steps}
+    checkpoints = resume_from(
+        ckpt, params, optimizer, resuming=resuming, run=run, every=cfg.checkpoint_every, log=log, extra=extra
+    )
+    history = checkpoints.history
+    schedule = checkpoints.make_schedule(len(batches), cfg.epochs)
     memo: dict = {}
-    if start_epoch == 0:
+    if not history:  # (a new run: a resumed one has these in its checkpoint's history)
         metrics = evaluate(drafter, full_head, vocab_ids, held_seqs, memo=memo)
         log(f"before training: {describe(metrics)}")
         history.append({"epoch": 0, **metrics})
-    for epoch in range(start_epoch, cfg.epochs):
+    for epoch in range(checkpoints.start.epoch, cfg.epochs):
         drafter.train()
         gen = torch.Generator().manual_seed(cfg.seed + epoch)
         order = torch.randperm(len(batches), generator=gen).tolist()
-        bar = tqdm(order, desc=f"epoch {epoch + 1}/{cfg.epochs}", file=sys.stderr, unit="batch")
-        t0, running = time.perf_counter(), None
+        epoch_batches = checkpoints.batches(epoch, order, gen)  # (then `gen` draws the feature noise)
+        bar = epoch_batches.bar(f"epoch {epoch + 1}/{cfg.epochs}")
         for b in bar:
             feats, ids, mask, extra = collate_features([train_seqs[i] for i in batches[b]], cfg.prompt_positions)
             if not bool(mask.any()):
@@ -334,19 +332,13 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
                     loss = loss + (1.0 if s == 0 else cfg.self_fed_weight) * (
                         cfg.feature_weight * feat_loss + cfg.token_weight * token_loss
                     )
-            running = optimizer_step(loss, params, optimizer, schedule, running)
+            running = epoch_batches.running = optimizer_step(loss, params, optimizer, schedule, epoch_batches.running)
             bar.set_postfix(loss=f"{running:.3f}", lr=f"{schedule.get_last_lr()[0]:.1e}")
         metrics = evaluate(drafter, full_head, vocab_ids, held_seqs, memo=memo)
-        history.append({"epoch": epoch + 1, "train_loss": running, "seconds": time.perf_counter() - t0, **metrics})
+        running = epoch_batches.running
+        history.append({"epoch": epoch + 1, "train_loss": running, "seconds": epoch_batches.seconds(), **metrics})
         log(f"epoch {epoch + 1}: train loss {running:.3f}; {describe(metrics)}")
-        state = {
-            "epoch": epoch + 1,
-            "history": history,
-            "fuse_layers": cfg.fuse_layers,
-            "self_fed_steps": cfg.self_fed_steps,
-            "run": run,
-        }
-        save_checkpoint(ckpt, params, optimizer, state)
+        checkpoints.epoch_done(epoch + 1)
     final = {
         "heldout": history[-1],
         "history": history,

@@ -21,8 +21,6 @@ prompts, never on a benchmark.
 from __future__ import annotations
 
 import math
-import sys
-import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -42,9 +40,7 @@ from specframe.training.common import (
     resume_from,
     resuming_from,
     run_identity,
-    save_checkpoint,
     start_run,
-    warmup_cosine,
 )
 
 PATH_RANKS = 10  # ranks per head considered in the path statistics
@@ -289,8 +285,6 @@ def _heads_loss(logits: torch.Tensor, labels: torch.Tensor, index: torch.Tensor,
 
 
 def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resume, log):
-    from tqdm import tqdm
-
     from specframe.training.features import split_features
 
     params = dict(heads.named_parameters())
@@ -306,31 +300,35 @@ def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     lm_rows = target.get_output_embeddings().weight.detach()[vocab_ids].float()
     optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
     steps = math.ceil(x_train.shape[0] / cfg.batch_size)
-    start, history = resume_from(ckpt, params, optimizer, resuming=resuming, log=log)
-    schedule = warmup_cosine(optimizer, steps * cfg.epochs, start * steps)
-    if start == 0:
+    checkpoints = resume_from(ckpt, params, optimizer, resuming=resuming, run=run, every=cfg.checkpoint_every, log=log)
+    history = checkpoints.history
+    schedule = checkpoints.make_schedule(steps, cfg.epochs)
+    if not history:  # (a new run: a resumed one has these in its checkpoint's history)
         m = evaluate(heads.eval(), lm_rows, vocab_ids, x_held, y_held)
         history.append({"epoch": 0, **m})
         tree = best_tree(m["path_counts"], cfg.tree_nodes) if m["path_counts"]["counts"] else []
         log(f"before training: {summary(m, tree)}")
-    for epoch in range(start, cfg.epochs):
+    for epoch in range(checkpoints.start.epoch, cfg.epochs):
         heads.train()
         order = torch.randperm(x_train.shape[0], generator=torch.Generator().manual_seed(cfg.seed + epoch))
-        bar = tqdm(range(steps), desc=f"epoch {epoch + 1}/{cfg.epochs}", file=sys.stderr, unit="step")
-        t0, running = time.perf_counter(), None
+        epoch_batches = checkpoints.batches(epoch, list(range(steps)))
+        bar = epoch_batches.bar(f"epoch {epoch + 1}/{cfg.epochs}", unit="step")
         for s in bar:
             idx = order[s * cfg.batch_size : (s + 1) * cfg.batch_size]
             logits = heads.logits(x_train[idx].to(lm_rows.device).float(), lm_rows)
             loss = _heads_loss(logits, y_train[idx].to(lm_rows.device), index, cfg.head_decay)
             if loss is None:  # (no label in this batch: skipped, as the EAGLE trainer skips one)
                 continue
-            running = optimizer_step(loss, params, optimizer, schedule, running, decay=0.98)
+            running = epoch_batches.running = optimizer_step(
+                loss, params, optimizer, schedule, epoch_batches.running, decay=0.98
+            )
             if s % 20 == 0:
                 bar.set_postfix(loss=f"{running:.3f}", lr=f"{schedule.get_last_lr()[0]:.1e}")
         m = evaluate(heads.eval(), lm_rows, vocab_ids, x_held, y_held)
-        history.append({"epoch": epoch + 1, "train_loss": running, "seconds": time.perf_counter() - t0, **m})
+        running = epoch_batches.running
+        history.append({"epoch": epoch + 1, "train_loss": running, "seconds": epoch_batches.seconds(), **m})
         log(f"epoch {epoch + 1}: train loss {running:.3f}; {summary(m, best_tree(m['path_counts'], cfg.tree_nodes))}")
-        save_checkpoint(ckpt, params, optimizer, {"epoch": epoch + 1, "history": history, "run": run})
+        checkpoints.epoch_done(epoch + 1)
     final, tree = _final(history, cfg, x_train.shape[0], x_held.shape[0])
     return final, tree, target, {"adapter": None}
 
@@ -354,7 +352,6 @@ def _final(history: list, cfg, n_train: int, n_held: int) -> tuple[dict, list[tu
 def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resume, log):
     """Medusa-2: heads + LoRA trained together; KL to the original target keeps its outputs."""
     from peft import LoraConfig, get_peft_model
-    from tqdm import tqdm
 
     from specframe.training.common import collate, make_batches, to_sequences
     from specframe.training.features import extract_features
@@ -400,8 +397,9 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     except ConfigError:  # (refused: the caller's target as it was given, without the adapter PEFT put in place)
         model.unload()
         raise
-    start, history = resume_from(ckpt, params, optimizer, resuming=resuming, log=log)
-    schedule = warmup_cosine(optimizer, len(batches) * cfg.epochs, start * len(batches))
+    checkpoints = resume_from(ckpt, params, optimizer, resuming=resuming, run=run, every=cfg.checkpoint_every, log=log)
+    start, history = checkpoints.start.epoch, checkpoints.history
+    schedule = checkpoints.make_schedule(len(batches), cfg.epochs)
 
     def heldout() -> dict:
         feats = extract_features(base, held_ex, cfg.max_length, dtype=base.dtype, quiet=True)
@@ -412,8 +410,8 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
         heads.train()
         model.train()
         order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
-        bar = tqdm(order, desc=f"epoch {epoch + 1}/{cfg.epochs}", file=sys.stderr, unit="batch")
-        t0, running = time.perf_counter(), None
+        epoch_batches = checkpoints.batches(epoch, order)
+        bar = epoch_batches.bar(f"epoch {epoch + 1}/{cfg.epochs}")
         for b in bar:
             ids, attn, mask = collate(batches[b], pad=0, prompt_positions=cfg.prompt_positions)
             labels = torch.cat(  # (from the batch on the CPU, then moved with it)
@@ -431,16 +429,17 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
             logits = heads.logits(feat[mask], lm_rows)
             heads_loss = _heads_loss(logits, labels, index, cfg.head_decay)
             loss = cfg.keep_weight * keep + (0.0 if heads_loss is None else heads_loss)
-            running = optimizer_step(loss, params, optimizer, schedule, running)
+            running = epoch_batches.running = optimizer_step(loss, params, optimizer, schedule, epoch_batches.running)
             bar.set_postfix(loss=f"{running:.3f}", keep_kl=f"{keep.item():.4f}")
         model.eval()
         m = heldout()
+        running = epoch_batches.running
         history.append(
             {
                 "epoch": epoch + 1,
                 "train_loss": running,
                 "keep_kl": keep.item(),
-                "seconds": time.perf_counter() - t0,
+                "seconds": epoch_batches.seconds(),
                 **m,
             }
         )
@@ -448,7 +447,7 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
             f"epoch {epoch + 1}: train loss {running:.3f}, KL to the original {keep.item():.4f}; "
             f"{summary(m, best_tree(m['path_counts'], cfg.tree_nodes))}"
         )
-        save_checkpoint(ckpt, params, optimizer, {"epoch": epoch + 1, "history": history, "run": run})
+        checkpoints.epoch_done(epoch + 1)
     if not history:
         raise ConfigError(f"nothing to train: the checkpoint in {ckpt} already has {start} epochs")
     # (the held-out size from the last evaluation's metrics: also when a resumed run had no epoch left to train)
