@@ -257,7 +257,7 @@ def generate_overrides(args: argparse.Namespace) -> list[str]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from specframe.config import greedy_note, load_config
-    from specframe.decoder import SpeculativeDecoder
+    from specframe.decoder import SpeculativeDecoder, check_text
 
     cfg = load_config(args.config, generate_overrides(args))
     s = cfg.sampling
@@ -270,9 +270,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(
             "specframe: reading the prompt from standard input (end it with Ctrl-D; or give --prompt)", file=sys.stderr
         )
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read().removesuffix("\n").removesuffix("\r")
-    if not prompt.strip():
+    prompt = args.prompt if args.prompt is not None else read_stdin().removesuffix("\n").removesuffix("\r")
+    if not prompt:
         raise BadInputError("the prompt is empty")
+    check_text(prompt)  # (bytes that are not UTF-8: refused before the model loads)
     decoder = SpeculativeDecoder.from_config(cfg)
     if decoder.tokenizer is None:
         raise BadInputError(
@@ -305,6 +306,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def read_stdin() -> str:
+    """Standard input as text, its bytes that are not UTF-8 kept as lone surrogates (as Python keeps them in
+    arguments) whatever the locale, for `check_text` to refuse by name, not as a codec error."""
+    binary = getattr(sys.stdin, "buffer", None)  # (none when a caller of `main` replaced stdin with a text stream)
+    return binary.read().decode("utf-8", "surrogateescape") if binary is not None else sys.stdin.read()
+
+
+def shown_bytes(text: str) -> str:
+    """`text` with its bytes that are not UTF-8 (kept as lone surrogates) shown as \\xNN."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def measured_shapes(proposer) -> list[str]:
@@ -689,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     given.encode("utf-8")
                 except UnicodeEncodeError:
-                    raise BadInputError(f"the argument {ascii(given)} is not UTF-8 text") from None
+                    raise BadInputError(f"the argument '{shown_bytes(given)}' is not UTF-8 text") from None
             return run(args)
     except BadInputError as e:
         return fail(args, e, 2)

@@ -276,8 +276,11 @@ def with_overrides(raw: DictConfig, overrides: list[str]) -> DictConfig:
             raw = OmegaConf.merge(raw, override)
         except TypeError as e:  # OmegaConf's "Cannot merge incompatible container types": a list over a mapping
             raise ConfigError(f"override '{item}': {container_clash(raw, override, key)}") from e
-        except OmegaConfBaseException as e:
-            raise ConfigError(f"bad config: {one_line(e)}") from e
+        except OmegaConfBaseException as e:  # (e.g. `stop=[?]`: YAML reads a mapping with no key)
+            raise ConfigError(
+                f"override '{item}': {one_line(e)} (the value is read as YAML: quote text that YAML reads as "
+                "something else, e.g. KEY='[\"?\"]')"
+            ) from e
         except yaml.YAMLError as e:  # (a value is parsed as YAML)
             hint = "; quote text that holds ':' or '#', e.g. KEY='\"a: b\"'" if any(c in text for c in ":#") else ""
             why = " ".join(str(e).split())

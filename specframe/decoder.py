@@ -251,7 +251,7 @@ class SpeculativeDecoder:
         elif isinstance(prompt, str | list):
             if self.tokenizer is None:
                 raise BadInputError("the target has no tokenizer: pass the prompt as a list of token ids")
-            if isinstance(prompt, str) and not prompt.strip():
+            if isinstance(prompt, str) and not prompt:  # (white space is text: a raw "\n" is a prompt)
                 raise BadInputError("the prompt is empty")
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             if isinstance(prompt, list) and prompt and all(isinstance(m, str) for m in prompt):
@@ -277,18 +277,30 @@ class SpeculativeDecoder:
                     if not isinstance(m.get("role"), str) or not m["role"].strip():
                         raise BadInputError(f"a message needs a 'role' (user, assistant...), got {m.get('role')!r}")
 
+                # A last message of the assistant's is continued, not closed and answered (as transformers'
+                # text-generation pipeline does): the model writes on from its last word.
+                go_on = {"continue_final_message": True} if messages[-1].get("role") == "assistant" else {}
                 try:
-                    ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                    ids = self.tokenizer.apply_chat_template(
+                        messages, add_generation_prompt=not go_on, tokenize=True, **go_on
+                    )
                 except TemplateError as e:  # (e.g. a template that wants user and assistant turns to alternate)
                     raise BadInputError(f"the tokenizer's chat template refused these messages: {brief(e)}") from e
+                except ValueError as e:  # (transformers': a last message the template does not show as it is)
+                    raise BadInputError(f"the last (assistant) message cannot be continued: {brief(e)}") from e
                 if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                     ids = ids["input_ids"]
             else:
                 ids = self.tokenizer(prompt)["input_ids"]
         else:
-            raise BadInputError(f"unsupported prompt type {type(prompt).__name__}")
+            raise BadInputError(
+                f"unsupported prompt type {type(prompt).__name__}: give text (str), a list of messages or of token "
+                "ids, or a 1-D tensor of token ids"
+            )
         if not ids:
-            raise BadInputError("the prompt is empty")
+            raise BadInputError(
+                "the prompt is empty" if not isinstance(prompt, str) else "the prompt's text gives no tokens"
+            )
         if min(ids) < 0 or max(ids) >= self.info.vocab_size:
             wrong = min(ids) if min(ids) < 0 else max(ids)
             why = f"prompt token id {wrong} out of range [0, {self.info.vocab_size})"
@@ -499,6 +511,21 @@ class SpeculativeDecoder:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def _in_context(self, ids: list[int]) -> str:
+        """The text of new tokens `ids` as it reads after the prompt's, which stop strings are matched in (as vLLM's
+        and transformers' stop strings see it): a tokenizer that drops the leading space of a text's first token
+        (SentencePiece's, e.g. Llama 2's or Mistral's) keeps it here, decoded after an anchor ("a") then cut off.
+        (The result's text is `_decode`'s, as `tokenizer.decode` gives it: without that space.)"""
+        if getattr(self, "_anchor_of", None) is not self.tokenizer:
+            encode = getattr(self.tokenizer, "encode", None)
+            anchor = encode("a", add_special_tokens=False) if encode is not None else []
+            self._anchor, self._anchor_of = (anchor if anchor and self._decode(anchor) == "a" else []), self.tokenizer
+        if self._anchor:
+            text = self._decode([*self._anchor, *ids])
+            if text.startswith("a"):
+                return text[1:]
+        return self._decode(ids)
+
     def _stop_prefix(self, ids: list[int], stop: list[str], first: int) -> int | None:
         """The shortest prefix of `ids`, of at least `first` tokens, whose text holds a stop string (None: none).
         Where decoding one token at a time would stop. Every prefix is decoded on its own: text need not grow
@@ -522,7 +549,7 @@ class SpeculativeDecoder:
             tail = self._decode(ids[n - window : n])
             if not any(s in tail for s in stop):
                 return False
-        return any(s in self._decode(ids[:n]) for s in stop)
+        return any(s in self._in_context(ids[:n]) for s in stop)
 
     def _truncate(
         self, generated: list[int], limit: int, max_new: int, stop: list[str], new: int
@@ -539,8 +566,10 @@ class SpeculativeDecoder:
             # (a step that accepts several tokens may complete two stop strings, and the one that starts first in
             # the text need not be the one completed first: the text is cut before the earliest one in that prefix)
             ids = ids[:n]
-            text = self._decode(ids)
-            return ids, text[: min(text.index(s) for s in stop if s in text)], "stop"
+            text, seen = self._decode(ids), self._in_context(ids)
+            at = min(seen.index(s) for s in stop if s in seen)
+            lead = len(seen) - len(text) if seen.endswith(text) else 0  # (the leading space `text` lacks)
+            return ids, text[: max(0, at - lead)], "stop"
         reason = "eos" if eos_at is not None else "length" if len(ids) >= max_new else "context"
         return ids, self._decode(ids) if self.tokenizer is not None else None, reason
 

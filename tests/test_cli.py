@@ -128,9 +128,10 @@ def test_greedy_output_identical_across_proposers(capsys, tiny_dirs):
         (["--proposer", "none", "--top-p", "0"], "sampling.top_p"),
         (["--proposer", "none", "--top-k", "-2"], "sampling.top_k"),
         (["--proposer", "none", "--max-new-tokens", "0"], "generation.max_new_tokens"),
-        (["--proposer", "none", "--prompt", "   "], "prompt is empty"),
-        (["--proposer", "none", "--prompt", "hi \udcff"], "the argument 'hi \\udcff' is not UTF-8 text"),
+        (["--proposer", "none", "--prompt", ""], "prompt is empty"),
+        (["--proposer", "none", "--prompt", "hi \udcff"], "the argument 'hi \\xff' is not UTF-8 text"),
         (["--proposer", "none", "generation.stop=[!]"], "override 'generation.stop=[!]': the value is not valid YAML"),
+        (["--proposer", "none", "generation.stop=[?]"], "(the value is read as YAML: quote text that YAML reads"),
         (["--proposer", "none", "notkeyvalue"], "not KEY=VALUE"),
         (["--proposer", "draft"], "proposer.model is required"),
     ],
@@ -338,7 +339,23 @@ def test_a_reader_that_has_gone_ends_the_command_quietly():
 def test_an_argument_that_is_not_utf8_is_refused_by_name(capsys, tiny_dirs):
     # (undecodable bytes reach Python as surrogates; they failed later, in YAML or a path, exit 1)
     code, _, err = run(capsys, *gen_args(tiny_dirs, "--proposer", "none"), "generation.stop=[\udcff]")
-    assert code == 2 and "the argument 'generation.stop=[\\udcff]' is not UTF-8 text" in err
+    assert code == 2 and "the argument 'generation.stop=[\\xff]' is not UTF-8 text" in err
+
+
+def test_standard_input_that_is_not_utf8_is_refused_before_the_model_loads(capsys, tmp_path, monkeypatch):
+    # (before: under a locale whose standard input decodes strictly, e.g. en_US.UTF-8, exit 1 with the codec's
+    # "can't decode byte 0xff"; the target named here does not exist: the prompt is refused first)
+    strict = io.TextIOWrapper(io.BytesIO(b"Say hi \xff there\n"), encoding="utf-8", errors="strict")
+    monkeypatch.setattr(sys, "stdin", strict)
+    code, _, err = run(capsys, "generate", "--proposer", "none", "--target", str(tmp_path / "absent"))
+    assert code == 2 and "the prompt is not valid UTF-8 text (bad byte at character 7)" in err, err
+
+
+def test_a_prompt_of_white_space_is_text_for_the_tokenizer(capsys, tiny_dirs):
+    # (before: refused as empty up front; transformers and vLLM take it, and a raw "\n" is a prompt for a base
+    # model. The tiny tokenizer splits on white space: it makes no token of it, and says so)
+    code, out, err = run(capsys, *gen_args(tiny_dirs, "--proposer", "none", "--prompt", " \n"))
+    assert code == 2 and "the prompt's text gives no tokens" in err, err
 
 
 def test_check_with_proposer_options_and_bad_option(capsys):

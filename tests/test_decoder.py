@@ -492,8 +492,15 @@ class PieceTokenizer:
 
 
 def stop_prefix_of_whole_texts(tokenizer, ids, stop):
-    """Where decoding one token at a time stops: the first prefix whose whole text holds a stop string."""
-    texts = (tokenizer.decode(ids[:n], skip_special_tokens=True) for n in range(1, len(ids) + 1))
+    """Where decoding one token at a time stops: the first prefix whose whole text (as it reads after other text:
+    decoded after an "a", then cut off) holds a stop string."""
+    a = tokenizer.encode("a", add_special_tokens=False) if hasattr(tokenizer, "encode") else []
+
+    def whole(prefix: list[int]) -> str:
+        after = tokenizer.decode(a + prefix, skip_special_tokens=True)
+        return after[1:] if a and after.startswith("a") else tokenizer.decode(prefix, skip_special_tokens=True)
+
+    texts = (whole(ids[:n]) for n in range(1, len(ids) + 1))
     return next((n for n, text in enumerate(texts, 1) if any(s in text for s in stop)), None)
 
 
@@ -654,6 +661,54 @@ def test_one_stop_string_is_not_split_into_characters(target):
     assert dec.generate([4, 5], max_new_tokens=16, stop=stop).text == text[:j]
     dec.stop = stop  # (set on the decoder, as the README sets dec.seed: for every call after)
     assert dec.generate([4, 5], max_new_tokens=16).text == text[:j]
+
+
+def sentencepiece_like_tokenizer(chat_template: str | None = None):
+    """Words marked by "▁" whose decoding drops the space before a text's first word, as SentencePiece's (Llama 2,
+    Mistral) does: the tiny 8-token target's ids 2-7."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<eos>", "▁of", "▁France", "▁is", "▁a", "▁The", "▁Paris"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    fast.chat_template = chat_template
+    return fast
+
+
+def test_a_stop_string_with_the_space_before_the_first_new_word_stops_there(target):
+    # (before: the new tokens' text was decoded alone, which drops that space, so " The" was first found at the
+    # third token; vLLM, which decodes after the prompt, and transformers' stop strings stop at the first)
+    tokenizer = sentencepiece_like_tokenizer()
+    dec = SpeculativeDecoder(target, NoneProposer(NoneConfig(), target_info(target)), tokenizer)
+    plain = dec.generate("of a", max_new_tokens=6, raw=True)
+    assert plain.token_ids[:3] == [6, 3, 6] and plain.text.startswith("The France The")  # (no leading space)
+    first = dec.generate("of a", max_new_tokens=6, raw=True, stop=[" The"])
+    assert (first.token_ids, first.text, first.stats["finish_reason"]) == ([6], "", "stop")
+    second = dec.generate("of a", max_new_tokens=6, raw=True, stop=[" France"])
+    assert (second.token_ids, second.text) == ([6, 3], "The")  # (the text cut where the stop string starts)
+    assert dec.generate("of a", max_new_tokens=6, raw=True, stop=["he Fr"]).text == "T"
+
+
+def test_a_last_assistant_message_is_continued(target):
+    # (before: the template closed it and opened a new assistant turn, so the model began its answer again;
+    # transformers' text-generation pipeline continues a last assistant message, as this does)
+    template = (
+        "{% for m in messages %}{{ m['role'] }} {{ m['content'] }}{% if not loop.last %} of {% endif %}{% endfor %}"
+        "{% if add_generation_prompt %} of Paris{% endif %}"
+    )
+    tokenizer = sentencepiece_like_tokenizer(template)
+    seen: list[list[int]] = []
+    dec = SpeculativeDecoder(target, NoneProposer(NoneConfig(), target_info(target)), tokenizer)
+    encode = dec.encode
+    dec.encode = lambda prompt, raw=False: seen.append(encode(prompt, raw).tolist()) or encode(prompt, raw)
+    answer = [{"role": "The", "content": "France"}]
+    dec.generate(answer, max_new_tokens=2)
+    assert seen[-1] == tokenizer.encode("The France of Paris", add_special_tokens=False)  # a new turn
+    dec.generate([*answer, {"role": "assistant", "content": "is a"}], max_new_tokens=2)
+    assert seen[-1] == tokenizer.encode("The France of assistant is a", add_special_tokens=False)  # continued
 
 
 def test_sampling_set_on_the_decoder_applies_to_its_calls(target, info):
@@ -873,7 +928,7 @@ class CharTokenizer(LetterTokenizer):
         ([1, 2.0], r"a prompt of token ids must hold integers only: item 1 is 2.0 \(float\)"),
         ([{"role": "user", "content": 5}], "a message's content must be text, got int"),
         ({"role": "user", "content": "ab"}, "unsupported prompt type dict"),
-        ("   ", "the prompt is empty"),
+        ("", "the prompt is empty"),
         ("a\udcffb", "the prompt is not valid UTF-8 text"),
     ],
 )
@@ -882,6 +937,7 @@ def test_malformed_prompts_are_named(target, info, prompt, message):
     with pytest.raises(BadInputError, match=message):
         dec.generate(prompt, max_new_tokens=2)
     assert dec.generate("ab", max_new_tokens=2).token_ids  # (a good one runs)
+    assert dec.generate(" \n", max_new_tokens=2).token_ids  # (white space is text)
     assert dec.generate(torch.tensor([1, 2], dtype=torch.int16), max_new_tokens=2).token_ids
     one = dec.generate(torch.tensor([1, 2]), max_new_tokens=2).token_ids  # (a tokenizer's [1, N] is one prompt)
     assert dec.generate(torch.tensor([[1, 2]]), max_new_tokens=2).token_ids == one
