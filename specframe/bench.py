@@ -433,19 +433,21 @@ def hf_method(
     """transformers `generate` on the shared target, on PyTorch's and transformers' own kernels; `extra` selects
     assisted or prompt-lookup decoding."""
     from specframe.cpu_kernels import stock_kernels
+    from specframe.kv_cache import context_kind, context_window
     from specframe.models import neutral_generation_config
 
     pad = eos_ids[0] if eos_ids else None
-    # As specframe's decoder: no token past the target's context window (transformers would go on past it).
-    window = getattr(model.config, "max_position_embeddings", None) or 10**9
+    # As specframe's decoder: no token past the target's context window, its sliding attention window where that is
+    # smaller (transformers would go on past either).
+    window, kind = context_window(model), context_kind(model)
     # The baselines run from a neutral generation config (a fresh one per call), as specframe's methods do;
     # sampling settings are passed explicitly.
 
     def run(ids: list[int], max_new: int, seed: int) -> Output:
         if len(ids) >= window:
             raise BadInputError(
-                f"the prompt has {len(ids)} tokens; the target's context window is {window}, which leaves no room "
-                "for a new token"
+                f"the prompt has {len(ids)} tokens; the target's {kind} is {window}, which leaves no room for a "
+                "new token"
             )
         max_new = min(max_new, window - len(ids))
         x = torch.tensor([ids], device=model.device)

@@ -301,7 +301,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if result.stats["finish_reason"] == "context":  # (never a silent cut: --json says it in its stats too)
         print(
             f"specframe: stopped after {result.stats['new_tokens']} of generation.max_new_tokens="
-            f"{cfg.generation.max_new_tokens} tokens: the target's context window "
+            f"{cfg.generation.max_new_tokens} tokens: the target's {decoder.context_kind} "
             f"({decoder.context_window} tokens) is full",
             file=sys.stderr,
         )

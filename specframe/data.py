@@ -276,7 +276,7 @@ def distill(
     check_seed(seed, "seed", unset="")
     from specframe.kv_cache import new_cache  # (here: reading data files needs no transformers)
 
-    new_cache(model)  # (a target that speculative decoding refuses, e.g. with a sliding-window cache: refused here too)
+    new_cache(model)  # (a target that speculative decoding refuses, e.g. with a recurrent cache: refused here too)
     if not raw and not getattr(tokenizer, "chat_template", None):
         raise BadInputError(
             "the target's tokenizer has no chat template: distill applies it to every prompt, as specframe generate "
@@ -403,6 +403,7 @@ def _append_responses(
 
     from specframe.decoder import eos_token_ids
     from specframe.fingerprint import data_fingerprint, same_data_target
+    from specframe.kv_cache import context_kind, context_window
     from specframe.models import neutral_generation_config
 
     # (read before the unfinished last line is mended, so a file that is not distillation data is refused
@@ -436,8 +437,10 @@ def _append_responses(
             f"(e.g. '{earlier.id}'): continue it with the same settings, or start another with --tag"
         )
     done = {e.id for e in existing}
-    # Prompts must leave room for a response in the target's context window, as `specframe generate` requires.
-    window = getattr(model.config, "max_position_embeddings", None) or 10**9
+    # Prompts must leave room for a response in the target's context window, as `specframe generate` requires, and
+    # responses end there as generate's do: its sliding attention window where that is smaller (past it the decoder
+    # stops, so data from past it would never be used: `specframe.kv_cache.context_window`).
+    window = context_window(model)
     longest = min(max_prompt_tokens, window - 1)
     todo, too_long = [], 0
     for row in prompts:
@@ -457,7 +460,7 @@ def _append_responses(
     if too_long and not quiet:
         limit = f"{max_prompt_tokens} tokens (--max-prompt-tokens)"
         if longest < max_prompt_tokens:
-            limit = f"{longest} tokens (the target's context window is {window})"
+            limit = f"{longest} tokens (the target's {context_kind(model)} is {window})"
         print(f"skipping {too_long} prompts longer than {limit}", file=sys.stderr)
     answered = len(prompts) - len(todo) - too_long
     if not todo and answered and not quiet:

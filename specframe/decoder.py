@@ -26,7 +26,7 @@ from specframe.errors import (
     is_integer,
     is_number,
 )
-from specframe.kv_cache import keep_positions, new_cache, tree_attention_mask
+from specframe.kv_cache import context_kind, context_window, keep_positions, new_cache, tree_attention_mask
 from specframe.lean_forward import engine_forward
 from specframe.proposer import (
     Acceptance,
@@ -132,14 +132,19 @@ class SpeculativeDecoder:
                     f"{self.who} asks for hidden state {layer}; the target has {states + 1} (indices 0 to {states})"
                 )
         self.eos_ids = eos_token_ids(model, tokenizer)
-        self.context_window = getattr(model.config, "max_position_embeddings", None) or 10**9
+        # The most tokens a sequence may hold: max_position_embeddings, or a sliding-window target's attention
+        # window where that is smaller (inside it, sliding layers see what full attention does: the cache keeps
+        # every position and a token tree's mask needs no window; past it, a tree's mask would not apply the
+        # window). Also refuses, before any generation, a target whose cache cannot be rolled back
+        # (`specframe.kv_cache.new_cache`).
+        self.context_window = context_window(model)
+        self.context_kind = context_kind(model)  # ("context window" or "sliding attention window", for messages)
         self.rope_switch = longrope_switch(model.config)
         # Whether the target's own generation recomputes its whole cache when the sequence reaches the switch
         # (transformers' Phi-3 family does, in its prepare_inputs_for_generation): then the engine does too.
         self.recompute_at_switch = self.rope_switch is not None and getattr(model.config, "model_type", None) in (
             RECOMPUTE_AT_LONGROPE_SWITCH
         )
-        new_cache(model)  # refuses, before any generation, a target whose cache cannot be rolled back
         engine_forward(model)  # (its first-use check and stacked products made here, not in the first call's time)
         # On CUDA, the verification forwards as CUDA graphs over a static cache (specframe/cuda_graphs.py): built
         # and checked against the eager forward here; None where off or not on CUDA, and where they do not apply
@@ -312,9 +317,11 @@ class SpeculativeDecoder:
                 )
             raise BadInputError(why)
         if len(ids) >= self.context_window:
+            sliding = self.context_kind == "sliding attention window"
             raise BadInputError(
-                f"the prompt has {len(ids)} tokens; the target's context window is {self.context_window}, which "
+                f"the prompt has {len(ids)} tokens; the target's {self.context_kind} is {self.context_window}, which "
                 "leaves no room for a new token"
+                + (" (specframe serves a sliding-window model only inside its window)" if sliding else "")
             )
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 

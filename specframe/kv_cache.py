@@ -5,6 +5,10 @@ cache on every forward; `GrowingLayer` writes them into a buffer with room to sp
 so a forward copies only its own positions (SmolLM2-135M's 30 layers on the 2-core Intel machine, one position
 added after 1,200 cached: 1.0 ms against 6.2; after 300, 1.0 against 2.1; `scripts/kernel_timings.py`). The
 logits are the same, bit for bit. Rolling back stays a crop of the view.
+
+Sliding-window layers (Mistral, Gemma 2 and 3, Qwen2 with use_sliding_window) get the same full layer: specframe
+keeps every sequence inside the model's attention window (`attention_window`), where they see what full
+attention sees.
 """
 
 from __future__ import annotations
@@ -13,14 +17,46 @@ from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
 from specframe.errors import BadInputError
 
 
 def new_cache(model: torch.nn.Module) -> DynamicCache:
     """An empty cache for `model`, refused (bad input: the user chose the model) when some layer could not be
-    rolled back exactly. Cheap: the decoder and the draft proposer also call it when they are built."""
+    rolled back exactly. Cheap: the decoder and the draft proposer also call it when they are built.
+
+    Full-attention and sliding-window layers get a `GrowingLayer`, which keeps every position: transformers'
+    sliding-window layer drops the oldest ones and cannot be cropped back past them. Inside the window the two
+    hold the same keys and values, and the model's own mask (by position) decides what is seen; specframe never
+    goes past the window (`attention_window`)."""
+    return _checked_cache(model)[0]
+
+
+def attention_window(model: torch.nn.Module) -> int | None:
+    """The smallest sliding attention window of `model`'s layers, in positions (None: every layer attends to the
+    whole sequence). A layer with window w lets position i see positions i - w + 1 to i: for every position
+    below w, that is the whole sequence before it, exactly what a full-attention layer sees. So specframe serves
+    such a model exactly as long as a sequence stays within w tokens, and stops there. Refuses what `new_cache`
+    refuses."""
+    return _checked_cache(model)[1]
+
+
+def context_window(model: torch.nn.Module) -> int:
+    """The most tokens (prompt and generated) a sequence of `model` may reach in specframe: its
+    max_position_embeddings or its attention window, the smaller (10**9 without either)."""
+    positions = getattr(model.config, "max_position_embeddings", None) or 10**9
+    return min(positions, attention_window(model) or positions)
+
+
+def context_kind(model: torch.nn.Module) -> str:
+    """What `context_window` is, in words for messages: "sliding attention window" where that is what ends a
+    sequence of `model`, else "context window"."""
+    return "sliding attention window" if attention_window(model) == context_window(model) else "context window"
+
+
+def _checked_cache(model: torch.nn.Module) -> tuple[DynamicCache, int | None]:
+    """`new_cache` and `attention_window` in one: the cache, and the smallest sliding window of its layers."""
     supports = getattr(model, "_supports_default_dynamic_cache", None)  # (transformers' own list of exceptions)
     if supports is not None and not supports():
         raise BadInputError(
@@ -28,14 +64,21 @@ def new_cache(model: torch.nn.Module) -> DynamicCache:
             "can roll back; it cannot be used for speculative decoding (as the target or as a draft model)"
         )
     cache = DynamicCache(config=model.config)
-    for i, layer in enumerate(cache.layers):
-        if type(layer) is not DynamicLayer:
+    # (transformers gives chunked-attention layers a sliding-window cache layer too: their layer type tells them
+    # apart, and they stay refused)
+    kinds, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    windows = []
+    for i, (layer, kind) in enumerate(zip(cache.layers, kinds, strict=False)):
+        if type(layer) is DynamicSlidingWindowLayer and kind == "sliding_attention":
+            windows.append(int(layer.sliding_window))
+        elif type(layer) is not DynamicLayer:
             raise BadInputError(
-                f"{type(model).__name__} uses a {type(layer).__name__} in layer {i} (sliding-window, hybrid or "
-                "recurrent cache); specframe can only roll back full-attention caches, so it refuses this model"
+                f"{type(model).__name__} uses a {type(layer).__name__} in layer {i} ({kind!r}: a chunked-attention, "
+                "hybrid or recurrent cache); specframe can only roll back full-attention and sliding-window "
+                "caches, so it refuses this model"
             )
     cache.layers = [GrowingLayer() for _ in cache.layers]
-    return cache
+    return cache, min(windows, default=None)
 
 
 class GrowingLayer(DynamicLayer):

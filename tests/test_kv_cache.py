@@ -44,9 +44,11 @@ def test_a_model_without_a_key_value_cache_is_refused():
         new_cache(model)
 
 
-def test_a_sliding_window_target_is_refused_when_the_decoder_is_built_and_by_distill_and_training(tmp_path):
-    # (distilling or training for a target that the decoder refuses would make data and weights never used)
-    from transformers import MistralConfig, MistralForCausalLM
+def test_a_chunked_attention_target_is_refused_when_the_decoder_is_built_and_by_distill_and_training(tmp_path):
+    # (distilling or training for a target that the decoder refuses would make data and weights never used;
+    # transformers gives chunked-attention layers, Llama 4's, the cache layer class of sliding-window ones, which
+    # specframe serves: the layer type tells them apart)
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
 
     from specframe import SpeculativeDecoder
     from specframe.data import distill
@@ -55,23 +57,19 @@ def test_a_sliding_window_target_is_refused_when_the_decoder_is_built_and_by_dis
     from specframe.training.common import start_run
     from specframe.training.eagle import EagleTrainConfig
 
-    config = MistralConfig(
-        vocab_size=16,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        sliding_window=4,
-    )
-    model = MistralForCausalLM(config)
-    with pytest.raises(BadInputError, match="uses a DynamicSlidingWindowLayer in layer 0"):
+    config = Llama4TextConfig(
+        vocab_size=16, hidden_size=16, intermediate_size=32, intermediate_size_mlp=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, attention_chunk_size=8, num_local_experts=1,
+    )  # fmt: skip
+    model = Llama4ForCausalLM(config)
+    refused = r"uses a DynamicSlidingWindowLayer in layer 0 \('chunked_attention': a chunked-attention"
+    with pytest.raises(BadInputError, match=refused):
         SpeculativeDecoder(model, NoneProposer(NoneConfig(), target_info(model)))
-    with pytest.raises(BadInputError, match="uses a DynamicSlidingWindowLayer in layer 0"):
+    with pytest.raises(BadInputError, match=refused):
         distill(model, None, [{"id": "p", "text": "hi"}], tmp_path / "d.jsonl", quiet=True)
     assert not (tmp_path / "d.jsonl").exists()
     (tmp_path / "d.jsonl").write_text('{"id": "p", "prompt_ids": [1], "response_ids": [2, 3]}\n')
-    with pytest.raises(BadInputError, match="uses a DynamicSlidingWindowLayer in layer 0"):
+    with pytest.raises(BadInputError, match=refused):
         start_run(EagleTrainConfig(data=str(tmp_path / "d.jsonl"), out=str(tmp_path / "o")), model, None)
 
 

@@ -5,6 +5,11 @@ Its logits are mapped onto the target's V logit rows: rows the draft lacks get q
 them; exactness is unaffected), rows past the target's V are dropped. Padding rows (ids past the tokenizer's
 length but inside the logit matrix) are kept as each model scores them, so p is exactly the target's.
 Without tokenizers the two logit widths must be equal.
+
+Context: the draft never feeds a position at or past its own context window, its max_position_embeddings or,
+for a sliding-window draft (Mistral, Gemma 2 and 3, ...), its attention window where that is smaller (inside it,
+sliding layers see what full attention does). Near it a step drafts fewer tokens, and from it on none: those
+steps are plain decoding steps of the target. Exactness is unaffected either way.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from specframe.errors import (
     user_path,
 )
 from specframe.fingerprint import is_checkpoint, not_an_artifact
-from specframe.kv_cache import new_cache
+from specframe.kv_cache import context_window, new_cache
 from specframe.lean_forward import engine_forward
 from specframe.models import check_proposer_dtype, check_proposer_quantize, proposer_dtype, quantize_proposer
 from specframe.proposer import (
@@ -119,13 +124,14 @@ class DraftProposer(Proposer):
         )  # minimum cumulative draft probability of a drafted chain
         if vocab_ids is None:
             check_same_vocabulary(model, tokenizer, target)
-        new_cache(model)  # refuses, when it is built, a draft whose cache cannot be rolled back
         self.model = model
         self.vocab_ids = vocab_ids  # target ids of the draft's logit columns (a reduced vocabulary), or None
         self.width = min(model.get_output_embeddings().weight.shape[0], target.vocab_size)
         # The draft's own context window: past it the draft proposes nothing and the target decodes alone (a
-        # model with learned positions, e.g. GPT-2, would fail there).
-        self.window = getattr(model.config, "max_position_embeddings", None) or 10**9
+        # model with learned positions, e.g. GPT-2, would fail there; past a sliding window, only the model's own
+        # mask would keep it to its window over specframe's full cache: not relied on). Refuses, when it is built,
+        # a draft whose cache cannot be rolled back.
+        self.window = context_window(model)
         self.cache = None
         self.forward = self.model  # (set by `begin`)
         self.cached = 0  # how many leading tokens of the sequence the draft's cache holds

@@ -163,6 +163,9 @@ def drafter_config(target_config, vocab_size: int) -> LlamaConfig:
         raise ModelLoadError(f"eagle: the '{model_type}' target's config gives no hidden size to shape a drafter by")
     if "intermediate_size" not in keep:
         keep["intermediate_size"] = getattr(target_config, "n_inner", None) or 4 * keep["hidden_size"]
+    rope = keep.get("rope_parameters")
+    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):  # (Gemma 3: {layer type: its rope})
+        keep["rope_parameters"] = rope["full_attention"]  # (the drafter's one layer attends to everything)
     rope_theta = getattr(target_config, "rope_theta", None)
     if "rope_parameters" not in keep and rope_theta is not None:
         keep["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta}

@@ -1,0 +1,222 @@
+"""Sliding-window targets and drafts (Mistral, Gemma 2 and 3, Qwen2 with use_sliding_window): served exactly inside
+their attention window, stopped at its end; a prompt that fills it is refused."""
+
+import pytest
+import torch
+
+from specframe import SpeculativeDecoder
+from specframe.decoder import target_info
+from specframe.errors import BadInputError
+from specframe.kv_cache import GrowingLayer, attention_window, context_window, new_cache
+from specframe.proposer import seeded
+from specframe.proposers.draft import DraftConfig, DraftProposer
+from specframe.proposers.eagle import EagleConfig, EagleProposer
+from specframe.proposers.medusa import MedusaProposer
+from specframe.proposers.none import NoneConfig, NoneProposer
+
+WINDOW = 48  # every tiny model's smallest sliding window; their max_position_embeddings is 512
+SHAPE = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.5, bos_token_id=None,
+             eos_token_id=None, pad_token_id=None)  # fmt: skip
+ARCHS = ["mistral", "qwen2", "gemma2", "gemma3"]
+SEEDS = {"mistral": 0, "qwen2": 2, "gemma2": 2, "gemma3": 1}  # (weights whose greedy output varies)
+
+
+def tiny_sliding(arch, window=WINDOW, seed=None):
+    """A tiny random model of `arch` with sliding-window layers (all of them, or some: hybrid); by default with
+    weights whose greedy output is not one token repeated."""
+    import transformers as t
+
+    if arch == "mistral":
+        model_class, config = t.MistralForCausalLM, t.MistralConfig(**SHAPE, sliding_window=window)
+    elif arch == "qwen2":  # (layers from max_window_layers on slide)
+        config = t.Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=window, max_window_layers=1)
+        model_class = t.Qwen2ForCausalLM
+    elif arch == "gemma2":  # (no SDPA attention in transformers: eager, as specframe.models loads it; untied
+        # embeddings: with tied ones, a tiny Gemma repeats the prompt's last token)
+        config = t.Gemma2Config(
+            **SHAPE, head_dim=8, sliding_window=window, attn_implementation="eager", tie_word_embeddings=False
+        )
+        model_class = t.Gemma2ForCausalLM
+    else:  # gemma3: layers 0 and 2 slide, 1 attends to everything; the larger window is not the one that counts
+        layers = ["sliding_attention", "full_attention", "sliding_attention"]
+        shape = {**SHAPE, "num_hidden_layers": 3}
+        config = t.Gemma3TextConfig(
+            **shape, head_dim=8, sliding_window=window, layer_types=layers, tie_word_embeddings=False
+        )
+        model_class = t.Gemma3ForCausalLM
+    with seeded(SEEDS[arch] if seed is None else seed):
+        model = model_class(config).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def transformers_greedy(model, prompt, n):
+    """transformers' own greedy generation, with its own (sliding-window) cache."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def proposer_for(name, model):
+    from specframe.plugins import get_registry
+
+    info = target_info(model)
+    if name == "none":
+        return NoneProposer(NoneConfig(), info)
+    if name == "self-draft":  # the target drafting for itself: a sliding-window draft, every draft accepted
+        return DraftProposer(DraftConfig(num_speculative_tokens=4), info, model)
+    if name == "draft":
+        return DraftProposer.random(info, DraftConfig(num_speculative_tokens=3), seed=1)
+    if name == "medusa":
+        return MedusaProposer.random(info, seed=1)
+    if name == "eagle":
+        return EagleProposer.random(info, EagleConfig(depth=3, top_k=2, total_tokens=6), seed=1)
+    return get_registry().get(name).cls.random(info)  # ngram: token trees from the repeated prompt
+
+
+PROMPT = [3, 5, 7, 3, 5, 7, 3, 5, 9, 11]  # (repeats: n-gram drafts, some accepted)
+PROPOSERS = ["none", "self-draft", "draft", "medusa", "eagle", "ngram"]
+
+
+def test_the_attention_window_is_the_smallest_sliding_window_and_the_cache_keeps_every_position():
+    for arch in ARCHS:
+        model = tiny_sliding(arch)
+        assert attention_window(model) == context_window(model) == WINDOW, arch
+        assert all(type(layer) is GrowingLayer for layer in new_cache(model).layers), arch
+    mistral = tiny_sliding("mistral", window=1000)  # (a window past max_position_embeddings: the latter counts)
+    assert attention_window(mistral) == 1000 and context_window(mistral) == 512
+    from specframe.testing.tiny import tiny_llama
+
+    assert attention_window(tiny_llama()) is None and context_window(tiny_llama(max_position_embeddings=64)) == 64
+
+
+def test_an_eagle_drafter_for_gemma_3_rotates_as_its_full_attention_layers_do():
+    # (Gemma 3 gives each layer type its own rotary parameters; the drafter's one layer attends to everything)
+    from specframe.proposers.eagle import drafter_config
+
+    config = tiny_sliding("gemma3").config
+    assert drafter_config(config, 32).rope_parameters == config.rope_parameters["full_attention"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("proposer", PROPOSERS)
+def test_greedy_output_inside_the_window_is_transformers_own(arch, proposer):
+    model = tiny_sliding(arch)
+    want = transformers_greedy(model, PROMPT, 20)
+    res = SpeculativeDecoder(model, proposer_for(proposer, model)).generate(PROMPT, max_new_tokens=20)
+    assert res.token_ids == want and res.stats["finish_reason"] == "length"
+    assert len(set(want)) > 1  # (not one token repeated)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("proposer", ["none", "self-draft", "eagle", "ngram"])
+def test_generation_stops_at_the_sliding_window_and_never_verifies_past_it(arch, proposer):
+    model = tiny_sliding(arch)
+    dec = SpeculativeDecoder(model, proposer_for(proposer, model))
+    positions = []  # the largest position each forward fed (a tree's nodes: past + depth)
+    verify = dec.acceptance
+
+    def record(logits, proposal, *rest):
+        past = dec.cache.get_seq_length() - len(proposal) - 1  # (the forward's rows are in the cache by now)
+        positions.append(past + max(rest[2].depths if len(rest) > 2 else [], default=0))
+        return verify(logits, proposal, *rest)
+
+    dec.acceptance = record
+    res = dec.generate(PROMPT, max_new_tokens=100)
+    assert res.stats["finish_reason"] == "context" and len(PROMPT) + len(res.token_ids) == WINDOW
+    assert res.token_ids == transformers_greedy(model, PROMPT, WINDOW - len(PROMPT))
+    assert max(positions) == WINDOW - 2, positions  # (the window's last token is emitted, never fed)
+    if proposer in ("self-draft", "ngram"):
+        assert res.stats["accepted_tokens"] > 0  # (verification blocks of several tokens reached the window's end)
+
+
+def test_a_prompt_that_fills_the_window_is_refused_by_name():
+    model = tiny_sliding("mistral")
+    dec = SpeculativeDecoder(model, NoneProposer(NoneConfig(), target_info(model)))
+    with pytest.raises(BadInputError, match=f"the prompt has {WINDOW} tokens; the target's sliding attention window "
+                       f"is {WINDOW}, which leaves no room for a new token") as e:  # fmt: skip
+        dec.generate([1] * WINDOW)
+    assert "only inside its window" in str(e.value)
+    assert len(dec.generate([1] * (WINDOW - 1), max_new_tokens=5).token_ids) == 1
+
+
+def test_a_sliding_window_draft_drafts_nothing_from_its_window_on():
+    # A Llama target with room to spare and a draft (its own vocabulary) whose sliding window is 16: the draft
+    # never feeds a position at or past 16; from there on the steps are plain decoding steps, and the output is the
+    # target's all along.
+    from specframe.testing.conformance import reference_greedy
+    from specframe.testing.tiny import tiny_llama
+
+    target = tiny_llama(vocab_size=32, seed=0, max_position_embeddings=256)
+    draft_model = tiny_sliding("mistral", window=16, seed=2)
+    draft = DraftProposer(DraftConfig(num_speculative_tokens=4), target_info(target), draft_model)
+    fed, proposed = [], []  # the draft cache's length after each feed; (sequence length, tokens drafted)
+    forward, propose = draft._next_logits, draft.propose
+    draft._next_logits = lambda tokens: [forward(tokens), fed.append(draft.cache.get_seq_length())][0]
+    draft.propose = lambda state: [p := propose(state), proposed.append((state.tokens.numel(), len(p)))][0]
+    res = SpeculativeDecoder(target, draft).generate(PROMPT, max_new_tokens=30)
+    assert res.token_ids == reference_greedy(target, PROMPT, 30)
+    assert max(fed) == 16  # (positions 0-15 fed, the last of them inside the window)
+    assert all(n == 0 for length, n in proposed if length > 16) and any(n > 0 for _, n in proposed), proposed
+
+
+def test_distill_and_training_take_a_sliding_window_target_and_distill_stops_at_its_window(tiny_dirs, tmp_path, capsys):
+    # (as the decoder does: prompts that fill the window are skipped, responses end where it is full)
+    import json
+
+    from transformers import AutoTokenizer
+
+    from specframe.data import distill, read_distill
+    from specframe.training.common import start_run
+    from specframe.training.eagle import EagleTrainConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dirs["target"])  # (words a-f are ids 2-7)
+    model = tiny_sliding("mistral", window=8)
+    prompts = [{"id": f"q{n}", "prompt": " ".join("abcdef"[:n])} for n in range(1, 7)]
+    out = tmp_path / "d.jsonl"
+    assert distill(model, tokenizer, prompts, out, max_new_tokens=10, batch_size=2, raw=True) == 6
+    rows = {r.id: r for r in read_distill(out)}
+    # (a batch's prompts are padded to its longest: that one's response fills the window)
+    assert max(len(r.prompt_ids) + len(r.response_ids) for r in rows.values()) == 8
+    for r in rows.values():  # (unfinished: the window, not max_new_tokens, ended each response)
+        assert len(r.prompt_ids) + len(r.response_ids) <= 8 and not r.finished
+        assert r.response_ids == transformers_greedy(model, r.prompt_ids, len(r.response_ids))
+    distill(model, tokenizer, [{"id": "long", "prompt": "a b c d e f a b"}], out, max_new_tokens=10, raw=True)
+    assert "longer than 7 tokens (the target's sliding attention window is 8)" in capsys.readouterr().err
+    rows = [{"id": f"p{i}", "prompt_ids": [2, 3], "response_ids": [4, 5, 6]} for i in range(10)]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = EagleTrainConfig(data=str(tmp_path / "t.jsonl"), out=str(tmp_path / "o"), heldout_fraction=0.3)
+    train, held, _ = start_run(config, model, None, log=lambda m: None)
+    assert train and held
+
+
+def test_the_command_line_names_the_sliding_window(tiny_dirs, tmp_path, capsys):
+    import json
+
+    from transformers import AutoTokenizer
+
+    from specframe.cli import main
+
+    tiny_sliding("mistral", window=8).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_dirs["target"]).save_pretrained(tmp_path)
+    args = ["generate", "--target", str(tmp_path), "--proposer", "none", "--raw", "--prompt"]
+    code = main([*args, "a b c d e", "--max-new-tokens", "6", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0 and json.loads(out)["stats"]["finish_reason"] == "context"
+    assert "stopped after 3 of generation.max_new_tokens=6 tokens: the target's sliding attention window (8" in err
+    assert main([*args, " ".join(["a"] * 8)]) == 2
+    err = capsys.readouterr().err
+    assert "the prompt has 8 tokens; the target's sliding attention window is 8" in err and "Traceback" not in err
+
+
+def test_the_bench_s_transformers_baselines_stop_at_the_sliding_window_too():
+    # (a turn of every method ends at the same token, so their outputs and speeds compare)
+    from specframe import bench
+
+    model = tiny_sliding("mistral")
+    hf = bench.hf_method("hf", model, bench.ForwardCounter(model), [], bench.BenchOptions(), "plain")
+    plain = SpeculativeDecoder(model, NoneProposer(NoneConfig(), target_info(model)))
+    assert hf.run(PROMPT, 100, 0).token_ids == plain.generate(PROMPT, max_new_tokens=100).token_ids
+    assert len(hf.run(PROMPT, 100, 0).token_ids) == WINDOW - len(PROMPT)
+    with pytest.raises(BadInputError, match=f"the target's sliding attention window is {WINDOW}"):
+        hf.run([1] * WINDOW, 4, 0)
