@@ -467,7 +467,6 @@ def load_target(args: argparse.Namespace, dtype: str):
 def cmd_train(args: argparse.Namespace) -> int:
     from specframe.config import recipe_for, structured
     from specframe.data import only_writer
-    from specframe.fingerprint import is_checkpoint
     from specframe.plugins import get_registry
     from specframe.training.common import TrainRunConfig, check_run_inputs
 
@@ -495,9 +494,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         try:
             metrics = entry.cls.train(config, loaded.model, loaded.tokenizer, resume=args.resume)
         except KeyboardInterrupt:  # (Ctrl-C or SIGTERM; then "specframe: interrupted"/"terminated", as for any command)
-            if built_in and is_checkpoint(Path(config.out) / "checkpoint"):
-                print(f"specframe: the last checkpoint is in {config.out}/checkpoint: continue with --resume and "
-                      "the same options", file=sys.stderr)  # fmt: skip
+            from specframe.training.common import checkpoint_progress
+
+            where = checkpoint_progress(Path(config.out) / "checkpoint") if built_in else None
+            if where is not None:
+                print(f"specframe: the last checkpoint ({where}) is in {config.out}/checkpoint: continue with "
+                      "--resume and the same options", file=sys.stderr)  # fmt: skip
             raise
     print(json.dumps(metrics.get("heldout", metrics)))
     return 0

@@ -291,7 +291,9 @@ class SpeculativeDecoder:
                     )
                 except TemplateError as e:  # (e.g. a template that wants user and assistant turns to alternate)
                     raise BadInputError(f"the tokenizer's chat template refused these messages: {brief(e)}") from e
-                except ValueError as e:  # (transformers': a last message the template does not show as it is)
+                except (ValueError, TypeError) as e:  # (transformers' words for a last message not shown as it is;
+                    if not go_on:  # a tokenizer of another library's that cannot continue one)
+                        raise
                     raise BadInputError(f"the last (assistant) message cannot be continued: {brief(e)}") from e
                 if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                     ids = ids["input_ids"]
@@ -574,9 +576,11 @@ class SpeculativeDecoder:
             # the text need not be the one completed first: the text is cut before the earliest one in that prefix)
             ids = ids[:n]
             text, seen = self._decode(ids), self._in_context(ids)
-            at = min(seen.index(s) for s in stop if s in seen)
-            lead = len(seen) - len(text) if seen.endswith(text) else 0  # (the leading space `text` lacks)
-            return ids, text[: max(0, at - lead)], "stop"
+            if seen.endswith(text):  # (`seen` may have a leading space more: `text`'s first word's)
+                at = min(seen.index(s) for s in stop if s in seen) - (len(seen) - len(text))
+            else:  # (a clean-up that joins text across the anchor, "a ' s" to "a's": no mapping of places)
+                at = min((text.index(s) for s in stop if s in text), default=len(text))
+            return ids, text[: max(0, at)], "stop"
         reason = "eos" if eos_at is not None else "length" if len(ids) >= max_new else "context"
         return ids, self._decode(ids) if self.tokenizer is not None else None, reason
 

@@ -692,6 +692,26 @@ def test_a_stop_string_with_the_space_before_the_first_new_word_stops_there(targ
     assert dec.generate("of a", max_new_tokens=6, raw=True, stop=["he Fr"]).text == "T"
 
 
+def test_a_stop_string_cut_where_a_clean_up_joins_text_across_the_anchor_cuts_no_more_than_it():
+    # With clean_up_tokenization_spaces, the text after the anchor ("a' s France" cleaned up to "a's France") is
+    # not the result's text with a leading space more; places in one were used in the other, cutting too much.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<eos>", "▁'", "▁s", "▁France", "▁a"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    checker = object.__new__(SpeculativeDecoder)  # (the cut reads the tokenizer and EOS ids only)
+    checker.tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>", clean_up_tokenization_spaces=True
+    )
+    checker.eos_ids = set()
+    assert checker._decode([2, 3, 4]) == "' s France" and checker._in_context([2, 3, 4]) == "'s France"
+    for stop, text in ((" France", "' s"), ("France", "' s "), ("s Fr", "' ")):
+        assert checker._truncate([2, 3, 4], 9, 9, [stop], 3) == ([2, 3, 4], text, "stop"), stop
+
+
 def test_a_last_assistant_message_is_continued(target):
     # (before: the template closed it and opened a new assistant turn, so the model began its answer again;
     # transformers' text-generation pipeline continues a last assistant message, as this does)
@@ -993,6 +1013,10 @@ def test_messages_a_chat_template_refuses_are_named(target, info):
         with pytest.raises(BadInputError, match="a list of messages needs the tokenizer's chat template, and raw"):
             dec.generate(roleless, max_new_tokens=2, raw=True)  # (joining the contents would lose the turns)
     assert dec.generate(twice[:1], max_new_tokens=2).token_ids  # (a good one runs)
+    # (a tokenizer whose apply_chat_template cannot continue a last assistant message: said, not a TypeError)
+    answered = [*twice[:1], {"role": "assistant", "content": "cd"}]
+    with pytest.raises(BadInputError, match="the last .assistant. message cannot be continued: .*continue_final"):
+        dec.generate(answered, max_new_tokens=2)
 
 
 def test_a_draft_as_wide_as_the_target_passes_even_when_the_tokenizer_lists_more_tokens(info):

@@ -96,7 +96,7 @@ def test_a_run_stopped_within_an_epoch_resumes_at_its_last_checkpoint_as_if_neve
 
     def run(out: str, every: int, **kw):
         target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
-        options = {**COMMON, "batch_size": 4, "checkpoint_every": every}  # (8 batches an epoch, 3 steps apart)
+        options = {**COMMON, "batch_size": 4, "checkpoint_every": every, "checkpoint_minutes": 0}  # (8 batches)
         cfg = make(data=str(data), out=str(tmp_path / out), features_cache=str(tmp_path / "f"), **options)
         return train(cfg, target, None, **kw)
 
@@ -315,6 +315,26 @@ def test_a_damaged_checkpoint_is_named_before_any_feature_extraction(tmp_path, n
             run(copy, resume=True, log=lambda m: None)
 
 
+@pytest.mark.parametrize("minutes, within", [(0.0, False), (1e-9, True)])
+def test_checkpoints_within_an_epoch_come_by_time(tmp_path, monkeypatch, minutes, within):
+    """train.checkpoint_minutes (10 by default) saves one within an epoch once that long has passed since the last
+    (here: at once, or never), whatever the steps (checkpoint_every 0)."""
+    from specframe.training import common
+
+    train, make = TRAINERS["draft"]
+    data = tmp_path / "d.jsonl"
+    write_distill_data(data, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), n=40)
+    states: list[dict] = []
+    real = common.save_checkpoint
+    monkeypatch.setattr(common, "save_checkpoint", lambda f, p, o, state: states.append(state) or real(f, p, o, state))
+    options = {**COMMON, "epochs": 1, "checkpoint_every": 0, "checkpoint_minutes": minutes}
+    cfg = make(data=str(data), out=str(tmp_path / "out"), features_cache=str(tmp_path / "f"), **options)
+    train(cfg, tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2), None, log=lambda m: None)
+    batches = [s["within"]["batches"] for s in states if "within" in s]
+    assert batches == ([1, 2, 3] if within else []) and states[-1]["epoch"] == 1  # (4 batches: the last ends it)
+    assert make(data=str(data), out=str(tmp_path / "x")).checkpoint_minutes == 10.0
+
+
 def test_a_checkpoint_within_an_epoch_is_named_by_its_batch_and_needs_that_epoch_to_end(tmp_path):
     import shutil
 
@@ -329,8 +349,11 @@ def test_a_checkpoint_within_an_epoch_is_named_by_its_batch_and_needs_that_epoch
             make(data=str(data), out=str(out), features_cache=str(tmp_path / "f"), **options), target, None, **kw
         )
 
-    with pytest.raises(ConfigError, match=r"train.checkpoint_every must be >= 0 \(0: at epoch ends only\), got -1"):
+    with pytest.raises(ConfigError, match=r"train.checkpoint_every must be >= 0 \(0: none by steps\), got -1"):
         make(data=str(data), out=str(tmp_path / "x"), checkpoint_every=-1)
+    for minutes in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match=r"train.checkpoint_minutes must be a finite number >= 0 \(0: none by"):
+            make(data=str(data), out=str(tmp_path / "x"), checkpoint_minutes=minutes)
     with pytest.raises(Interrupted):
         run(tmp_path / "run", log=interrupt_at("epoch 2:"))
     state_file = tmp_path / "run" / "checkpoint" / "state.json"
@@ -506,5 +529,5 @@ def test_a_training_command_interrupted_says_where_its_checkpoint_is(tmp_path, t
     argv = ["train", "--proposer", "draft", "--target", str(tiny_dirs["target"]), f"out={out}", f"data={data}"]
     assert main([*argv, "epochs=3", "layers=1", "heldout_fraction=0.2", f"features_cache={tmp_path / 'f'}"]) == 130
     err = capsys.readouterr().err
-    assert f"the last checkpoint is in {out}/checkpoint: continue with --resume and the same options" in err
+    assert f"the last checkpoint (after epoch 1) is in {out}/checkpoint: continue with --resume and the same" in err
     assert err.rstrip().endswith("specframe: interrupted"), err

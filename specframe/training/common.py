@@ -30,6 +30,7 @@ from specframe.errors import (
     brief,
     check_field_types,
     check_output_path,
+    is_number,
     user_path,
 )
 from specframe.fingerprint import artifact_kind, save_weights
@@ -77,9 +78,12 @@ class TrainRunConfig:
     seed: int = 0
     # Folder caching the target's features over the data, shared by every trainer ("" = recompute each run).
     features_cache: str = "runs/features"
-    # Optimizer steps between checkpoints within an epoch (0 = at epoch ends only): a run stopped mid-epoch and
-    # resumed loses at most these steps, and ends with the weights it would have had, never stopped.
-    checkpoint_every: int = 200
+    # Checkpoints within an epoch (besides the one at each epoch's end), when this many minutes have passed since
+    # the last one (0 = none by time): a run stopped mid-epoch and resumed loses at most that much work, and ends
+    # with the weights it would have had, never stopped. By time, so that fast steps (a GPU) are not slowed by saves.
+    checkpoint_minutes: float = 10.0
+    # ...and/or every this many optimizer steps (0 = none by steps), as transformers' Trainer's save_steps.
+    checkpoint_every: int = 0
 
     def __post_init__(self) -> None:
         check_field_types(self, "train.")
@@ -91,8 +95,11 @@ class TrainRunConfig:
             if value < 1:  # (an integer: checked first)
                 raise ConfigError(f"train.{key} must be >= 1, got {value}")
         if self.checkpoint_every < 0:
+            raise ConfigError(f"train.checkpoint_every must be >= 0 (0: none by steps), got {self.checkpoint_every}")
+        if not (self.checkpoint_minutes >= 0 and math.isfinite(self.checkpoint_minutes)):
             raise ConfigError(
-                f"train.checkpoint_every must be >= 0 (0: at epoch ends only), got {self.checkpoint_every}"
+                f"train.checkpoint_minutes must be a finite number >= 0 (0: none by time), got "
+                f"{self.checkpoint_minutes}"
             )
         check_seed(self.seed, "train.seed", unset="")  # (torch.manual_seed's range)
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -303,6 +310,15 @@ class Progress:
         return f"after epoch {self.epoch}"
 
 
+def checkpoint_progress(folder: Path) -> str | None:
+    """Where the checkpoint in `folder` stands, in words ("after epoch 2"), after putting back one a run killed
+    while saving it left aside (`recovered`); None when there is none, or it is damaged."""
+    try:
+        return progress_of(checkpoint_state(recovered(folder))).words()
+    except (ConfigError, OSError):
+        return None
+
+
 def progress_of(state: dict) -> Progress:
     """A checkpoint state's `Progress` (ValueError / TypeError when a field is not what it should be)."""
     steps = state.get("steps")
@@ -311,11 +327,10 @@ def progress_of(state: dict) -> Progress:
     if within is not None:
         if not isinstance(within, dict):
             raise ValueError(f"within is not an object: {str(within)[:40]}")
-        running = within.get("running")
-        if running is not None and not (isinstance(running, float | int) and math.isfinite(running)):
+        running, seconds = within.get("running"), within.get("seconds", 0.0)
+        if running is not None and not (is_number(running) and math.isfinite(running)):
             raise ValueError(f"within.running is not a number: {running!r}")
-        seconds = within.get("seconds", 0.0)
-        if not isinstance(seconds, float | int) or seconds < 0:
+        if not (is_number(seconds) and 0 <= seconds < math.inf):
             raise ValueError(f"within.seconds is not a duration: {seconds!r}")
         progress.batches = _count(within.get("batches"), "within.batches")
         progress.running, progress.seconds = running, float(seconds)
@@ -365,6 +380,7 @@ RESUME_MAY_CHANGE = frozenset(
         "self_fed_steps",
         "tree_nodes",
         "checkpoint_every",
+        "checkpoint_minutes",
         "data",
         "out",
         "features_cache",
@@ -523,27 +539,28 @@ def resume_from(
     ckpt: Path,
     params: dict,
     optimizer: torch.optim.Optimizer,
+    cfg: TrainRunConfig,
     *,
     resuming: bool,
     run: dict,
-    every: int,
     log,
     extra: dict | None = None,
 ) -> Checkpoints:
-    """The run's `Checkpoints`, starting from `ckpt`'s weights, moments, progress and metrics history when
-    `resuming` (which must be the answer of `resuming_from`: it checks the checkpoint's parameters; this does
-    not), else from the start with no history."""
+    """The run's `Checkpoints` (as often as `cfg` says), starting from `ckpt`'s weights, moments, progress and
+    metrics history when `resuming` (which must be the answer of `resuming_from`: it checks the checkpoint's
+    parameters; this does not), else from the start with no history."""
     if not resuming:
-        return Checkpoints(ckpt, params, optimizer, run, every, Progress(), [], extra)
+        return Checkpoints(ckpt, params, optimizer, run, cfg, Progress(), [], extra)
     state = load_checkpoint(ckpt, params, optimizer)
     progress = progress_of(state)
     log(f"resumed from {ckpt} {progress.words()}")
-    return Checkpoints(ckpt, params, optimizer, run, every, progress, state["history"], extra)
+    return Checkpoints(ckpt, params, optimizer, run, cfg, progress, state["history"], extra)
 
 
 class Checkpoints:
-    """A run's checkpoints into `ckpt`: at each epoch's end (`epoch_done`), and within an epoch every `every`
-    optimizer steps (`batches`; 0: never). Each holds the weights, the optimizer's moments and the `Progress`,
+    """A run's checkpoints into `ckpt`: at each epoch's end (`epoch_done`), and within an epoch (`batches`) every
+    `cfg.checkpoint_minutes` and every `cfg.checkpoint_every` optimizer steps. Each holds the weights, the
+    optimizer's moments and the `Progress`,
     so a resumed run continues at the batch after it with all that an uninterrupted run would have had. `start`
     is where this run started; `history` its metrics list, which the trainer appends to; `extra` goes into
     every state.json."""
@@ -554,15 +571,17 @@ class Checkpoints:
         params: dict,
         optimizer: torch.optim.Optimizer,
         run: dict,
-        every: int,
+        cfg: TrainRunConfig,
         start: Progress,
         history: list,
         extra: dict | None = None,
     ) -> None:
-        self.ckpt, self.params, self.optimizer, self.run, self.every = ckpt, params, optimizer, run, every
+        self.ckpt, self.params, self.optimizer, self.run = ckpt, params, optimizer, run
+        self.every, self.seconds = cfg.checkpoint_every, cfg.checkpoint_minutes * 60
         self.start, self.history, self.extra = start, history, extra or {}
         self.schedule: torch.optim.lr_scheduler.LambdaLR | None = None
         self.first_step = self.saved_at = 0
+        self.saved_time = time.perf_counter()
 
     def make_schedule(self, steps_per_epoch: int, epochs: int) -> torch.optim.lr_scheduler.LambdaLR:
         """The learning-rate schedule (`warmup_cosine`) over `epochs`, at the step this run starts from."""
@@ -578,7 +597,14 @@ class Checkpoints:
         if within is not None:
             state["within"] = within
         save_checkpoint(self.ckpt, self.params, self.optimizer, state)
-        self.saved_at = self.steps()
+        self.saved_at, self.saved_time = self.steps(), time.perf_counter()
+
+    def due(self) -> bool:
+        """Whether a checkpoint within an epoch is due: optimizer steps were taken since the last one, and as many
+        as `checkpoint_every` or `checkpoint_minutes`' worth."""
+        taken = self.steps() - self.saved_at
+        by_steps = self.every and taken >= self.every
+        return taken > 0 and bool(by_steps or (self.seconds and time.perf_counter() - self.saved_time >= self.seconds))
 
     def epoch_done(self, epochs: int) -> None:
         """The checkpoint after `epochs` epochs (the history holds the last one's metrics)."""
@@ -591,9 +617,9 @@ class Checkpoints:
 
 class EpochBatches:
     """The batches of one epoch (items of `order`), from the batch after the checkpoint a resumed run started
-    from when that checkpoint is within this epoch (then its running loss, seconds and `generator`'s state
-    are restored too). After each batch, a checkpoint when `every` optimizer steps were taken since the last
-    and batches remain. The trainer keeps its running loss in `running`; `seconds()` is the epoch's time."""
+    from when that checkpoint is within this epoch (then its running loss, seconds and `generator`'s state are
+    restored too). After each batch, a checkpoint when one is due (`Checkpoints.due`) and batches remain. The
+    trainer keeps its running loss in `running`; `seconds()` is the epoch's time."""
 
     def __init__(self, owner: Checkpoints, epoch: int, order: list, generator: torch.Generator | None) -> None:
         start = owner.start
@@ -624,7 +650,7 @@ class EpochBatches:
         for i in range(self.done, len(self.order)):
             yield self.order[i]
             self.done = i + 1  # (reached when the trainer asks for the next batch: this one is done)
-            if owner.every and self.done < len(self.order) and owner.steps() - owner.saved_at >= owner.every:
+            if self.done < len(self.order) and owner.due():
                 state = self.generator.get_state().numpy().tobytes() if self.generator is not None else b""
                 within = {
                     "batches": self.done,

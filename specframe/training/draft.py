@@ -173,7 +173,7 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
     )
 
     optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
-    checkpoints = resume_from(ckpt, params, optimizer, resuming=resuming, run=run, every=cfg.checkpoint_every, log=log)
+    checkpoints = resume_from(ckpt, params, optimizer, cfg, resuming=resuming, run=run, log=log)
     progress, history = checkpoints.start, checkpoints.history
     schedule = checkpoints.make_schedule(math.ceil(len(train_seqs) / cfg.batch_size), cfg.epochs)
 

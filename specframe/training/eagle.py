@@ -303,9 +303,7 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
     order_by_len = sorted(range(len(train_seqs)), key=lambda i: train_seqs[i].ids.numel())
     batches = [order_by_len[i : i + cfg.batch_size] for i in range(0, len(order_by_len), cfg.batch_size)]
     extra = {"fuse_layers": cfg.fuse_layers, "self_fed_steps": cfg.self_fed_steps}
-    checkpoints = resume_from(
-        ckpt, params, optimizer, resuming=resuming, run=run, every=cfg.checkpoint_every, log=log, extra=extra
-    )
+    checkpoints = resume_from(ckpt, params, optimizer, cfg, resuming=resuming, run=run, log=log, extra=extra)
     history = checkpoints.history
     schedule = checkpoints.make_schedule(len(batches), cfg.epochs)
     memo: dict = {}

@@ -300,7 +300,7 @@ def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     lm_rows = target.get_output_embeddings().weight.detach()[vocab_ids].float()
     optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
     steps = math.ceil(x_train.shape[0] / cfg.batch_size)
-    checkpoints = resume_from(ckpt, params, optimizer, resuming=resuming, run=run, every=cfg.checkpoint_every, log=log)
+    checkpoints = resume_from(ckpt, params, optimizer, cfg, resuming=resuming, run=run, log=log)
     history = checkpoints.history
     schedule = checkpoints.make_schedule(steps, cfg.epochs)
     if not history:  # (a new run: a resumed one has these in its checkpoint's history)
@@ -397,7 +397,7 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     except ConfigError:  # (refused: the caller's target as it was given, without the adapter PEFT put in place)
         model.unload()
         raise
-    checkpoints = resume_from(ckpt, params, optimizer, resuming=resuming, run=run, every=cfg.checkpoint_every, log=log)
+    checkpoints = resume_from(ckpt, params, optimizer, cfg, resuming=resuming, run=run, log=log)
     start, history = checkpoints.start.epoch, checkpoints.history
     schedule = checkpoints.make_schedule(len(batches), cfg.epochs)
 
