@@ -37,8 +37,9 @@ def attention_window(model: torch.nn.Module) -> int | None:
     """The smallest sliding attention window of `model`'s layers, in positions (None: every layer attends to the
     whole sequence). A layer with window w lets position i see positions i - w + 1 to i: for every position
     below w, that is the whole sequence before it, exactly what a full-attention layer sees. So specframe serves
-    such a model exactly as long as a sequence stays within w tokens, and stops there. Refuses what `new_cache`
-    refuses."""
+    such a model exactly while a sequence holds at most w tokens, and stops there (as at max_position_embeddings:
+    a window counts the tokens a sequence may hold, so the last position fed is w - 2, one short of the last
+    exact one, w - 1). Refuses what `new_cache` refuses."""
     return _checked_cache(model)[1]
 
 

@@ -186,8 +186,16 @@ def test_distill_and_training_take_a_sliding_window_target_and_distill_stops_at_
     rows = [{"id": f"p{i}", "prompt_ids": [2, 3], "response_ids": [4, 5, 6]} for i in range(10)]
     (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = EagleTrainConfig(data=str(tmp_path / "t.jsonl"), out=str(tmp_path / "o"), heldout_fraction=0.3)
-    train, held, _ = start_run(config, model, None, log=lambda m: None)
+    logs: list[str] = []
+    train, held, _ = start_run(config, model, None, log=logs.append)
     assert train and held
+    # (its max_length, 512, reaches past the window: said, as those positions are never drafted for)
+    assert any(
+        "train.max_length=512 is longer than the target's sliding attention window (8 tokens)" in m for m in logs
+    )
+    logs.clear()
+    start_run(EagleTrainConfig(**{**config.__dict__, "max_length": 8}), model, None, log=logs.append)
+    assert not any("max_length" in m for m in logs), logs
 
 
 def test_the_command_line_names_the_sliding_window(tiny_dirs, tmp_path, capsys):

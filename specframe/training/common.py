@@ -34,7 +34,7 @@ from specframe.errors import (
     user_path,
 )
 from specframe.fingerprint import artifact_kind, save_weights
-from specframe.kv_cache import new_cache
+from specframe.kv_cache import context_kind, context_window, new_cache
 from specframe.sampling import check_seed
 
 # Options naming files or folders (those a trainer has), where a leading `~` is the home folder.
@@ -731,6 +731,13 @@ def start_run(cfg: TrainRunConfig, target: torch.nn.Module, tokenizer, log=print
             f"{type(target).__name__} is not"
         )
     new_cache(target)  # (a target that speculative decoding refuses: nothing trained for it could be used)
+    window, kind = context_window(target), context_kind(target)
+    if cfg.max_length > window and kind != "context window":  # (positions past it: trained, never drafted for)
+        log(
+            f"note: train.max_length={cfg.max_length} is longer than the target's {kind} ({window} tokens), past "
+            f"which specframe never decodes: the positions past it train for contexts never drafted for (their "
+            f"features come from the model's own windowed attention); train.max_length={window} would not"
+        )
     check_same_split(cfg)
     torch.manual_seed(cfg.seed)
     examples = read_distill(cfg.data)
