@@ -560,10 +560,9 @@ def resume_from(
 class Checkpoints:
     """A run's checkpoints into `ckpt`: at each epoch's end (`epoch_done`), and within an epoch (`batches`) every
     `cfg.checkpoint_minutes` and every `cfg.checkpoint_every` optimizer steps. Each holds the weights, the
-    optimizer's moments and the `Progress`,
-    so a resumed run continues at the batch after it with all that an uninterrupted run would have had. `start`
-    is where this run started; `history` its metrics list, which the trainer appends to; `extra` goes into
-    every state.json."""
+    optimizer's moments and the `Progress`, so a resumed run continues at the batch after it with all that an
+    uninterrupted run would have had. `start` is where this run started; `history` its metrics list, which the
+    trainer appends to; `extra` goes into every state.json."""
 
     def __init__(
         self,
