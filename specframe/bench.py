@@ -433,13 +433,13 @@ def hf_method(
     """transformers `generate` on the shared target, on PyTorch's and transformers' own kernels; `extra` selects
     assisted or prompt-lookup decoding."""
     from specframe.cpu_kernels import stock_kernels
-    from specframe.kv_cache import context_kind, context_window
+    from specframe.kv_cache import context_limit
     from specframe.models import neutral_generation_config
 
     pad = eos_ids[0] if eos_ids else None
     # As specframe's decoder: no token past the target's context window, its sliding attention window where that is
     # smaller (transformers would go on past either).
-    window, kind = context_window(model), context_kind(model)
+    window, kind = context_limit(model)
     # The baselines run from a neutral generation config (a fresh one per call), as specframe's methods do;
     # sampling settings are passed explicitly.
 

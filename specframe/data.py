@@ -403,7 +403,7 @@ def _append_responses(
 
     from specframe.decoder import eos_token_ids
     from specframe.fingerprint import data_fingerprint, same_data_target
-    from specframe.kv_cache import context_kind, context_window
+    from specframe.kv_cache import context_limit
     from specframe.models import neutral_generation_config
 
     # (read before the unfinished last line is mended, so a file that is not distillation data is refused
@@ -440,7 +440,7 @@ def _append_responses(
     # Prompts must leave room for a response in the target's context window, as `specframe generate` requires, and
     # responses end there as generate's do: its sliding attention window where that is smaller (past it the decoder
     # stops, so data from past it would never be used: `specframe.kv_cache.context_window`).
-    window = context_window(model)
+    window, kind = context_limit(model)
     longest = min(max_prompt_tokens, window - 1)
     todo, too_long = [], 0
     for row in prompts:
@@ -460,7 +460,7 @@ def _append_responses(
     if too_long and not quiet:
         limit = f"{max_prompt_tokens} tokens (--max-prompt-tokens)"
         if longest < max_prompt_tokens:
-            limit = f"{longest} tokens (the target's {context_kind(model)} is {window})"
+            limit = f"{longest} tokens (the target's {kind} is {window})"
         print(f"skipping {too_long} prompts longer than {limit}", file=sys.stderr)
     answered = len(prompts) - len(todo) - too_long
     if not todo and answered and not quiet:

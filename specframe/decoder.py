@@ -26,7 +26,7 @@ from specframe.errors import (
     is_integer,
     is_number,
 )
-from specframe.kv_cache import context_kind, context_window, keep_positions, new_cache, tree_attention_mask
+from specframe.kv_cache import context_limit, keep_positions, new_cache, tree_attention_mask
 from specframe.lean_forward import engine_forward
 from specframe.proposer import (
     Acceptance,
@@ -137,8 +137,7 @@ class SpeculativeDecoder:
         # every position and a token tree's mask needs no window; past it, a tree's mask would not apply the
         # window). Also refuses, before any generation, a target whose cache cannot be rolled back
         # (`specframe.kv_cache.new_cache`).
-        self.context_window = context_window(model)
-        self.context_kind = context_kind(model)  # ("context window" or "sliding attention window", for messages)
+        self.context_window, self.context_kind = context_limit(model)  # (the kind in words, for messages)
         self.rope_switch = longrope_switch(model.config)
         # Whether the target's own generation recomputes its whole cache when the sequence reaches the switch
         # (transformers' Phi-3 family does, in its prepare_inputs_for_generation): then the engine does too.

@@ -46,14 +46,17 @@ def attention_window(model: torch.nn.Module) -> int | None:
 def context_window(model: torch.nn.Module) -> int:
     """The most tokens (prompt and generated) a sequence of `model` may reach in specframe: its
     max_position_embeddings or its attention window, the smaller (10**9 without either)."""
+    return context_limit(model)[0]
+
+
+def context_limit(model: torch.nn.Module) -> tuple[int, str]:
+    """`context_window`, and what it is in words for messages: "sliding attention window" where that is what ends
+    a sequence of `model`, else "context window". Refuses what `new_cache` refuses."""
     positions = getattr(model.config, "max_position_embeddings", None) or 10**9
-    return min(positions, attention_window(model) or positions)
-
-
-def context_kind(model: torch.nn.Module) -> str:
-    """What `context_window` is, in words for messages: "sliding attention window" where that is what ends a
-    sequence of `model`, else "context window"."""
-    return "sliding attention window" if attention_window(model) == context_window(model) else "context window"
+    window = attention_window(model)
+    if window is not None and window <= positions:
+        return window, "sliding attention window"
+    return positions, "context window"
 
 
 def _checked_cache(model: torch.nn.Module) -> tuple[DynamicCache, int | None]:

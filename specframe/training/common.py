@@ -34,7 +34,7 @@ from specframe.errors import (
     user_path,
 )
 from specframe.fingerprint import artifact_kind, save_weights
-from specframe.kv_cache import context_kind, context_window, new_cache
+from specframe.kv_cache import context_limit
 from specframe.sampling import check_seed
 
 # Options naming files or folders (those a trainer has), where a leading `~` is the home folder.
@@ -729,8 +729,8 @@ def start_run(cfg: TrainRunConfig, target: torch.nn.Module, tokenizer, log=print
             f"training needs a decoder-only target laid out like Llama (a `.model` body and an LM head); "
             f"{type(target).__name__} is not"
         )
-    new_cache(target)  # (a target that speculative decoding refuses: nothing trained for it could be used)
-    window, kind = context_window(target), context_kind(target)
+    # (refuses a target that speculative decoding refuses, e.g. a recurrent one: nothing trained for it could be used)
+    window, kind = context_limit(target)
     if cfg.max_length > window and kind != "context window":  # (positions past it: trained, never drafted for)
         log(
             f"note: train.max_length={cfg.max_length} is longer than the target's {kind} ({window} tokens), past "
