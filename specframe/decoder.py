@@ -265,8 +265,7 @@ class SpeculativeDecoder:
                 )
             if isinstance(prompt, list) and not all(isinstance(m, dict) and "content" in m for m in prompt):
                 raise BadInputError("a list prompt must hold token ids (int) or messages ({'role', 'content'})")
-            for m in messages:
-                check_text(m["content"])
+            messages = [{**m, "content": message_text(i, m["content"])} for i, m in enumerate(messages)]
             template = getattr(self.tokenizer, "chat_template", None)
             if isinstance(prompt, list) and (raw or not template):  # (joining the contents would drop the roles)
                 raise BadInputError(
@@ -608,6 +607,30 @@ def _as_int(value: object) -> object:
 def _as_float(value: object) -> object:
     """A 0-d tensor's number as a Python float; anything else unchanged, for the checks to name."""
     return float(value) if isinstance(value, torch.Tensor) and is_number(value) else value
+
+
+def message_text(index: int, content: object) -> str:
+    """A message's content as text: a string, or OpenAI-style content parts (`[{"type": "text", "text": ...}]`,
+    as vLLM's chat API takes them) whose texts are joined with newlines, as vLLM joins them for a chat template
+    that reads content as a string. Parts of other types (images, audio) are refused: the targets read text."""
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and not isinstance(part.get("text"), str):
+                raise BadInputError(f"message {index}'s content part {j} is of type 'text' but has no text")
+            if kind != "text":
+                what = f"of type {kind!r}" if isinstance(part, dict) else f"a {type(part).__name__}"
+                raise BadInputError(
+                    f"message {index}'s content part {j} is {what}: only text parts "
+                    "({'type': 'text', 'text': ...}) are supported"
+                )
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    if content is None:
+        raise BadInputError(f"message {index} has no content (None): give it text")
+    check_text(content)
+    return content
 
 
 def check_text(text: object) -> None:

@@ -184,6 +184,16 @@ def begin_artifact(out: Path, kind: str) -> None:
     (out / f"{kind}_config.json").unlink(missing_ok=True)
 
 
+def sync_to_disk(path: str | Path) -> None:
+    """Flush a file's (or a folder's entries') writes to the disk, so that a rename after it never exposes a file
+    that a power cut would leave empty or torn."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_artifact(
     out: Path, kind: str, tensors: dict[str, torch.Tensor], vocab_ids: torch.Tensor, meta: dict[str, Any], indent: int
 ) -> None:
@@ -197,7 +207,10 @@ def write_artifact(
     path = out / f"{kind}_config.json"
     part = path.with_name(f".{path.name}.part")
     part.write_text(json.dumps(meta, indent=indent))
+    for name in ("model.safetensors", f"{kind}_vocab.json", part.name):
+        sync_to_disk(out / name)  # (on disk before the rename that makes the folder an artifact)
     os.replace(part, path)
+    sync_to_disk(out)
 
 
 def is_checkpoint(folder: Path) -> bool:

@@ -731,6 +731,20 @@ def test_a_last_assistant_message_is_continued(target):
     assert seen[-1] == tokenizer.encode("The France of assistant is a", add_special_tokens=False)  # continued
 
 
+def test_openai_style_content_parts_are_joined_text(target):
+    # (as vLLM's chat API takes them: a message's text parts, joined with newlines for a string-content template)
+    tokenizer = sentencepiece_like_tokenizer("{% for m in messages %}{{ m['role'] }} {{ m['content'] }}{% endfor %}")
+    seen: list[list[int]] = []
+    dec = SpeculativeDecoder(target, NoneProposer(NoneConfig(), target_info(target)), tokenizer)
+    encode = dec.encode
+    dec.encode = lambda prompt, raw=False: seen.append(encode(prompt, raw).tolist()) or encode(prompt, raw)
+    parts = [{"type": "text", "text": "France"}, {"type": "text", "text": "Paris"}]
+    message = {"role": "The", "content": parts}
+    dec.generate([message], max_new_tokens=2)
+    dec.generate([{"role": "The", "content": "France\nParis"}], max_new_tokens=2)
+    assert seen[0] == seen[1] and message["content"] is parts  # (the caller's message is left as it was)
+
+
 def test_sampling_set_on_the_decoder_applies_to_its_calls(target, info):
     dec = SpeculativeDecoder(target, NoneProposer(NoneConfig(), info))
     dec.temperature, dec.top_k, dec.top_p = torch.tensor(0.7, dtype=torch.float64), np.int64(3), 0.9  # (any kind)
@@ -947,6 +961,13 @@ class CharTokenizer(LetterTokenizer):
         ([True, 2], r"a prompt of token ids must hold integers only: item 0 is True \(bool\)"),
         ([1, 2.0], r"a prompt of token ids must hold integers only: item 1 is 2.0 \(float\)"),
         ([{"role": "user", "content": 5}], "a message's content must be text, got int"),
+        ([{"role": "user", "content": None}], r"message 0 has no content \(None\): give it text"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            r"message 0's content part 0 is of type 'image_url': only text parts",
+        ),
+        ([{"role": "user", "content": ["ab"]}], "message 0's content part 0 is a str: only text parts"),
+        ([{"role": "user", "content": [{"type": "text"}]}], "content part 0 is of type 'text' but has no text"),
         ({"role": "user", "content": "ab"}, "unsupported prompt type dict"),
         ("", "the prompt is empty"),
         ("a\udcffb", "the prompt is not valid UTF-8 text"),

@@ -155,3 +155,21 @@ def test_a_change_at_either_end_of_a_weight_changes_the_fingerprint(model, where
     with torch.no_grad():
         weight.view(-1)[where] += 1.0
     assert fingerprint_mismatch(target_fingerprint(model), other) is not None
+
+
+def test_an_artifacts_files_reach_the_disk_before_its_config_makes_it_one(tmp_path, monkeypatch):
+    import os
+
+    import specframe.fingerprint as fp
+
+    events: list[str] = []
+    monkeypatch.setattr(fp, "sync_to_disk", lambda path: events.append(f"sync {os.path.basename(path)}"))
+    monkeypatch.setattr(
+        fp.os, "replace", lambda a, b: events.append(f"rename {os.path.basename(b)}") or os.rename(a, b)
+    )
+    fp.write_artifact(tmp_path, "draft", {"w": torch.ones(2)}, torch.tensor([1, 2]), {"k": 1}, indent=1)
+    synced = {e.split()[1] for e in events[: events.index("rename draft_config.json")] if e.startswith("sync")}
+    assert synced == {"model.safetensors", "draft_vocab.json", ".draft_config.json.part"}
+    assert events[-1] == f"sync {tmp_path.name}" and json.loads((tmp_path / "draft_config.json").read_text()) == {
+        "k": 1
+    }

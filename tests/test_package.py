@@ -44,3 +44,23 @@ def test_submodules_are_there_after_import_specframe():
     code = "import specframe\nprint(specframe.errors.SpecframeError.__name__, specframe.measurements.KEEP_ENV)\n"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.split() == ["SpecframeError", "SPECFRAME_KEEP_TIMINGS"], run.stderr
+
+
+def test_every_data_file_of_the_package_is_in_its_package_data():
+    # (a file the source tree has but pyproject's package-data misses works from a checkout and is absent from
+    # an installed wheel: the C kernel source, py.typed, configs, shipped artifacts)
+    from fnmatch import fnmatch
+
+    tomllib = pytest.importorskip("tomllib")  # (Python 3.11+)
+
+    root = Path(specframe.__file__).parent.parent
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {p: root / setuptools["package-dir"].get(p, p.replace(".", "/")) for p in setuptools["packages"]}
+    for package, folder in folders.items():
+        patterns = setuptools["package-data"].get(package, [])
+        for path in folder.rglob("*"):
+            relative = path.relative_to(folder).as_posix()
+            inside = any(other in path.parents for other in folders.values() if other != folder)  # (a subpackage's)
+            if path.is_file() and path.suffix not in (".py", ".pyc") and not inside:
+                assert any(fnmatch(relative, p) for p in patterns), f"{package}: {relative} is not packaged"
+    assert (root / "specframe" / "py.typed").is_file()  # (the package's annotations are for type checkers)

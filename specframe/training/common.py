@@ -33,7 +33,7 @@ from specframe.errors import (
     is_number,
     user_path,
 )
-from specframe.fingerprint import artifact_kind, save_weights
+from specframe.fingerprint import artifact_kind, save_weights, sync_to_disk
 from specframe.kv_cache import context_limit
 from specframe.sampling import check_seed
 
@@ -220,25 +220,16 @@ def save_checkpoint(
     save_weights(moments, tmp / "optim.safetensors")
     (tmp / "state.json.part").write_text(json.dumps(state, indent=2))
     for name in ("model.safetensors", "optim.safetensors", "state.json.part"):
-        _sync(tmp / name)  # (on disk before the renames that make them the checkpoint: a power cut too)
+        sync_to_disk(tmp / name)  # (on disk before the renames that make them the checkpoint: a power cut too)
     os.replace(tmp / "state.json.part", tmp / "state.json")  # (so a state.json is always a whole one)
-    _sync(tmp)
+    sync_to_disk(tmp)
     old = folder.with_name(folder.name + ".old")
     if folder.exists():
         folder.rename(old)
     tmp.rename(folder)
-    _sync(folder.parent)
+    sync_to_disk(folder.parent)
     if old.exists():
         shutil.rmtree(old)
-
-
-def _sync(path: Path) -> None:
-    """Flush a file's (or a folder's entries') writes to the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def recovered(folder: Path) -> Path:

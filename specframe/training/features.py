@@ -41,7 +41,7 @@ from safetensors import safe_open
 
 from specframe.data import DistillExample
 from specframe.errors import BadInputError, ConfigError
-from specframe.fingerprint import save_weights, target_fingerprint
+from specframe.fingerprint import save_weights, sync_to_disk, target_fingerprint
 from specframe.training.common import collate, to_sequences
 
 
@@ -215,6 +215,7 @@ def _save(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) ->
     tmp = Path(name)
     try:
         save_weights(tensors, tmp, metadata=meta)
+        sync_to_disk(tmp)  # (a power cut after the rename must not leave a torn cache file under the key's name)
         os.replace(tmp, path)  # (another trainer's file of the same key holds the same features)
     except BaseException:  # an interrupted save leaves nothing behind
         tmp.unlink(missing_ok=True)
