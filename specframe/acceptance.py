@@ -45,9 +45,9 @@ class TreeAcceptance:
         path: list[int] = []
         row, parent_row = 0, 0
         while True:
-            r = self.target_probs(logits, row, params)
             if not children[row]:
                 return path, self.bonus(logits, row, parent_row, params, generator)
+            r = self.target_probs(logits, row, params)
             # Every child's test is drawn before any is read, each against the residual left by rejecting the ones
             # before it (what it faces exactly when they were rejected): the host then waits once per row walked,
             # not once per child tried. (Draws after the accepted child go unused: independent, so harmless.)
@@ -106,5 +106,6 @@ class TreeAcceptance:
     def bonus(
         self, logits: torch.Tensor, row: int, parent_row: int, params: SamplingParams, generator: torch.Generator
     ) -> int:
-        """Every drafted level was accepted down to a leaf: emit a token from p at the leaf."""
+        """The node at `row` has no children to try (a leaf of the tree, the root of an empty proposal, the
+        prefill's last row): emit a token from p there. (`parent_row` is for `specframe.testing.broken`.)"""
         return sample(self.target_probs(logits, row, params), generator)

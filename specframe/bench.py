@@ -520,8 +520,9 @@ class Setup:
 def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
     """Load the target once and build every method on it; methods with nothing trained for this target are skipped
     with a reason (one whose `model` option names an artifact that cannot load ends the run)."""
+    from specframe.architectures import eos_token_ids
     from specframe.config import load_config, models_named
-    from specframe.decoder import SpeculativeDecoder, eos_token_ids, proposer_who, target_info
+    from specframe.decoder import SpeculativeDecoder, proposer_who, target_info
     from specframe.errors import ModelLoadError
     from specframe.models import load_target
     from specframe.plugins import get_registry

@@ -401,7 +401,7 @@ def _append_responses(
     """`distill`'s work, under its lock on `out`."""
     from tqdm import tqdm
 
-    from specframe.decoder import eos_token_ids
+    from specframe.architectures import eos_token_ids
     from specframe.fingerprint import data_fingerprint, same_data_target
     from specframe.kv_cache import context_limit
     from specframe.models import neutral_generation_config

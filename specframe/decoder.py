@@ -13,8 +13,14 @@ from typing import Any
 import torch
 
 from specframe.acceptance import TreeAcceptance
+from specframe.architectures import (
+    RECOMPUTE_AT_LONGROPE_SWITCH,
+    check_tree_attention,
+    eos_token_ids,
+    longrope_switch,
+)
 from specframe.config import stop_strings
-from specframe.cpu_kernels import ATTENTION, fast_kernels_on
+from specframe.cpu_kernels import fast_kernels_on
 from specframe.cuda_graphs import graphed_target
 from specframe.errors import (
     BadInputError,
@@ -222,7 +228,7 @@ class SpeculativeDecoder:
             loaded.model,
             proposer,
             tokenizer=loaded.tokenizer,
-            sampling=SamplingParams(s.temperature, s.top_k, s.top_p),
+            sampling=SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p),
             max_new_tokens=cfg.generation.max_new_tokens,
             stop=list(cfg.generation.stop),
             seed=s.seed,
@@ -350,10 +356,16 @@ class SpeculativeDecoder:
         with self._one_call, proposer_in_use(self.proposer, self.who):
             self._caller = threading.get_ident()
             try:
-                return self._generate(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, raw)
+                result = self._generate(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, raw)
+            except BaseException:
+                with contextlib.suppress(Exception):  # (the call's own error is the one to report)
+                    self.proposer.end()
+                raise
             finally:
                 self._caller = None
                 self.cache = None  # (the call's cache; with CUDA graphs their static buffers are kept for the next)
+            self._call(self.proposer.end)  # (the proposer's per-call state, as the target's cache above)
+            return result
 
     def _generate(
         self,
@@ -402,13 +414,13 @@ class SpeculativeDecoder:
             cache = new_cache(model)
         self.cache = cache  # on self for inspection during the call (the rollback check)
         forward = engine_forward(model)  # (the model itself, or its lean forward where that is the same)
-        stats = Counter()
+        stats = StepStats()
 
         out = forward(
             input_ids=prompt_ids[None], cache=cache, use_cache=True, output_hidden_states=bool(layers), logits_to_keep=1
         )
         stats.target_forwards += 1
-        _, first = self.acceptance(out.logits[0, -1:].float(), Proposal.empty(self.device), params, generator)
+        _, first = self.acceptance(out.logits[0, -1:], Proposal.empty(self.device), params, generator)
         # The proposer gets its own copies of the engine's token tensors: an in-place edit of them (a contract
         # breach) must not reach what the target is fed.
         self._call(proposer.begin, prompt_ids.clone(), pick_hidden(out, layers, slice(None)))
@@ -441,10 +453,8 @@ class SpeculativeDecoder:
             if recompute:  # as the target's own generation does: the whole sequence again, in a fresh cache
                 cache = self.cache = new_cache(model)
                 graphs = None  # (never graphed, LongRoPE targets: `graphs_refusal`; not on this cache in any case)
-                # (built again, not `tokens`: the proposer may have edited state.tokens in place)
-                whole = torch.cat([prompt_ids, torch.tensor(generated, device=self.device)])
                 out = forward(
-                    input_ids=whole[None],
+                    input_ids=sequence[None],  # (the engine's own: the proposer's edits of its copy stay its own)
                     cache=cache,
                     use_cache=True,
                     output_hidden_states=bool(layers),
@@ -644,85 +654,11 @@ def check_text(text: object) -> None:
         raise BadInputError(f"the prompt is not valid UTF-8 text (bad byte at character {e.start})") from e
 
 
-TREE_ATTENTION = ("eager", "sdpa", ATTENTION)  # attention implementations that apply a 4-D float mask
-
-
-def check_tree_attention(model: torch.nn.Module) -> None:
-    """Tree verification needs the target's attention to apply an arbitrary 4-D mask (others, e.g. flash
-    attention, would silently attend across branches) and to see positions only through `position_ids`."""
-    config = getattr(model, "config", None)
-    impl = getattr(config, "_attn_implementation", None)
-    if impl is not None and impl not in TREE_ATTENTION:
-        raise BadInputError(
-            f"the target's attention implementation '{impl}' cannot apply a token tree's attention mask: load it "
-            "with attn_implementation='sdpa' (or 'eager') to verify trees"
-        )
-    why = slot_positions(config)
-    if why:
-        raise BadInputError(
-            f"the target (model type '{getattr(config, 'model_type', '?')}') {why}, so the nodes of a token tree, "
-            "which sit side by side in the cache, would be scored at the wrong distances: use a proposer that "
-            "drafts chains (e.g. draft, or eagle with proposer.tree=false)"
-        )
-
-
-# Model types whose transformers generation drops the KV cache and recomputes the whole sequence, with the long
-# factors, when it reaches original_max_position_embeddings + 1 tokens (their prepare_inputs_for_generation).
-RECOMPUTE_AT_LONGROPE_SWITCH = ("phi3", "phimoe", "phi4_multimodal")
-
-
-def longrope_switch(config: Any) -> int | None:
-    """The position from which a `longrope` target (Phi-3 style) rotates with its long factors, else None.
-    transformers picks the short or long factors once per forward, for every row, by the forward's largest
-    position: a verification whose drafts reach this position would rotate the rows before it (and the keys it
-    caches for them) with the long factors, where plain decoding uses the short ones. So the engine never
-    verifies across it: until the root reaches it, drafts stop short of it (for RECOMPUTE_AT_LONGROPE_SWITCH
-    models the step whose root is at it drafts nothing and recomputes the sequence, as their generation does)."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    if not isinstance(params, dict):
-        return None
-    per_layer_type = "rope_type" not in params and "type" not in params  # ({layer type: its parameters})
-    found = [p for p in params.values() if isinstance(p, dict)] if per_layer_type else [params]
-    switches = [
-        p.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
-        for p in found
-        if (p.get("rope_type") or p.get("type")) in ("longrope", "su")  # ("su": its name in older Phi-3 configs)
-    ]
-    switches = [int(s) for s in switches if s]
-    return min(switches) if switches else None
-
-
-def slot_positions(config: Any) -> str | None:
-    """How a model reads positions from cache slots rather than from `position_ids` (None when it does not):
-    ALiBi biases (Bloom, MPT, Falcon with `alibi`) and GPT-Neo's local-attention windows are computed from
-    slots, which equal positions in a chain but not in a tree."""
-    model_type = getattr(config, "model_type", None)
-    if model_type in ("bloom", "mpt") or getattr(config, "alibi", False):  # (MPT adds ALiBi whatever its config says)
-        return "adds ALiBi attention biases by cache slot"
-    if model_type == "gpt_neo" and "local" in (getattr(config, "attention_layers", None) or []):
-        return "applies its local-attention window by cache slot"
-    return None
-
-
 def pick_hidden(out: Any, layers: tuple[int, ...], rows: slice | torch.Tensor) -> dict[int, torch.Tensor]:
     """The requested layers' hidden states ([rows, hidden]) from a model output."""
     if not layers:
         return {}
     return {layer: out.hidden_states[layer][0, rows] for layer in layers}
-
-
-def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
-    """The ids that end generation: the model's generation_config EOS ids and the tokenizer's EOS (transformers'
-    `generate` reads only the former; a chat model whose turns end with the tokenizer's EOS would otherwise run
-    past its answer where the config leaves it out)."""
-    ids: set[int] = set()
-    gen = getattr(model, "generation_config", None)
-    for source in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, list | tuple):
-            ids.update(int(t) for t in source)
-    return ids
 
 
 _PROPOSERS_IN_USE: dict[int, object] = {}  # id() of each proposer a generate call runs with -> that call's mark
@@ -757,7 +693,7 @@ def proposer_in_use(proposer: Proposer, who: str) -> Iterator[None]:
                     del _PROPOSERS_IN_USE[id(p)]
 
 
-class Counter:
+class StepStats:
     """Accumulates the per-step numbers behind the stats (docs/architecture.md "Stats")."""
 
     def __init__(self) -> None:

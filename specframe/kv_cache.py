@@ -86,8 +86,8 @@ def _checked_cache(model: torch.nn.Module) -> tuple[DynamicCache, int | None]:
 
 
 class GrowingLayer(DynamicLayer):
-    """A `DynamicLayer` whose keys and values are views of buffers with spare room (grown by half again plus
-    GROWTH_MIN positions when full): a forward writes only its own positions. `crop` (DynamicLayer's) shortens
+    """A `DynamicLayer` whose keys and values are views of buffers with spare room (when full, grown by half
+    again, by GROWTH_MIN positions at least): a forward writes only its own positions. `crop` (DynamicLayer's) shortens
     the views; positions past them are overwritten by the next forward. Anything that replaces the views with
     tensors of its own (e.g. `batch_select_indices`, `offload`) is taken over: the buffers are made again."""
 

@@ -141,9 +141,10 @@ class Proposer(ABC):
     def random(cls, target: TargetInfo, config: Any = None, seed: int = 0) -> Proposer:
         """Build with random weights for any target, so the conformance suite needs no trained artifact.
 
-        `config` defaults to `config_class()`; `seed` fixes the random weights (draw them inside
-        `with seeded(seed):`). Default: the constructor."""
-        return cls(cls.config_class() if config is None else config, target)
+        `config` defaults to `config_class()`; `seed` fixes the random weights (an override draws them inside
+        `with seeded(seed):`). Default: the constructor, run inside `seeded(seed)`."""
+        with seeded(seed):
+            return cls(cls.config_class() if config is None else config, target)
 
     @abstractmethod
     def begin(self, prompt: torch.Tensor, hidden_states: dict[int, torch.Tensor]) -> None:
@@ -156,6 +157,11 @@ class Proposer(ABC):
     @abstractmethod
     def accepted(self, result: Acceptance) -> None:
         """Learn what was kept, and roll back any state built on rejected nodes."""
+
+    def end(self) -> None:
+        """The request is over (finished or failed): let go of what only it needed, such as a KV cache, so that
+        nothing of it stays in memory between requests. Optional; default: nothing to let go of."""
+        return None
 
 
 def built_proposer(built: Any, who: str, how: str) -> Proposer:

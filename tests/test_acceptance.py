@@ -110,6 +110,25 @@ def test_sampled_bonus_token_comes_from_the_leafs_row(seed):
     assert path == [0, 1] and nxt == 2
 
 
+def test_each_row_walked_is_transformed_once():
+    # (the leaf's row was transformed twice, once for nothing: with top-p a sort of the whole vocabulary, paid by
+    # every step of plain decoding)
+    seen: list[int] = []
+
+    class Counting(TreeAcceptance):
+        def target_probs(self, logits, row, params):
+            seen.append(row)
+            return super().target_probs(logits, row, params)
+
+    logits = torch.tensor([[30.0, 0.0, 0.0], [0.0, 30.0, 0.0], [0.0, 0.0, 30.0]])
+    chain = Proposal.chain(torch.tensor([0, 1]), draft_probs=torch.tensor([[0.8, 0.1, 0.1], [0.1, 0.8, 0.1]]))
+    Counting()(logits, chain, SamplingParams(1.0, top_p=0.9), torch.Generator().manual_seed(0))
+    assert seen == [0, 1, 2]
+    seen.clear()
+    Counting()(logits, Proposal.chain(torch.tensor([], dtype=torch.long)), SamplingParams(1.0), torch.Generator())
+    assert seen == [0]
+
+
 def test_draft_rows_are_used_as_the_distribution_they_were_drawn_from():
     # torch.multinomial draws from a row over its sum, and validation lets a row's sum be off by rounding: the rule
     # reads q the same way, so a scaled row decides exactly as the normalised one (it compared u * q(x) < r(x)

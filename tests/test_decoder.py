@@ -191,7 +191,7 @@ def test_a_longrope_target_is_never_verified_across_its_switch_to_the_long_facto
     # transformers rotates every row of a forward with the long factors once the forward's largest position
     # reaches original_max_position_embeddings; a verification reaching it would rotate the rows before it
     # differently from plain decoding. So drafts stop short of it, and a perfect draft gives plain decoding's output.
-    from specframe.decoder import longrope_switch
+    from specframe.architectures import longrope_switch
 
     target = tiny_llama(vocab_size=32, seed=0, max_position_embeddings=64, rope_parameters=TINY_LONGROPE)
     assert longrope_switch(target.config) == 16 and longrope_switch(tiny_llama().config) is None
@@ -256,7 +256,7 @@ def test_a_phi3_target_recomputes_its_cache_at_the_switch_as_its_own_generation_
 def test_the_longrope_switch_is_read_from_every_config_form(config, switch):
     import types
 
-    from specframe.decoder import longrope_switch
+    from specframe.architectures import longrope_switch
 
     assert longrope_switch(types.SimpleNamespace(**config)) == switch
 
@@ -893,7 +893,7 @@ def slot_position_models():
 def test_mpt_is_taken_as_alibi_whatever_its_config_says():
     import transformers as T
 
-    from specframe.decoder import slot_positions
+    from specframe.architectures import slot_positions
 
     # (transformers' MptModel builds ALiBi biases without reading attn_config.alibi)
     assert slot_positions(T.MptConfig(attn_config={"alibi": False})) == "adds ALiBi attention biases by cache slot"
@@ -1098,6 +1098,41 @@ def test_one_decoder_called_from_two_threads_takes_the_calls_in_turn():
                                             for p, n, s in requests])  # fmt: skip
     assert together == [alone, alone]
     assert dec.cache is None  # (no call's cache is held between calls)
+
+
+def test_no_proposer_state_of_a_call_is_held_after_it():
+    # (a draft model's or a drafter's KV cache, sized by the request, stayed in memory until the next call)
+    from specframe.proposers.eagle import EagleProposer
+    from specframe.proposers.union import UnionConfig, UnionProposer
+
+    target = tiny_llama(vocab_size=16, hidden_size=32)
+    info = target_info(target)
+    draft, eagle = DraftProposer.random(info), EagleProposer.random(info)
+    union = UnionProposer.random(info, UnionConfig(members=["draft", "eagle"]))
+    for proposer in (draft, eagle, union):
+        SpeculativeDecoder(target, proposer).generate([1, 2, 3], max_new_tokens=12)
+    held = [(p.cache, getattr(p, "pending_feats", None)) for p in (draft, eagle, *union.members)]
+    assert held == [(None, None)] * 4
+
+    class FailsLater(DraftProposer):
+        def propose(self, state):
+            raise RuntimeError("no draft today")
+
+    failing = FailsLater.random(info)  # (a call that fails after the proposer began lets go too)
+    with pytest.raises(ProposerError, match="no draft today"):
+        SpeculativeDecoder(target, failing).generate([1, 2, 3], max_new_tokens=12)
+    assert failing.cache is None
+
+
+def test_a_proposer_whose_end_fails_is_named():
+    class Failing(NoneProposer):
+        def end(self):
+            raise RuntimeError("cannot let go")
+
+    target = tiny_llama(vocab_size=16, hidden_size=32)
+    dec = SpeculativeDecoder(target, Failing(NoneConfig(), target_info(target)))
+    with pytest.raises(ProposerError, match="proposer 'none' raised RuntimeError: cannot let go"):
+        dec.generate([1, 2, 3], max_new_tokens=4)
 
 
 def test_a_generate_call_from_inside_the_same_decoders_call_is_refused():

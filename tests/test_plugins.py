@@ -337,3 +337,22 @@ def test_a_build_that_returns_no_proposer_is_named_so(monkeypatch, tiny_dirs):
             BadInputError, match=rf"^SpeculativeDecoder takes a Proposer instance, got {re.escape(said)}"
         ):
             SpeculativeDecoder(model, given)
+
+
+def test_the_default_random_build_is_seeded():
+    # (a plugin that leaves `random` to the base class and draws weights in its constructor gets the seed's weights)
+    import torch
+
+    class Weighted(Echo):
+        def __init__(self, config, target):
+            super().__init__(config, target)
+            self.weight = torch.randn(4)
+
+    info = object()  # (the constructor ignores it)
+    torch.manual_seed(123)
+    first = Weighted.random(info, seed=0).weight
+    assert torch.equal(first, Weighted.random(info, seed=0).weight)
+    assert not torch.equal(first, Weighted.random(info, seed=1).weight)
+    after = torch.randn(2)
+    torch.manual_seed(123)
+    assert torch.equal(after, torch.randn(2))  # (the global generator is as the builds found it)

@@ -115,10 +115,11 @@ def test_members_left_by_the_path_roll_back_only_their_rejected_drafts(target, i
     """Two different drafts: the path often leaves a member's chain; each KV cache must still be exact."""
     config = UnionConfig(members=["draft", "draft"], options={"draft": {"num_speculative_tokens": 3}})
     union = UnionProposer.random(info, config)
-    left = []
+    left, kept = [], {}
     for draft in union.members:
         inner = draft.accepted
         draft.accepted = lambda r, inner=inner: left.append(len(r.accepted_nodes) < len(r.accepted_tokens)) or inner(r)
+        draft.end = lambda draft=draft: kept.update({id(draft): draft.cache})  # (the cache as the call left it)
     out = SpeculativeDecoder(target, union).generate([1, 2, 3], max_new_tokens=40, temperature=temperature, seed=0)
     if temperature == 0.0:
         assert out.token_ids == reference_greedy(target, [1, 2, 3], 40)
@@ -126,6 +127,7 @@ def test_members_left_by_the_path_roll_back_only_their_rejected_drafts(target, i
     # Each member's cache holds exactly the emitted sequence: its next logits equal a fresh forward's.
     seq = torch.tensor([1, 2, 3, *out.token_ids])
     for draft in union.members:
+        draft.cache = kept[id(draft)]
         cached = draft._next_logits(seq[draft.cached :])
         fresh = draft.model(input_ids=seq[None]).logits[0, -1].float()
         torch.testing.assert_close(cached, fresh, atol=1e-4, rtol=1e-4)

@@ -227,6 +227,9 @@ class DraftProposer(Proposer):
         self.forward = engine_forward(self.model)  # (the lean forward where it gives the same result)
         self.cached = 0
 
+    def end(self) -> None:
+        self.cache = None
+
     def _next_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed `tokens` ([k]) into the draft; logits at the last one mapped onto the target's rows."""
         out = self.forward(input_ids=tokens[None], cache=self.cache, use_cache=True)

@@ -634,6 +634,9 @@ class EagleProposer(Proposer):
         self.root_feat = None
         self.pending_feats = feats
 
+    def end(self) -> None:
+        self.cache = self.pending_feats = self.root_feat = self.last_scores = None
+
     @torch.no_grad()
     def accepted(self, result: Acceptance) -> None:
         feats = self._features(result.hidden_states, len(result.accepted_tokens) + 1)  # the root, then each node

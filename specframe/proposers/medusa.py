@@ -410,6 +410,9 @@ class MedusaProposer(Proposer):
     def accepted(self, result: Acceptance) -> None:
         self.feature = result.hidden_states[-1][-1]
 
+    def end(self) -> None:
+        self.feature = None
+
     def propose(self, state: DecodeState) -> Proposal:
         depth = min(self.used_heads, state.max_depth)
         if depth == 0 or self.feature is None:

@@ -275,6 +275,11 @@ class UnionProposer(Proposer):
         for m, member in enumerate(self.members):
             self._call(m, member.begin, prompt, self._hidden(m, hidden_states))
 
+    def end(self) -> None:
+        self.merged = None
+        for m, member in enumerate(self.members):
+            self._call(m, member.end)
+
     def propose(self, state: DecodeState) -> Proposal:
         proposals, structures = [], []
         for m, member in enumerate(self.members):
