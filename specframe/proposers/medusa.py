@@ -20,6 +20,7 @@ PEFT adapter they were trained with; load that adapter as `target.adapter` (see 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from torch import nn
 from specframe.cpu_kernels import few_rows_linear, forget_outdated
 from specframe.errors import ConfigError, ModelLoadError, check_field_types, is_count, user_path
 from specframe.fingerprint import (
+    artifact_kind,
     check_vocab_ids,
     fingerprint_mismatch,
     not_an_artifact,
@@ -141,12 +143,18 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    """K heads of `layers` residual blocks each; logits through the shared LM-head rows `lm_rows` ([Vr, H])."""
+    """K heads of `layers` residual blocks each; logits through the shared LM-head rows `lm_rows` ([Vr, H]), or,
+    for heads with `own_vocab` (those of the Medusa repository), each head's own projection onto the target's
+    full vocabulary: `projection` [K, V, H], no bias."""
 
-    def __init__(self, hidden: int, num_heads: int, layers: int) -> None:
+    def __init__(self, hidden: int, num_heads: int, layers: int, own_vocab: int | None = None) -> None:
         super().__init__()
         # Built one by one: `[ResBlock(h)] * n` would repeat one module (shared weights), Medusa's own bug.
         self.heads = nn.ModuleList(nn.Sequential(*(ResBlock(hidden) for _ in range(layers))) for _ in range(num_heads))
+        # (uninitialised: filled from a file by `load_repository_heads`, or by the caller)
+        self.register_parameter(
+            "projection", nn.Parameter(torch.empty(num_heads, own_vocab, hidden)) if own_vocab else None
+        )
 
     @property
     def num_heads(self) -> int:
@@ -156,9 +164,21 @@ class MedusaHeads(nn.Module):
         """[..., H] -> [K, ..., H]: each head's transformed feature."""
         return torch.stack([head(h) for head in self.heads])
 
-    def logits(self, h: torch.Tensor, lm_rows: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [K, ..., Vr] logits over the reduced vocabulary."""
-        return self.features(h) @ lm_rows.T
+    def logits(self, h: torch.Tensor, lm_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., H] -> [K, ..., Vr] logits over the reduced vocabulary (with `projection`: [K, ..., V] over the full
+        one, and `lm_rows` is not used)."""
+        feats = self.features(h)
+        if self.projection is None:
+            return feats @ lm_rows.T
+        return own_logits(feats, self.projection)
+
+
+def own_logits(feats: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
+    """[k, ..., H] features of heads 1..k through their own projections (the first k of `projection`, [K, V, H]):
+    [k, ..., V]."""
+    k = feats.shape[0]
+    flat = feats.reshape(k, -1, feats.shape[-1])  # [k, n, H]
+    return torch.bmm(flat, projection[:k].transpose(1, 2)).reshape(*feats.shape[:-1], projection.shape[1])
 
 
 def save_heads(
@@ -180,13 +200,17 @@ def save_heads(
 
 
 def load_heads(path: str | Path, target: torch.nn.Module) -> tuple[MedusaHeads, torch.Tensor, dict]:
-    """(heads, vocab_ids, metadata) from a saved folder; refuses heads trained for another target."""
+    """(heads, vocab_ids, metadata) from a saved folder; refuses heads trained for another target. A folder of heads
+    from the Medusa repository (config.json with `medusa_num_heads`) is read by `load_repository_heads`."""
     path = Path(user_path(str(path)))
     cfg_file = path / "medusa_config.json"
     if not cfg_file.is_file():
+        if (path / "config.json").is_file() and artifact_kind(path) is None:
+            return load_repository_heads(path, target)
         raise ModelLoadError(
             f"medusa heads '{path}' {not_an_artifact(path, 'medusa')} (train heads with specframe train --proposer "
-            "medusa)"
+            "medusa, or give a folder of heads from the Medusa repository: config.json and "
+            f"{REPOSITORY_FILE})"
         )
     meta, listed, state = read_artifact(path, "medusa", f"medusa heads '{path}'")
     vocab = target.get_output_embeddings().weight.shape[0]
@@ -230,6 +254,175 @@ def load_heads(path: str | Path, target: torch.nn.Module) -> tuple[MedusaHeads, 
     except (RuntimeError, TypeError, ValueError) as e:
         raise ModelLoadError(f"medusa heads '{path}': weights do not match medusa_config.json: {e}") from e
     return heads, vocab_ids, meta
+
+
+# Heads trained with the Medusa repository (github.com/FasterDecoding/Medusa): a folder with config.json
+# (`medusa_num_heads`, `medusa_num_layers`, `base_model_name_or_path`) and the heads' weights, head k's residual
+# block j as `{k}.{j}.linear.weight` / `.bias` and its own full-vocabulary projection as `{k}.{L}.weight` (L the
+# number of blocks). Medusa-2 "full model" folders hold the same tensors under `medusa_head.` in the model's own
+# safetensors, beside the fine-tuned model's weights (which load as target.model, not from here).
+REPOSITORY_FILE = "medusa_lm_head.safetensors"
+FULL_MODEL_PREFIX = "medusa_head."
+REPOSITORY_FORMAT = "medusa-repository"
+_PICKLES = ("medusa_lm_head.pt", "medusa_lm_head.pth", "medusa_lm_head.bin", "pytorch_model.bin")
+
+
+def _conversion(pickle: str) -> str:
+    """A command that writes medusa_lm_head.safetensors from the pickle `pickle` (its heads' tensors only)."""
+    prefix = FULL_MODEL_PREFIX if pickle == "pytorch_model.bin" else ""
+    return (
+        'python -c "import torch; from safetensors.torch import save_file; '
+        f"sd = torch.load('{pickle}', map_location='cpu', weights_only=True); "
+        f"save_file({{k[{len(prefix)}:]: v.contiguous().clone() for k, v in sd.items() if k.startswith('{prefix}')}}, "
+        "'medusa_lm_head.safetensors')\""
+    )
+
+
+def repository_tensors(path: Path, what: str) -> tuple[Path, dict[str, torch.Tensor]]:
+    """(the file, its head tensors with any `medusa_head.` prefix removed) of a Medusa-repository folder:
+    medusa_lm_head.safetensors, else the `medusa_head.*` tensors of a Medusa-2 model's own safetensors (one file or
+    shards listed by model.safetensors.index.json; only those tensors are read). Pickles are refused."""
+    from safetensors import SafetensorError, safe_open
+
+    if (path / REPOSITORY_FILE).is_file():
+        files, prefix = [path / REPOSITORY_FILE], ""
+    elif (path / "model.safetensors.index.json").is_file() or (path / "model.safetensors").is_file():
+        prefix = FULL_MODEL_PREFIX
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                names = sorted({f for k, f in weight_map.items() if k.startswith(prefix)})
+            except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError) as e:
+                raise ModelLoadError(f"{what}: model.safetensors.index.json is unreadable: {type(e).__name__}") from e
+            files = [path / n for n in names]
+        else:
+            files = [path / "model.safetensors"]
+    else:
+        pickle = next((path / n for n in _PICKLES if (path / n).is_file()), None)
+        if pickle is not None:
+            raise ModelLoadError(
+                f"{what}: {pickle.name} is a pickle, and specframe loads weights only from safetensors or GGUF "
+                "(unpickling can run arbitrary code). Convert it yourself, where you trust the file, to "
+                f'{REPOSITORY_FILE} in the same folder (docs/medusa.md, "Heads from the Medusa repository"): '
+                + _conversion(pickle.name)
+            )
+        raise ModelLoadError(
+            f"{what}: config.json names Medusa heads, but the folder holds no {REPOSITORY_FILE} (nor a Medusa-2 "
+            "model.safetensors with medusa_head.* tensors)"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is no mapping)
+                    if key.startswith(prefix):
+                        tensors[key.removeprefix(prefix)] = f.get_tensor(key)
+        except (OSError, SafetensorError, ValueError) as e:
+            raise ModelLoadError(f"{what}: {file.name} is incomplete or corrupt: {type(e).__name__}: {e}") from e
+    if not tensors:
+        raise ModelLoadError(
+            f"{what}: {files[0].name if files else 'model.safetensors.index.json'} holds no Medusa heads "
+            f"({prefix}* tensors): a Medusa-2 model folder whose heads were saved elsewhere? Give that folder"
+        )
+    return (files[0] if len(files) == 1 else path / "model.safetensors.index.json"), tensors
+
+
+def load_repository_heads(path: str | Path, target: torch.nn.Module) -> tuple[MedusaHeads, torch.Tensor, dict]:
+    """(heads, vocab_ids, metadata) from a folder of heads trained with the Medusa repository, each head with its
+    own projection onto the target's full vocabulary (`MedusaHeads.projection`). Nothing records which target
+    they were trained for: the hidden size and vocabulary size must be the target's, and a file whose tensors
+    do not make config.json's heads is refused, as are weights that are not finite and pickled weights."""
+    path = Path(user_path(str(path)))
+    what = f"medusa heads '{path}'"
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise ModelLoadError(f"{what}: config.json is unreadable: {type(e).__name__}: {e}") from e
+    if not isinstance(config, dict) or "medusa_num_heads" not in config:
+        raise ModelLoadError(
+            f"{what} holds neither medusa_config.json (heads trained by specframe) nor a config.json with "
+            "medusa_num_heads (heads from the Medusa repository); train heads with specframe train --proposer medusa"
+        )
+    for key, least in (("medusa_num_heads", 1), ("medusa_num_layers", 0)):
+        if not is_count(config.get(key), least):
+            raise ModelLoadError(
+                f"{what}: config.json's {key} must be an integer >= {least}, got {config.get(key, 'nothing')!r}"
+            )
+    num_heads, layers = config["medusa_num_heads"], config["medusa_num_layers"]
+    file, state = repository_tensors(path, what)
+    where = f"{what}: {file.name}"
+    heads_in_file = sorted({int(k.split(".")[0]) for k in state if k.split(".")[0].isdigit()})
+    if len(heads_in_file) != num_heads or (heads_in_file and heads_in_file[-1] != num_heads - 1):
+        raise ModelLoadError(
+            f"{where} holds {len(heads_in_file)} heads ({', '.join(map(str, heads_in_file)) or 'none'}); "
+            f"config.json's medusa_num_heads says {num_heads} (make them agree: set medusa_num_heads to the "
+            "file's count)"
+        )
+    proj = state.get(f"0.{layers}.weight")
+    if proj is None or proj.dim() != 2:
+        raise ModelLoadError(
+            f"{where} lacks '0.{layers}.weight', head 0's projection after config.json's {layers} block(s) "
+            "(medusa_num_layers), or it is not a matrix"
+        )
+    vocab, hidden = proj.shape
+    expected = {}
+    for k in range(num_heads):
+        for j in range(layers):
+            expected[f"{k}.{j}.linear.weight"] = (hidden, hidden)
+            expected[f"{k}.{j}.linear.bias"] = (hidden,)
+        expected[f"{k}.{layers}.weight"] = (vocab, hidden)
+    missing = next((k for k in expected if k not in state), None)
+    if missing is not None:
+        raise ModelLoadError(
+            f"{where} lacks {missing!r} (config.json: {num_heads} heads of {layers} block(s) and a projection)"
+        )
+    extra = next((k for k in state if k not in expected), None)
+    if extra is not None:
+        raise ModelLoadError(
+            f"{where} holds {extra!r}, which config.json's {num_heads} heads of {layers} block(s) do not have "
+            "(medusa_num_layers wrong?)"
+        )
+    wrong = next((k for k, shape in expected.items() if tuple(state[k].shape) != shape), None)
+    if wrong is not None:
+        raise ModelLoadError(
+            f"{where}: {wrong!r} has shape {list(state[wrong].shape)}, expected {list(expected[wrong])} (hidden size "
+            f"{hidden} and {vocab} logits, from '0.{layers}.weight')"
+        )
+    target_hidden = target.config.hidden_size
+    target_vocab = target.get_output_embeddings().weight.shape[0]
+    if (hidden, vocab) != (target_hidden, target_vocab):
+        differ = [
+            f"{name} {mine} there, {theirs} here"
+            for name, mine, theirs in (("hidden size", hidden, target_hidden), ("logits", vocab, target_vocab))
+            if mine != theirs
+        ]
+        raise ModelLoadError(
+            f"{where} holds heads for a target with hidden size {hidden} and {vocab} logits; this target has "
+            f"{target_hidden} and {target_vocab} ({'; '.join(differ)}). They were trained for "
+            f"{config.get('base_model_name_or_path', 'a model config.json does not name')!r}"
+        )
+    checked = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    broken = next((k for k in expected if state[k].dtype in checked and not torch.isfinite(state[k]).all()), None)
+    if broken is not None:
+        raise ModelLoadError(f"{where} holds values that are not finite (in {broken!r})")
+    if not all(state[k].is_floating_point() for k in expected):
+        raise ModelLoadError(f"{where}: the heads' weights must be floating point")
+    with rng_untouched():  # (random weights, replaced at once)
+        heads = MedusaHeads(hidden, num_heads, layers)
+    heads.load_state_dict(
+        {f"heads.{k}.{j}.linear.{p}": state[f"{k}.{j}.linear.{p}"].float() for k in range(num_heads)
+         for j in range(layers) for p in ("weight", "bias")}
+    )  # fmt: skip
+    heads.projection = nn.Parameter(torch.stack([state.pop(f"{k}.{layers}.weight") for k in range(num_heads)]).float())
+    meta = {
+        "format": REPOSITORY_FORMAT,
+        "num_heads": num_heads,
+        "layers": layers,
+        "file": str(file),
+        "base_model_name_or_path": config.get("base_model_name_or_path"),
+    }
+    return heads, torch.arange(vocab), meta
 
 
 def saved_tree(meta: dict, path: str | Path, num_heads: int) -> list[tuple[int, ...]] | None:
@@ -299,8 +492,10 @@ class MedusaProposer(Proposer):
         dtype = proposer_dtype(config.dtype, target.dtype, target.device, target.fast_cpu_kernels)
         self.heads = heads.to(device=target.device, dtype=dtype).eval().requires_grad_(False)
         self.vocab_ids = vocab_ids.to(target.device)
-        lm = target.model.get_output_embeddings().weight
-        self.lm_rows = lm.detach()[self.vocab_ids].to(dtype)  # [Vr, H] the target's own LM-head rows
+        self.dtype = dtype
+        self.lm_rows: torch.Tensor | None = None  # [Vr, H] the target's own LM-head rows (heads without their own)
+        if heads.projection is None:
+            self.lm_rows = target.model.get_output_embeddings().weight.detach()[self.vocab_ids].to(dtype)
         tree = check_tree(tree, heads.num_heads)
         if max(max(p) for p in tree) >= len(vocab_ids):
             raise ConfigError(
@@ -403,7 +598,8 @@ class MedusaProposer(Proposer):
         return cls(config, target, heads, vocab_ids, tree)
 
     def begin(self, prompt: torch.Tensor, hidden_states: dict[int, torch.Tensor]) -> None:
-        if self.target.fast_cpu_kernels:  # (their copies of the LM-head rows follow a change through `.data`)
+        if self.target.fast_cpu_kernels and self.lm_rows is not None:  # (their copies of the LM-head rows follow a
+            # change through `.data`)
             forget_outdated([self.lm_rows])
         self.feature = hidden_states[-1][-1]
 
@@ -418,10 +614,14 @@ class MedusaProposer(Proposer):
         if depth == 0 or self.feature is None:
             return Proposal.empty(state.tokens.device)
         n = self.depth_ends[depth]  # nodes are sorted by depth: the first n are those within reach
-        h = self.feature.to(self.lm_rows.dtype)
+        h = self.feature.to(self.dtype)
         feats = torch.stack([self.heads.heads[k](h) for k in range(depth)])  # [depth, H]
-        # [depth, Vr]; on the target's CPU kernels, the faster layout for few rows
-        logits = few_rows_linear(feats, self.lm_rows) if self.target.fast_cpu_kernels else feats @ self.lm_rows.T
+        if self.lm_rows is None:  # heads from the Medusa repository: each its own projection, [depth, V]
+            logits = own_logits(feats, self.heads.projection)
+        elif self.target.fast_cpu_kernels:  # [depth, Vr]; on the target's CPU kernels, the faster layout for few rows
+            logits = few_rows_linear(feats, self.lm_rows)
+        else:
+            logits = feats @ self.lm_rows.T
         top = logits.topk(self.top, dim=-1).indices  # [depth, top] positions in the reduced vocabulary
         cand = self.vocab_ids[top]
         tokens = cand[self.node_head[:n], self.node_rank[:n]]

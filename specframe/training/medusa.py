@@ -226,6 +226,12 @@ def train_medusa(cfg: MedusaTrainConfig, target, tokenizer, resume: bool = False
             heads, vocab_ids, _ = load_heads(cfg.init_heads, target)
         except ModelLoadError as e:
             raise ConfigError(f"train.init_heads: {e}") from e
+        if heads.projection is not None:  # (specframe's heads share the target's LM head; these have their own)
+            raise ConfigError(
+                f"train.init_heads '{cfg.init_heads}' holds heads from the Medusa repository, each with its own "
+                "projection onto the vocabulary; specframe trains heads that share the target's LM head and cannot "
+                "start from them (use them as they are: proposer.model=<folder>)"
+            )
         index = vocab_index(vocab_ids, vocab)
         if heads.num_heads != cfg.num_heads or len(heads.heads[0]) != cfg.layers:
             raise ConfigError(
