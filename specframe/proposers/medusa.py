@@ -15,7 +15,9 @@ Saved heads (a folder): `medusa_config.json` (format, sizes, the target's finger
 held-out training data, its path statistics and the training metrics; `"shape_choice": "measured"` has a CPU
 use instead the tree of 1-3 nodes fastest on the machine, specframe/step_costs.py), `medusa_vocab.json` (the reduced
 vocabulary) and `model.safetensors` (float16 residual blocks only). Heads trained with Medusa-2 also name the
-PEFT adapter they were trained with; load that adapter as `target.adapter` (see docs/medusa.md).
+PEFT adapter they were trained with; load that adapter as `target.adapter` (see docs/medusa.md). Heads trained
+with the Medusa repository load too (`load_repository_heads`): each head then has its own full-vocabulary
+projection, and only their sizes can be checked against the target.
 """
 
 from __future__ import annotations
