@@ -269,6 +269,13 @@ def test_medusa2_model_folders_give_their_heads(tmp_path, shard):
     (bare / "config.json").write_text(json.dumps({**config, "medusa_num_heads": 3, "medusa_num_layers": 2}))
     with pytest.raises(ModelLoadError, match=r"model.safetensors holds no Medusa heads \(medusa_head.\* tensors\)"):
         load_heads(bare, target)
+    if shard:  # (an index naming a file outside the folder is refused, as transformers reads shards in it)
+        index = tmp_path / "m2" / "model.safetensors.index.json"
+        listed = json.loads(index.read_text())
+        listed["weight_map"]["medusa_head.0.0.linear.weight"] = "../elsewhere.safetensors"
+        index.write_text(json.dumps(listed))
+        with pytest.raises(ModelLoadError, match=r"index.json names '../elsewhere.safetensors', not a file of the"):
+            load_heads(tmp_path / "m2", target)
 
 
 def test_training_does_not_start_from_repository_heads(tmp_path):

@@ -297,6 +297,11 @@ def repository_tensors(path: Path, what: str) -> tuple[Path, dict[str, torch.Ten
                 names = sorted({f for k, f in weight_map.items() if k.startswith(prefix)})
             except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError) as e:
                 raise ModelLoadError(f"{what}: model.safetensors.index.json is unreadable: {type(e).__name__}") from e
+            outside = next((n for n in names if not isinstance(n, str) or Path(n).name != n), None)
+            if outside is not None:  # (a shard is a file of this folder, as transformers reads the index)
+                raise ModelLoadError(
+                    f"{what}: model.safetensors.index.json names {outside!r}, not a file of the folder"
+                )
             files = [path / n for n in names]
         else:
             files = [path / "model.safetensors"]
