@@ -38,6 +38,7 @@ from specframe.proposer import (
     Acceptance,
     DecodeState,
     Proposal,
+    ProposalStructure,
     Proposer,
     TargetInfo,
     built_proposer,
@@ -259,50 +260,7 @@ class SpeculativeDecoder:
                 f"a prompt of token ids must hold integers only: item {i} is {bad!r} ({type(bad).__name__})"
             )
         elif isinstance(prompt, str | list):
-            if self.tokenizer is None:
-                raise BadInputError("the target has no tokenizer: pass the prompt as a list of token ids")
-            if isinstance(prompt, str) and not prompt:  # (white space is text: a raw "\n" is a prompt)
-                raise BadInputError("the prompt is empty")
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            if isinstance(prompt, list) and prompt and all(isinstance(m, str) for m in prompt):
-                raise BadInputError(
-                    f"generate takes one prompt per call, got a list of {len(prompt)} strings (batches are not "
-                    "supported: call generate once per prompt)"
-                )
-            if isinstance(prompt, list) and not all(isinstance(m, dict) and "content" in m for m in prompt):
-                raise BadInputError("a list prompt must hold token ids (int) or messages ({'role', 'content'})")
-            messages = [{**m, "content": message_text(i, m["content"])} for i, m in enumerate(messages)]
-            template = getattr(self.tokenizer, "chat_template", None)
-            if isinstance(prompt, list) and (raw or not template):  # (joining the contents would drop the roles)
-                raise BadInputError(
-                    "a list of messages needs the tokenizer's chat template, and "
-                    + ("raw=True skips it" if raw else "this target's tokenizer has none")
-                    + ": give the prompt as text (a string) or as token ids"
-                )
-            if not raw and template:
-                from jinja2 import TemplateError
-
-                for m in messages:  # (the template reads roles)
-                    if not isinstance(m.get("role"), str) or not m["role"].strip():
-                        raise BadInputError(f"a message needs a 'role' (user, assistant...), got {m.get('role')!r}")
-
-                # A last message of the assistant's is continued, not closed and answered (as transformers'
-                # text-generation pipeline does): the model writes on from its last word.
-                go_on = {"continue_final_message": True} if messages[-1].get("role") == "assistant" else {}
-                try:
-                    ids = self.tokenizer.apply_chat_template(
-                        messages, add_generation_prompt=not go_on, tokenize=True, **go_on
-                    )
-                except TemplateError as e:  # (e.g. a template that wants user and assistant turns to alternate)
-                    raise BadInputError(f"the tokenizer's chat template refused these messages: {brief(e)}") from e
-                except (ValueError, TypeError) as e:  # (transformers' words for a last message not shown as it is;
-                    if not go_on:  # a tokenizer of another library's that cannot continue one)
-                        raise
-                    raise BadInputError(f"the last (assistant) message cannot be continued: {brief(e)}") from e
-                if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                    ids = ids["input_ids"]
-            else:
-                ids = self.tokenizer(prompt)["input_ids"]
+            ids = self._ids_of_text(prompt, raw)
         else:
             raise BadInputError(
                 f"unsupported prompt type {type(prompt).__name__}: give text (str), a list of messages or of token "
@@ -330,6 +288,57 @@ class SpeculativeDecoder:
                 + (" (specframe serves a sliding-window model only inside its window)" if sliding else "")
             )
         return torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    def _ids_of_text(self, prompt: str | list, raw: bool) -> list[int]:
+        """Token ids of a text prompt or a list of messages: through the tokenizer's chat template, unless `raw`
+        or the tokenizer has none (then text only, as it is)."""
+        if self.tokenizer is None:
+            raise BadInputError("the target has no tokenizer: pass the prompt as a list of token ids")
+        if isinstance(prompt, str) and not prompt:  # (white space is text: a raw "\n" is a prompt)
+            raise BadInputError("the prompt is empty")
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(m, str) for m in prompt):
+            raise BadInputError(
+                f"generate takes one prompt per call, got a list of {len(prompt)} strings (batches are not "
+                "supported: call generate once per prompt)"
+            )
+        if isinstance(prompt, list) and not all(isinstance(m, dict) and "content" in m for m in prompt):
+            raise BadInputError("a list prompt must hold token ids (int) or messages ({'role', 'content'})")
+        messages = [{**m, "content": message_text(i, m["content"])} for i, m in enumerate(messages)]
+        template = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(prompt, list) and (raw or not template):  # (joining the contents would drop the roles)
+            raise BadInputError(
+                "a list of messages needs the tokenizer's chat template, and "
+                + ("raw=True skips it" if raw else "this target's tokenizer has none")
+                + ": give the prompt as text (a string) or as token ids"
+            )
+        if not raw and template:
+            return self._chat_ids(messages)
+        return self.tokenizer(prompt)["input_ids"]
+
+    def _chat_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of `messages` through the tokenizer's chat template, with the prompt for the assistant's turn
+        (or a last assistant message continued)."""
+        from jinja2 import TemplateError
+
+        for m in messages:  # (the template reads roles)
+            if not isinstance(m.get("role"), str) or not m["role"].strip():
+                raise BadInputError(f"a message needs a 'role' (user, assistant...), got {m.get('role')!r}")
+
+        # A last message of the assistant's is continued, not closed and answered (as transformers'
+        # text-generation pipeline does): the model writes on from its last word.
+        go_on = {"continue_final_message": True} if messages[-1].get("role") == "assistant" else {}
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=not go_on, tokenize=True, **go_on)
+        except TemplateError as e:  # (e.g. a template that wants user and assistant turns to alternate)
+            raise BadInputError(f"the tokenizer's chat template refused these messages: {brief(e)}") from e
+        except (ValueError, TypeError) as e:  # (transformers' words for a last message not shown as it is;
+            if not go_on:  # a tokenizer of another library's that cannot continue one)
+                raise
+            raise BadInputError(f"the last (assistant) message cannot be continued: {brief(e)}") from e
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return ids
 
     # ---------------------------------------------------------------- the loop
 
@@ -378,30 +387,7 @@ class SpeculativeDecoder:
         stop: list[str] | None,
         raw: bool,
     ) -> GenerationResult:
-        top_k, max_new_tokens, seed = (_as_int(v) for v in (top_k, max_new_tokens, seed))
-        temperature, top_p = (_as_float(v) for v in (temperature, top_p))
-        sampling = (
-            self.sampling.temperature if temperature is None else temperature,
-            self.sampling.top_k if top_k is None else top_k,
-            self.sampling.top_p if top_p is None else top_p,
-        )
-        if (temperature, top_k, top_p) != (None, None, None):
-            check_sampling(*sampling, prefix="")  # (errors name the argument: top_k, not sampling.top_k)
-        params = SamplingParams(*sampling)
-        max_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        if not is_count(max_new):
-            raise BadInputError(f"max_new_tokens must be an integer >= 1, got {max_new!r}")
-        stop = stop_strings(self.stop if stop is None else stop)  # (`dec.stop = "x"` too: one string, not its letters)
-        if stop and self.tokenizer is None:
-            raise BadInputError(f"stop strings {stop!r} need the target's tokenizer to match text, and it has none")
-        seed = self.seed if seed is None else seed
-        check_seed(seed, key="seed")
-        generator = torch.Generator(device=self.device)
-        if seed is None:
-            generator.seed()  # a fresh random seed
-        else:
-            generator.manual_seed(seed)
-
+        params, max_new, stop, generator = self._settings(max_new_tokens, temperature, top_p, top_k, seed, stop)
         start = time.perf_counter()
         prompt_ids = self.encode(prompt, raw=raw)
         model, proposer, layers = self.model, self.proposer, tuple(self.proposer.hidden_state_layers)
@@ -416,9 +402,7 @@ class SpeculativeDecoder:
         forward = engine_forward(model)  # (the model itself, or its lean forward where that is the same)
         stats = StepStats()
 
-        out = forward(
-            input_ids=prompt_ids[None], cache=cache, use_cache=True, output_hidden_states=bool(layers), logits_to_keep=1
-        )
+        out = self._prefill(forward, prompt_ids, cache, layers)
         stats.target_forwards += 1
         _, first = self.acceptance(out.logits[0, -1:], Proposal.empty(self.device), params, generator)
         # The proposer gets its own copies of the engine's token tensors: an in-place edit of them (a contract
@@ -440,59 +424,27 @@ class SpeculativeDecoder:
             recompute = self.recompute_at_switch and past == self.rope_switch  # (then a step without drafts)
             max_depth = 0 if recompute else max_depth
             state = DecodeState(tokens, prompt_ids.numel(), params, generator, max_depth)
-            root = sequence[-1:]
             t0 = time.perf_counter()
             proposal = self._call(proposer.propose, state)
             structure = validate_proposal(proposal, self.info.vocab_size, max_depth, self.who, self.device)
-            depths = structure.depths
             t1 = time.perf_counter()
 
             n = len(proposal)
-            inputs = torch.cat([root, proposal.tokens.to(self.device)])[None]
-            rows_before = 0  # rows of this forward before the root's
             if recompute:  # as the target's own generation does: the whole sequence again, in a fresh cache
                 cache = self.cache = new_cache(model)
                 graphs = None  # (never graphed, LongRoPE targets: `graphs_refusal`; not on this cache in any case)
-                out = forward(
-                    input_ids=sequence[None],  # (the engine's own: the proposer's edits of its copy stay its own)
-                    cache=cache,
-                    use_cache=True,
-                    output_hidden_states=bool(layers),
-                    logits_to_keep=1,
-                )
-                rows_before = past
+                out = self._prefill(forward, sequence, cache, layers)  # (the engine's own sequence, not the proposer's)
+                rows_before = past  # rows of this forward before the root's
             else:
-                parents = None  # a chain: the model's own causal mask is the tree mask
-                if depths == list(range(1, n + 1)):
-                    positions = torch.arange(past, past + n + 1, device=self.device)[None]
-                else:
-                    check_tree_attention(model)
-                    positions = (past + torch.tensor([0, *depths], device=self.device))[None]
-                    parents = structure.parents
-                if graphs is not None and not graphs.takes(n + 1) and not graphs.holds(past + n + 1):
-                    # (a verification larger than any graph, too long for the static buffers: this generation
-                    # goes on with eager forwards on a cache of the usual kind)
-                    cache = self.cache = graphs.detached(cache)
-                    graphs = None
-                if graphs is not None and graphs.takes(n + 1):
-                    out = graphs.forward(cache, inputs, positions, parents, output_hidden_states=bool(layers))
-                else:
-                    mask = None if parents is None else tree_attention_mask(parents, past, self.mask_dtype, self.device)
-                    out = forward(
-                        input_ids=inputs,
-                        position_ids=positions,
-                        attention_mask=mask,
-                        cache=cache,
-                        use_cache=True,
-                        output_hidden_states=bool(layers),
-                    )
+                out, cache, graphs = self._verify(forward, cache, graphs, sequence[-1:], proposal, structure, layers)
+                rows_before = 0
             stats.target_forwards += 1
             path, nxt = self.acceptance(out.logits[0], proposal, params, generator, structure)
             keep = [0] + [c + 1 for c in path]
             keep_positions(cache, past, keep, n + 1)
             accepted_tokens = [structure.tokens[c] for c in path]
             generated += accepted_tokens + [nxt]
-            stats.record(n, max(depths, default=0), len(path), t1 - t0, time.perf_counter() - t1)
+            stats.record(n, max(structure.depths, default=0), len(path), t1 - t0, time.perf_counter() - t1)
             new = len(path) + 1
             done = self._finished(generated, limit, stop, new)
             if not done:
@@ -506,6 +458,89 @@ class SpeculativeDecoder:
         stats.keep_accepted(len(token_ids) - (len(generated) - stats.last_accepted - 1))
         wall = time.perf_counter() - start
         return GenerationResult(token_ids, text, stats.as_dict(len(token_ids), wall, finish_reason))
+
+    def _settings(
+        self,
+        max_new_tokens: int | None,
+        temperature: float | None,
+        top_p: float | None,
+        top_k: int | None,
+        seed: int | None,
+        stop: list[str] | None,
+    ) -> tuple[SamplingParams, int, list[str], torch.Generator]:
+        """One call's settings, its arguments over the decoder's own, checked: (sampling, max_new_tokens, stop
+        strings, the random generator seeded with the call's seed or a fresh one)."""
+        top_k, max_new_tokens, seed = (_as_int(v) for v in (top_k, max_new_tokens, seed))
+        temperature, top_p = (_as_float(v) for v in (temperature, top_p))
+        sampling = {
+            "temperature": self.sampling.temperature if temperature is None else temperature,
+            "top_k": self.sampling.top_k if top_k is None else top_k,
+            "top_p": self.sampling.top_p if top_p is None else top_p,
+        }
+        if (temperature, top_k, top_p) != (None, None, None):
+            check_sampling(**sampling, prefix="")  # (errors name the argument: top_k, not sampling.top_k)
+        params = SamplingParams(**sampling)
+        max_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if not is_count(max_new):
+            raise BadInputError(f"max_new_tokens must be an integer >= 1, got {max_new!r}")
+        stop = stop_strings(self.stop if stop is None else stop)  # (`dec.stop = "x"` too: one string, not its letters)
+        if stop and self.tokenizer is None:
+            raise BadInputError(f"stop strings {stop!r} need the target's tokenizer to match text, and it has none")
+        seed = self.seed if seed is None else seed
+        check_seed(seed, key="seed")
+        generator = torch.Generator(device=self.device)
+        if seed is None:
+            generator.seed()  # a fresh random seed
+        else:
+            generator.manual_seed(seed)
+        return params, max_new, stop, generator
+
+    @staticmethod
+    def _prefill(forward: Any, ids: torch.Tensor, cache: Any, layers: tuple[int, ...]) -> Any:
+        """The target's forward over the sequence `ids` ([T]) into an empty `cache`; logits of the last row only."""
+        return forward(
+            input_ids=ids[None], cache=cache, use_cache=True, output_hidden_states=bool(layers), logits_to_keep=1
+        )
+
+    def _verify(
+        self,
+        forward: Any,
+        cache: Any,
+        graphs: Any,
+        root: torch.Tensor,
+        proposal: Proposal,
+        structure: ProposalStructure,
+        layers: tuple[int, ...],
+    ) -> tuple[Any, Any, Any]:
+        """The target's one forward over the root ([1]) and the proposal's nodes, a chain under the model's own
+        causal mask or a tree under its 4-D mask (each node sees the prefix and its ancestors, at position prefix
+        length + depth). Returns (its output, the cache and the CUDA graphs to go on with: a verification larger
+        than any graph, too long for their static buffers, moves this generation to eager forwards on a cache of
+        the usual kind)."""
+        past, n, depths = cache.get_seq_length(), len(proposal), structure.depths
+        inputs = torch.cat([root, proposal.tokens.to(self.device)])[None]
+        parents = None  # a chain: the model's own causal mask is the tree mask
+        if depths == list(range(1, n + 1)):
+            positions = torch.arange(past, past + n + 1, device=self.device)[None]
+        else:
+            check_tree_attention(self.model)
+            positions = (past + torch.tensor([0, *depths], device=self.device))[None]
+            parents = structure.parents
+        if graphs is not None and not graphs.takes(n + 1) and not graphs.holds(past + n + 1):
+            cache = self.cache = graphs.detached(cache)
+            graphs = None
+        if graphs is not None and graphs.takes(n + 1):
+            return graphs.forward(cache, inputs, positions, parents, output_hidden_states=bool(layers)), cache, graphs
+        mask = None if parents is None else tree_attention_mask(parents, past, self.mask_dtype, self.device)
+        out = forward(
+            input_ids=inputs,
+            position_ids=positions,
+            attention_mask=mask,
+            cache=cache,
+            use_cache=True,
+            output_hidden_states=bool(layers),
+        )
+        return out, cache, graphs
 
     def _call(self, fn: Any, *args: Any) -> Any:
         """Call a proposer method; any exception becomes a ProposerError that names the proposer, but running out
