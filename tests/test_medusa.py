@@ -568,3 +568,67 @@ def test_held_out_metrics_count_response_positions_even_with_prompt_positions(tm
     held = split_heldout(read_distill(data), 0.2, 0)[1]
     want = sum(len(s.ids) - s.first_target for s in to_sequences(held, cfg.max_length))
     assert final["heldout_positions"] == want and final["heldout"]["positions"] == want
+
+
+def one_token_heldout_data(tmp, target):
+    """Distilled data whose held-out responses are one token each: no held-out position has a head label."""
+    write_distill_data(tmp / "d.jsonl", target, n=60, response_length=8)
+    _, held = split_heldout(read_distill(str(tmp / "d.jsonl")), 0.2, 0)
+    held_ids = {e.id for e in held}
+    rows = [json.loads(line) for line in (tmp / "d.jsonl").read_text().splitlines()]
+    for r in rows:
+        r["response_ids"] = r["response_ids"][:1] if r["id"] in held_ids else r["response_ids"]
+    (tmp / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_heads_without_heldout_path_statistics_train_and_use_the_default_tree(tmp_path, stage):
+    # (the first epoch's log asked for a tree from empty statistics and raised, before the epoch's checkpoint)
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2, initializer_range=0.1)
+    one_token_heldout_data(tmp_path, target)
+    cfg = MedusaTrainConfig(
+        data=str(tmp_path / "d.jsonl"), out=str(tmp_path / "heads"), stage=stage, num_heads=2, vocab_size=12,
+        epochs=1, heldout_fraction=0.2, tree_nodes=4, features_cache="", lora_rank=2,
+    )  # fmt: skip
+    logs: list[str] = []
+    metrics = train_medusa(cfg, target, None, log=logs.append)
+    assert metrics["heldout"]["tree_nodes"] == 0 and metrics["heldout"]["expected_accepted_length"] is None
+    assert any("no held-out path statistics" in m for m in logs)
+    assert any("the held-out split gave no path statistics" in m for m in logs)
+    assert json.loads((tmp_path / "heads" / "medusa_config.json").read_text())["tree"] is None
+    proposer = MedusaProposer.from_config(MedusaConfig(model=cfg.out), target_info(target))
+    assert proposer.tree == [c for c in DEFAULT_TREE if len(c) <= 2]
+
+
+def test_stage2_counts_training_positions_as_stage1_and_batches_8_sequences(tmp_path):
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2, initializer_range=0.1)
+    write_distill_data(tmp_path / "d.jsonl", target, n=30, response_length=8)
+    counted = {}
+    for stage in (1, 2):
+        cfg = MedusaTrainConfig(
+            data=str(tmp_path / "d.jsonl"), out=str(tmp_path / f"s{stage}"), stage=stage, num_heads=2,
+            vocab_size=12, epochs=1, heldout_fraction=0.2, tree_nodes=4, features_cache="", lora_rank=2,
+        )  # fmt: skip
+        assert cfg.batch_size == (512 if stage == 1 else 8)  # (positions, or sequences, per step)
+        counted[stage] = train_medusa(cfg, target, None, log=lambda m: None)["train_positions"]
+    assert counted[1] == counted[2] > 0  # (stage 2 counted every token, prompts included)
+
+
+def test_a_stopped_stage2_run_leaves_the_callers_target_as_it_was(tmp_path):
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2, initializer_range=0.1)
+    write_distill_data(tmp_path / "d.jsonl", target, n=30, response_length=8)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    cfg = MedusaTrainConfig(
+        data=str(tmp_path / "d.jsonl"), out=str(tmp_path / "m2"), stage=2, num_heads=2, vocab_size=12, epochs=2,
+        heldout_fraction=0.2, features_cache="", lora_rank=2, lr=1e-2,
+    )  # fmt: skip
+
+    def stop_after_an_epoch(message):
+        if message.startswith("epoch 1:"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_medusa(cfg, target, None, log=stop_after_an_epoch)
+    assert not any("lora" in name for name, _ in target.named_modules())
+    assert target.state_dict().keys() == before.keys()
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())

@@ -186,7 +186,8 @@ def own_logits(feats: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
 def save_heads(
     heads: MedusaHeads, vocab_ids: torch.Tensor, target: torch.nn.Module, out: str | Path, tree, extra: dict
 ) -> None:
-    """Save `heads` for `target` (fingerprinted as it will be verified with: with its adapter, in stage 2)."""
+    """Save `heads` for `target` (fingerprinted as it will be verified with: with its adapter, in stage 2), with
+    `tree` (a list of choices; None: none saved, the default tree applies)."""
     meta = {
         "format": FORMAT,
         "version": 1,
@@ -195,7 +196,7 @@ def save_heads(
         "layers": len(heads.heads[0]),
         "target_vocab_size": target.get_output_embeddings().weight.shape[0],
         "target": target_fingerprint(target),
-        "tree": [list(p) for p in tree],
+        "tree": None if tree is None else [list(p) for p in tree],  # (None: the default tree applies)
         **extra,
     }
     write_artifact(Path(out), "medusa", heads.state_dict(), vocab_ids, meta, indent=1)

@@ -286,7 +286,7 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
     if not train_seqs or not held_seqs:
         raise ConfigError(f"train.data '{cfg.data}' has no sequence longer than 2 tokens in a split")
     in_vocab = torch.zeros(vocab_size, dtype=torch.bool)
-    in_vocab[vocab_ids] = True
+    in_vocab[vocab_ids.cpu()] = True  # (the ids of a drafter loaded by init_from are on the target's device)
     held_resp = torch.cat([s.ids[s.first_target :] for s in held_seqs])
     coverage = float(in_vocab[held_resp].float().mean()) if held_resp.numel() else 0.0
     tokens = sum(s.ids.numel() for s in train_seqs)

@@ -56,8 +56,9 @@ class MedusaTrainConfig(TrainRunConfig):
     epochs: int = 2
     # Peak AdamW learning rate (linear warm-up, cosine decay).
     lr: float = 1e-3
-    # Stage 1: positions per optimisation step. Stage 2: sequences per step.
-    batch_size: int = 512
+    # Stage 1: positions per optimisation step. Stage 2: sequences per step (each a whole prompt and response
+    # through the target twice). 0 = the stage's default: 512 positions, or 8 sequences as the other trainers.
+    batch_size: int = 0
     # 1 = Medusa-1 (frozen target, heads only); 2 = Medusa-2 (heads + LoRA on the target through PEFT).
     stage: int = 1
     # Number of heads K: head k predicts the token k positions after the root.
@@ -83,6 +84,8 @@ class MedusaTrainConfig(TrainRunConfig):
     prompt_positions: bool = False
 
     def __post_init__(self) -> None:
+        if self.batch_size == 0:  # (an integer or not: the base class checks which)
+            self.batch_size = 512 if self.stage == 1 else 8
         super().__post_init__()
         for key in ("num_heads", "layers", "tree_nodes", "lora_rank"):
             value = getattr(self, key)
@@ -113,6 +116,12 @@ def best_tree(path_counts: dict, nodes: int) -> list[tuple[int, ...]]:
             "choose a tree from (too few held-out prompts, or too small a train.vocab_size)"
         )
     return sorted(chosen, key=lambda p: (len(p), p))
+
+
+def chosen_tree(metrics: dict, nodes: int) -> list[tuple[int, ...]] | None:
+    """`best_tree` of held-out metrics, or None when they hold no path statistics (the heads are then saved
+    without a tree, and use the default one)."""
+    return best_tree(metrics["path_counts"], nodes) if metrics["path_counts"]["counts"] else None
 
 
 def key(path: tuple[int, ...]) -> str:
@@ -199,10 +208,12 @@ def evaluate(heads, lm_rows: torch.Tensor, vocab_ids: torch.Tensor, x: torch.Ten
     }
 
 
-def summary(metrics: dict, tree) -> str:
+def summary(metrics: dict, tree: list[tuple[int, ...]] | None) -> str:
     accs = ", ".join(
         f"head {k + 1} {a:.3f}/{b:.3f}" for k, (a, b) in enumerate(zip(metrics["top1"], metrics["top5"], strict=True))
     )
+    if tree is None:
+        return f"held-out top-1/top-5: {accs}; no held-out path statistics to choose a tree from"
     return (
         f"held-out top-1/top-5: {accs}; tree of {len(tree)} nodes: expected accepted length "
         f"{expected_accepted_length(metrics['path_counts'], tree):.2f}"
@@ -312,8 +323,7 @@ def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     if not history:  # (a new run: a resumed one has these in its checkpoint's history)
         m = evaluate(heads.eval(), lm_rows, vocab_ids, x_held, y_held)
         history.append({"epoch": 0, **m})
-        tree = best_tree(m["path_counts"], cfg.tree_nodes) if m["path_counts"]["counts"] else []
-        log(f"before training: {summary(m, tree)}")
+        log(f"before training: {summary(m, chosen_tree(m, cfg.tree_nodes))}")
     for epoch in range(checkpoints.start.epoch, cfg.epochs):
         heads.train()
         order = torch.randperm(x_train.shape[0], generator=torch.Generator().manual_seed(cfg.seed + epoch))
@@ -333,21 +343,22 @@ def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
         m = evaluate(heads.eval(), lm_rows, vocab_ids, x_held, y_held)
         running = epoch_batches.running
         history.append({"epoch": epoch + 1, "train_loss": running, "seconds": epoch_batches.seconds(), **m})
-        log(f"epoch {epoch + 1}: train loss {running:.3f}; {summary(m, best_tree(m['path_counts'], cfg.tree_nodes))}")
+        log(f"epoch {epoch + 1}: train loss {running:.3f}; {summary(m, chosen_tree(m, cfg.tree_nodes))}")
         checkpoints.epoch_done(epoch + 1)
     final, tree = _final(history, cfg, x_train.shape[0], x_held.shape[0])
     return final, tree, target, {"adapter": None}
 
 
-def _final(history: list, cfg, n_train: int, n_held: int) -> tuple[dict, list[tuple[int, ...]]]:
-    """The run's metrics, and the tree of `cfg.tree_nodes` nodes chosen from the last held-out statistics."""
+def _final(history: list, cfg, n_train: int, n_held: int) -> tuple[dict, list[tuple[int, ...]] | None]:
+    """The run's metrics, and the tree of `cfg.tree_nodes` nodes chosen from the last held-out statistics (None
+    when they are empty)."""
     last = history[-1]
-    tree = best_tree(last["path_counts"], cfg.tree_nodes)
+    tree = chosen_tree(last, cfg.tree_nodes)
     return {
         "heldout": {
             **last,
-            "tree_nodes": len(tree),
-            "expected_accepted_length": expected_accepted_length(last["path_counts"], tree),
+            "tree_nodes": len(tree) if tree else 0,
+            "expected_accepted_length": expected_accepted_length(last["path_counts"], tree) if tree else None,
         },
         "history": history,
         "train_positions": n_train,
@@ -356,11 +367,10 @@ def _final(history: list, cfg, n_train: int, n_held: int) -> tuple[dict, list[tu
 
 
 def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resume, log):
-    """Medusa-2: heads + LoRA trained together; KL to the original target keeps its outputs."""
+    """Medusa-2: heads + LoRA trained together; KL to the original target keeps its outputs. The adapter is merged
+    into `target` when training ends (the model generation verifies with); a run refused, failed or stopped leaves
+    `target` as it was given."""
     from peft import LoraConfig, get_peft_model
-
-    from specframe.training.common import collate, make_batches, to_sequences
-    from specframe.training.features import extract_features
 
     lora = LoraConfig(
         r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank, lora_dropout=0.0, target_modules=list(cfg.lora_modules)
@@ -388,6 +398,24 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
             model = get_peft_model(target, lora)
     except ValueError as e:  # (PEFT's words for modules the target does not have)
         raise ConfigError(f"train.lora_modules {list(cfg.lora_modules)}: {' '.join(str(e).split())}") from e
+    try:
+        final, tree, adapter_dir = _fit_stage2(
+            model, cfg, target, heads, vocab_ids, index, train_ex, held_ex, base_fingerprint, resume, log
+        )
+    except BaseException:  # (refused, failed or stopped: the caller's target as it was given, without PEFT's layers)
+        model.unload()
+        raise
+    merged = model.merge_and_unload()  # the model generation will verify with: the base plus this adapter
+    mark_adapter(merged, base_fingerprint, adapter_dir)
+    return final, tree, merged, {"adapter": str(adapter_dir.resolve())}
+
+
+def _fit_stage2(model, cfg, target, heads, vocab_ids, index, train_ex, held_ex, base_fingerprint, resume, log):
+    """Stage 2's training on `model` (the target with PEFT's LoRA layers in place) and the adapter saved: (the
+    run's metrics, the tree, the adapter's folder)."""
+    from specframe.training.common import collate, make_batches, to_sequences
+    from specframe.training.features import extract_features
+
     base = model.get_base_model()
     lm_rows = target.get_output_embeddings().weight.detach()[vocab_ids].float()
     params = {f"heads.{k}": p for k, p in heads.named_parameters()}
@@ -398,11 +426,7 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     out = Path(cfg.out)
     ckpt = recovered(out / "checkpoint")
     run = run_identity(cfg, train_ex, held_ex, vocab_ids, base_fingerprint)
-    try:
-        resuming = resuming_from(ckpt, params, resume, run, cfg.epochs)
-    except ConfigError:  # (refused: the caller's target as it was given, without the adapter PEFT put in place)
-        model.unload()
-        raise
+    resuming = resuming_from(ckpt, params, resume, run, cfg.epochs)
     checkpoints = resume_from(ckpt, params, optimizer, cfg, resuming=resuming, run=run, log=log)
     start, history = checkpoints.start.epoch, checkpoints.history
     schedule = checkpoints.make_schedule(len(batches), cfg.epochs)
@@ -450,20 +474,21 @@ def _train_stage2(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
             }
         )
         log(
-            f"epoch {epoch + 1}: train loss {running:.3f}, KL to the original {keep.item():.4f}; "
-            f"{summary(m, best_tree(m['path_counts'], cfg.tree_nodes))}"
+            f"epoch {epoch + 1}: train loss {running:.3f}, KL to the original {keep.item():.4f} (last batch); "
+            f"{summary(m, chosen_tree(m, cfg.tree_nodes))}"
         )
         checkpoints.epoch_done(epoch + 1)
     if not history:
         raise ConfigError(f"nothing to train: the checkpoint in {ckpt} already has {start} epochs")
     # (the held-out size from the last evaluation's metrics: also when a resumed run had no epoch left to train)
-    final, tree = _final(history, cfg, sum(len(s.ids) for s in seqs), history[-1]["positions"])
+    positions = sum(
+        len(head_labels(torch.tensor(s.ids), s.first_target, cfg.num_heads, cfg.prompt_positions)[0]) for s in seqs
+    )
+    final, tree = _final(history, cfg, positions, history[-1]["positions"])  # (positions: as stage 1 counts them)
     adapter_dir = out / "adapter"
     begin_artifact(out, "medusa")  # (the adapter is part of the artifact: written after its config went)
     model.save_pretrained(str(adapter_dir))  # PEFT's own format (adapter_config.json + safetensors)
     for f in adapter_dir.iterdir():  # (its safetensors file is made owner-only)
         if f.is_file():
             readable(f)
-    merged = model.merge_and_unload()  # the model generation will verify with: the base plus this adapter
-    mark_adapter(merged, base_fingerprint, adapter_dir)
-    return final, tree, merged, {"adapter": str(adapter_dir.resolve())}
+    return final, tree, adapter_dir
