@@ -62,9 +62,10 @@ def block_grid(weight: torch.Tensor) -> BlockWeights | None:
     with torch.no_grad():
         w = weight.detach()
         head = w[:FIRST_ROWS]
-        for grid in (_q4_1, _q8_0):
-            if grid(head) is not None:  # (the whole weight only where its first rows are on the grid)
-                return grid(w)
+        for grid in (_q4_1, _q8_0):  # (the whole weight only where its first rows are on the grid; rows that are
+            found = grid(w) if grid(head) is not None else None  # on both, zeros say, try the next grid)
+            if found is not None:
+                return found
     return None
 
 

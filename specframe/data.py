@@ -402,6 +402,7 @@ def _append_responses(
     from tqdm import tqdm
 
     from specframe.architectures import eos_token_ids
+    from specframe.decoder import chat_ids
     from specframe.fingerprint import data_fingerprint, same_data_target
     from specframe.kv_cache import context_limit
     from specframe.models import neutral_generation_config
@@ -446,13 +447,8 @@ def _append_responses(
     for row in prompts:
         if response_id(str(row["id"]), tag) in done:
             continue
-        if raw:
-            ids = tokenizer(row["prompt"])["input_ids"]
-        else:
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, tokenize=True
-            )
-            ids = ids["input_ids"] if not isinstance(ids, list) else ids
+        text = row["prompt"]
+        ids = tokenizer(text)["input_ids"] if raw else chat_ids(tokenizer, [{"role": "user", "content": text}])
         if len(ids) <= longest:
             todo.append((str(row["id"]), row.get("source", ""), ids))
         else:
@@ -477,11 +473,13 @@ def _append_responses(
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
     device = next(model.parameters()).device
-    torch.manual_seed(seed)
     added = 0
     bar = tqdm(total=len(todo), desc="distill", unit="prompt", disable=quiet, file=sys.stderr)
     start = time.perf_counter()
-    with out.open("a", encoding="utf-8") as f:
+    gpus = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    # (the seed draws the sampled responses; the caller's random generators are put back afterwards)
+    with torch.random.fork_rng(devices=gpus), out.open("a", encoding="utf-8") as f:
+        torch.manual_seed(seed)
         for batch in batches(todo, batch_size):
             width = max(len(ids) for _, _, ids in batch)
             input_ids = torch.full((len(batch), width), pad, dtype=torch.long)

@@ -313,32 +313,8 @@ class SpeculativeDecoder:
                 + ": give the prompt as text (a string) or as token ids"
             )
         if not raw and template:
-            return self._chat_ids(messages)
+            return chat_ids(self.tokenizer, messages)
         return self.tokenizer(prompt)["input_ids"]
-
-    def _chat_ids(self, messages: list[dict]) -> list[int]:
-        """Token ids of `messages` through the tokenizer's chat template, with the prompt for the assistant's turn
-        (or a last assistant message continued)."""
-        from jinja2 import TemplateError
-
-        for m in messages:  # (the template reads roles)
-            if not isinstance(m.get("role"), str) or not m["role"].strip():
-                raise BadInputError(f"a message needs a 'role' (user, assistant...), got {m.get('role')!r}")
-
-        # A last message of the assistant's is continued, not closed and answered (as transformers'
-        # text-generation pipeline does): the model writes on from its last word.
-        go_on = {"continue_final_message": True} if messages[-1].get("role") == "assistant" else {}
-        try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=not go_on, tokenize=True, **go_on)
-        except TemplateError as e:  # (e.g. a template that wants user and assistant turns to alternate)
-            raise BadInputError(f"the tokenizer's chat template refused these messages: {brief(e)}") from e
-        except (ValueError, TypeError) as e:  # (transformers' words for a last message not shown as it is;
-            if not go_on:  # a tokenizer of another library's that cannot continue one)
-                raise
-            raise BadInputError(f"the last (assistant) message cannot be continued: {brief(e)}") from e
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return ids
 
     # ---------------------------------------------------------------- the loop
 
@@ -676,6 +652,31 @@ def message_text(index: int, content: object) -> str:
         raise BadInputError(f"message {index} has no content (None): give it text")
     check_text(content)
     return content
+
+
+def chat_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` through the tokenizer's chat template, with the prompt for the assistant's turn
+    (or a last assistant message continued)."""
+    from jinja2 import TemplateError
+
+    for m in messages:  # (the template reads roles)
+        if not isinstance(m.get("role"), str) or not m["role"].strip():
+            raise BadInputError(f"a message needs a 'role' (user, assistant...), got {m.get('role')!r}")
+
+    # A last message of the assistant's is continued, not closed and answered (as transformers'
+    # text-generation pipeline does): the model writes on from its last word.
+    go_on = {"continue_final_message": True} if messages[-1].get("role") == "assistant" else {}
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=not go_on, tokenize=True, **go_on)
+    except TemplateError as e:  # (e.g. a template that wants user and assistant turns to alternate)
+        raise BadInputError(f"the tokenizer's chat template refused these messages: {brief(e)}") from e
+    except (ValueError, TypeError) as e:  # (transformers' words for a last message not shown as it is;
+        if not go_on:  # a tokenizer of another library's that cannot continue one)
+            raise
+        raise BadInputError(f"the last (assistant) message cannot be continued: {brief(e)}") from e
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return ids
 
 
 def check_text(text: object) -> None:

@@ -150,7 +150,15 @@ def save_weights(tensors: dict[str, torch.Tensor], path: str | Path, metadata: d
 
 
 def _process_umask() -> int:
-    umask = os.umask(0)  # (read once, at import: setting it back and forth could race another thread's file)
+    """The process's umask, read once at import. Linux shows it in /proc; elsewhere it is set to read it, and put
+    back (a thread making a file in between would make it with no umask: the reason to read it once)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0)
     os.umask(umask)
     return umask
 

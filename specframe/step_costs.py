@@ -42,7 +42,7 @@ REPEATS = 5  # timed calls per token count, alternating between counts; the fast
 CHECKS = 3  # timed one-token forwards that check kept timings before they are used
 KEPT_SLOWER_AT = 2.0  # kept timings this many times slower than a one-token forward now: timed again
 SHAPE_CHOICES = ("saved", "measured")  # values of an artifact's `shape_choice`
-_COSTS = "_specframe_step_costs"  # attribute of a timed model: {thread count: StepCosts}
+_COSTS = "_specframe_step_costs"  # attribute of a timed model: {(threads, dtype, device, CPU kernels on): StepCosts}
 
 
 @dataclass(frozen=True)
@@ -93,17 +93,20 @@ def measure_step_costs(model: torch.nn.Module, timer: Callable[[], float] = time
     """Time `model` (a causal LM, as the decoder calls it) on forwards over 1..MAX_VERIFY_TOKENS tokens after
     CONTEXT cached ones; once per model and thread count (kept on the model, and for a CPU target on disk, checked
     by a few one-token forwards before use)."""
+    from specframe.cpu_kernels import fast_kernels_on
+
     memo = model.__dict__.setdefault(_COSTS, {})
-    threads = torch.get_num_threads()
-    if threads in memo:
-        return memo[threads]
-    device = next(model.parameters()).device
+    threads, weight = torch.get_num_threads(), next(model.parameters())
+    device = weight.device
+    key = (threads, weight.dtype, device, fast_kernels_on(model))  # (a model moved or cast since is timed again)
+    if key in memo:
+        return memo[key]
     name = _kept_name(model, threads) if device.type == "cpu" else None
     kept = _costs_from(measurements.stored(STEP_COSTS_KEPT, _SOURCES).get(name)) if name else None
     # Kept timings are used while a one-token forward timed now is not much faster than they say: busy time only
     # adds, so kept ones more than KEPT_SLOWER_AT times slower were timed on a busy machine, and are timed again.
     if kept is not None and kept.one_token_s <= KEPT_SLOWER_AT * _forward_times(model, (1,), timer, CHECKS)[1]:
-        memo[threads] = kept
+        memo[key] = kept
         return kept
     counts = range(1, MAX_VERIFY_TOKENS + 1)
     times = _forward_times(model, counts, timer, REPEATS)
@@ -111,8 +114,11 @@ def measure_step_costs(model: torch.nn.Module, timer: Callable[[], float] = time
         again = _forward_times(model, counts, timer, REPEATS)  # fastest of both kept for each count)
         times = {n: min(times[n], again[n]) for n in counts}
     one = max(times[1], 1e-9)
-    memo[threads] = costs = StepCosts(one, tuple(times[n] / one for n in counts))
-    if name:
+    relative = [times[n] / one for n in counts]
+    plausible = _plausible(relative)
+    # (busy on both tries: each count capped at what it can cost, n one-token forwards, and not kept on disk)
+    memo[key] = costs = StepCosts(one, tuple(min(cost, n) for n, cost in zip(counts, relative, strict=True)))
+    if name and plausible:
         today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
         kept = {"one_token_s": one, "relative": list(costs.relative), "timed_on": today}
         measurements.store(STEP_COSTS_KEPT, _SOURCES, name, kept)

@@ -41,6 +41,16 @@ def test_a_dequantised_gguf_weight_is_found_on_its_grid_exactly(bits):
     assert torch.equal(back, w)
 
 
+def test_a_weight_on_q8_0_whose_first_rows_are_also_on_q4_1_is_found_on_q8_0():
+    # (zero rows are on both grids: the Q4_1 check of the first rows passed, the whole weight failed it, and Q8_0
+    # was never tried)
+    w = block_weights.q8_0_rounded(torch.randn(16, 64, generator=torch.Generator().manual_seed(0)))
+    w[: block_weights.FIRST_ROWS] = 0.0
+    found = block_grid(w)
+    assert found is not None and found.bits == 8
+    assert torch.equal((found.scales[..., None] * found.quants.float()).reshape(w.shape), w)
+
+
 def test_weights_off_a_grid_have_no_blocks():
     w = on_grid((8, 64), 4)
     assert block_grid(torch.randn(8, 64)) is None

@@ -597,3 +597,10 @@ def test_a_prompt_limit_that_is_no_count_is_refused(tmp_path, limit):
     with pytest.raises(BadInputError, match=f"limit must be an integer >= 1 .*got {limit!r}"):
         read_prompts(tmp_path / "p.jsonl", limit=limit)
     assert [r["prompt"] for r in read_prompts(tmp_path / "p.jsonl", limit=2)] == ["p0", "p1"]
+
+
+def test_a_sampled_pass_is_seeded_and_leaves_the_callers_generator_as_it_was(tokenizer, tmp_path, changes_global_rng):
+    model = tiny_llama(vocab_size=8, seed=0)
+    for name in ("a", "b"):
+        assert not changes_global_rng(lambda name=name: run(model, tokenizer, tmp_path / name, temperature=1.0, seed=3))
+    assert (tmp_path / "a").read_text() == (tmp_path / "b").read_text()  # (the seed's responses, both times)

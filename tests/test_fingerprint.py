@@ -173,3 +173,17 @@ def test_an_artifacts_files_reach_the_disk_before_its_config_makes_it_one(tmp_pa
     assert events[-1] == f"sync {tmp_path.name}" and json.loads((tmp_path / "draft_config.json").read_text()) == {
         "k": 1
     }
+
+
+def test_the_umask_is_read_without_setting_it_where_the_system_shows_it(monkeypatch):
+    import os
+    import sys
+
+    import specframe.fingerprint as fp
+
+    expected = os.umask(0o022)
+    os.umask(expected)
+    if not sys.platform.startswith("linux"):
+        pytest.skip("only Linux shows a process's umask in /proc")
+    monkeypatch.setattr(fp.os, "umask", lambda *a: pytest.fail("the umask was set to read it"))
+    assert fp._process_umask() == expected

@@ -355,6 +355,20 @@ def test_resolve_dtype_auto() -> None:
         assert resolve_dtype("auto", torch.device("cuda", 0)) in (torch.bfloat16, torch.float16)
 
 
+def test_auto_dtype_on_a_gpu_without_native_bf16_is_fp16(monkeypatch) -> None:
+    # (torch's is_bf16_supported() counts emulated bf16 by default: on pre-Ampere GPUs auto picked it, slowly)
+    import contextlib
+
+    entered: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "device", lambda d: entered.append(d) or contextlib.nullcontext())
+    for native, expected in ((False, torch.float16), (True, torch.bfloat16)):
+        monkeypatch.setattr(
+            torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n or including_emulation
+        )
+        assert resolve_dtype("auto", torch.device("cuda", 1)) == expected
+    assert entered == [torch.device("cuda", 1)] * 2  # (asked of the target's GPU, not the current one)
+
+
 def test_proposer_dtype_auto_is_bf16_only_for_fp32_targets_on_cpus_with_native_bf16(monkeypatch) -> None:
     cpu = torch.device("cpu")
     monkeypatch.setattr(sm, "cpu_has_native_bf16", lambda: True)
@@ -914,6 +928,8 @@ def test_a_damaged_cached_copy_is_named_and_pulled_again(
         row = next(r for r in list_models() if r["alias"] == "tiny-test")
         assert row["status"] == f"damaged: {sm._MARKER} is unreadable", junk
     assert main(["models", "pull", "tiny-test"]) == 0 and sm._is_cached(cached)
+    (cached / "config.json").unlink()  # (was "not cached", as if no pull had finished, with its marker there)
+    assert next(r for r in list_models() if r["alias"] == "tiny-test")["status"] == "damaged: config.json is missing"
 
 
 def test_sha_mismatch_caches_nothing(
@@ -956,6 +972,35 @@ def test_env_wheel_problems(
     wrong = _fake_wheel(tmp_path / "wrong.whl", "other/file.gguf", b"x")
     monkeypatch.setenv(fake_alias.wheel_env, str(wrong))
     with pytest.raises(ModelLoadError, match="has no tiny_pkg/tiny.gguf"):
+        pull_default_model("tiny-test", quiet=True)
+
+
+def test_a_cache_that_cannot_be_written_is_named_not_the_wheel(
+    home: Path, fake_alias: ModelAlias, tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (a full disk while the GGUF was copied out of the wheel was "neither a readable wheel (zip) nor a .gguf"; one
+    # while the cache's folders were made, a PermissionError with a traceback)
+    import errno
+
+    wheel = _fake_wheel(tmp_path / "tiny_pkg-0.0.0-py3-none-any.whl", fake_alias.wheel_member, tiny_gguf.read_bytes())
+    monkeypatch.setenv(fake_alias.wheel_env, str(wheel))
+    real_open = open
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        if "w" in mode and str(path).endswith(".gguf"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", full_disk)
+    with pytest.raises(ModelLoadError, match=r"cannot write the model cache .*: No space left on device \(free"):
+        pull_default_model("tiny-test", quiet=True)
+    monkeypatch.setattr("builtins.open", real_open)
+
+    def denied(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(sm.tempfile, "TemporaryDirectory", denied)
+    with pytest.raises(ModelLoadError, match=r"cannot write the model cache .*models: Permission denied \(free"):
         pull_default_model("tiny-test", quiet=True)
 
 
@@ -1075,12 +1120,3 @@ def test_a_pickle_beside_an_oddly_named_safetensors_is_never_loaded(tmp_path, ti
     torch.save(tiny_model.state_dict(), tmp_path / "pytorch_model.bin")
     with pytest.raises(ModelLoadError):
         load_model(str(tmp_path), quiet=True)
-
-
-def test_auto_dtype_on_cuda_is_bf16_where_supported_else_fp16(monkeypatch):
-    from specframe.models import resolve_dtype
-
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    assert resolve_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    assert resolve_dtype("auto", torch.device("cuda", 0)) == torch.float16

@@ -220,3 +220,27 @@ def test_a_count_timed_dearer_than_its_tokens_one_by_one_is_timed_again():
     costs = measure_step_costs(model, timer=clock)
     assert costs.relative == pytest.approx((1.0, 1.05, 1.5, 2.5))
     assert clock.forwards.count(4) == 2 * (1 + step_costs.REPEATS)  # (timed twice)
+
+
+def test_a_count_still_too_dear_when_timed_again_is_capped_and_not_kept(kept_timings):
+    # (busy on both tries: 10.6 one-token forwards for 4 tokens steered the shape choice in this process, and was
+    # stored for later ones, which refused it and timed again every time)
+    model = tiny_llama(vocab_size=32, seed=0)
+    clock = FakeClock(model, {1: 0.02, 2: 0.021, 3: 0.03, 4: 0.05})
+
+    def always_busy(module, args, kwargs):
+        if kwargs["input_ids"].shape[1] == 4:
+            clock.now += 0.5 - 0.05
+
+    model.register_forward_pre_hook(always_busy, with_kwargs=True)
+    costs = measure_step_costs(model, timer=clock)
+    assert costs.relative == pytest.approx((1.0, 1.05, 1.5, 4.0))  # (at most 4 one-token forwards)
+    assert measurements.stored(step_costs.STEP_COSTS_KEPT, step_costs._SOURCES) == {}
+
+
+def test_a_model_cast_or_moved_since_its_timing_is_timed_again():
+    model = tiny_llama(vocab_size=32, seed=0)
+    clock = FakeClock(model, {1: 0.02, 2: 0.021, 3: 0.03, 4: 0.05})
+    costs = measure_step_costs(model, timer=clock)
+    model.to(torch.bfloat16)
+    assert measure_step_costs(model, timer=clock) is not costs
