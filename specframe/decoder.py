@@ -496,7 +496,7 @@ class SpeculativeDecoder:
         past, n, depths = cache.get_seq_length(), len(proposal), structure.depths
         inputs = torch.cat([root, proposal.tokens.to(self.device)])[None]
         parents = None  # a chain: the model's own causal mask is the tree mask
-        if depths == list(range(1, n + 1)):
+        if structure.is_chain():
             positions = torch.arange(past, past + n + 1, device=self.device)[None]
         else:
             check_tree_attention(self.model)

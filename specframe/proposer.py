@@ -42,8 +42,9 @@ class Proposal:
     def chain(
         cls, tokens: torch.Tensor, draft_probs: torch.Tensor | None = None, deterministic: bool = False
     ) -> Proposal:
-        """A chain of len(tokens) nodes; `draft_probs` is None exactly when the chain is deterministic. `tokens`
-        may be any integer dtype (made int64); floats are refused, not rounded."""
+        """A chain of len(tokens) nodes, deterministic when `deterministic` is set or `draft_probs` is None (else
+        each node was drawn from its row of `draft_probs`). `tokens` may be any integer dtype (made int64); floats
+        are refused, not rounded."""
         if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise TypeError(f"Proposal.chain: tokens must be an integer tensor, got {tokens.dtype}")
         if tokens.dim() > 1 and not (tokens.dim() == 2 and 1 in tokens.shape):  # (a batch is not one chain)
@@ -60,14 +61,19 @@ class Proposal:
 
     def depths(self) -> list[int]:
         """Depth of each node (children of the root have depth 1)."""
-        d: list[int] = []
-        for parent in self.parents.tolist():
-            d.append(1 if parent < 0 else d[parent] + 1)
-        return d
+        return depths_of(self.parents.tolist())
 
     def is_chain(self) -> bool:
         n = len(self)
         return bool(n == 0 or torch.equal(self.parents.cpu(), torch.arange(-1, n - 1)))
+
+
+def depths_of(parents: list[int]) -> list[int]:
+    """Each node's depth from its parent's index (-1: the root; children of the root have depth 1)."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
 
 
 @dataclass
@@ -222,6 +228,10 @@ class ProposalStructure(NamedTuple):
     deterministic: list[bool]
     depths: list[int]  # each node's depth (children of the root have depth 1)
 
+    def is_chain(self) -> bool:
+        """Whether each node hangs off the one before (the target's own causal mask then serves as the tree's)."""
+        return self.depths == list(range(1, len(self.depths) + 1))
+
 
 def validate_proposal(
     p: Proposal, vocab_size: int, max_depth: int, who: str, device: torch.device | None = None
@@ -276,9 +286,7 @@ def _checked_structure(
         raise bad(
             f"node {orphan}'s parent is {parents[orphan]}: each parent must be -1 (the root) or an earlier node's index"
         )
-    depths: list[int] = []
-    for parent in parents:
-        depths.append(1 if parent < 0 else depths[parent] + 1)
+    depths = depths_of(parents)
     if max(depths) > max_depth:
         raise bad(f"tree depth {max(depths)} exceeds the allowed {max_depth}")
     if not all(deterministic):

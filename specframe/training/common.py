@@ -655,8 +655,6 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, done_steps
     """Linear warm-up (at most 50 steps), then cosine decay to 0 at `total_steps`; a resumed run passes the
     steps already done, so with unchanged epochs the schedule continues where the checkpoint stopped (with more,
     the cosine is stretched over the new total and the rate rises again at the resume point)."""
-    import math
-
     warmup = min(50, total_steps // 10 + 1)
 
     def factor(s: int) -> float:

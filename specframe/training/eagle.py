@@ -212,7 +212,7 @@ def describe(metrics: dict) -> str:
     return f"held-out top-1 at draft levels 1-{EVAL_LEVELS} {shown}, feature L1 {metrics['feature_l1']:.3f}"
 
 
-def losses(drafter, out: torch.Tensor, real: torch.Tensor, mask: torch.Tensor, cfg: EagleTrainConfig):
+def losses(drafter, out: torch.Tensor, real: torch.Tensor, mask: torch.Tensor):
     """(feature SmoothL1, token cross-entropy) at the masked positions."""
     pred, real = out[mask], real.to(out.device)[mask]
     feat = torch.nn.functional.smooth_l1_loss(pred, real)
@@ -326,7 +326,7 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
             loss = 0.0
             for s, (predicted, counted) in enumerate(zip(outs, level_masks(mask, len(outs)), strict=True)):
                 if bool(counted.any()):  # pass s+1 predicts f_{j+s+1}
-                    feat_loss, token_loss = losses(drafter, predicted, feats[:, s + 1 :], counted, cfg)
+                    feat_loss, token_loss = losses(drafter, predicted, feats[:, s + 1 :], counted)
                     loss = loss + (1.0 if s == 0 else cfg.self_fed_weight) * (
                         cfg.feature_weight * feat_loss + cfg.token_weight * token_loss
                     )

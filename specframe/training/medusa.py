@@ -478,8 +478,6 @@ def _fit_stage2(model, cfg, target, heads, vocab_ids, index, train_ex, held_ex, 
             f"{summary(m, chosen_tree(m, cfg.tree_nodes))}"
         )
         checkpoints.epoch_done(epoch + 1)
-    if not history:
-        raise ConfigError(f"nothing to train: the checkpoint in {ckpt} already has {start} epochs")
     # (the held-out size from the last evaluation's metrics: also when a resumed run had no epoch left to train)
     positions = sum(
         len(head_labels(torch.tensor(s.ids), s.first_target, cfg.num_heads, cfg.prompt_positions)[0]) for s in seqs
