@@ -35,10 +35,11 @@ import re
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -122,8 +123,9 @@ class BenchOptions:
     # torch intra-op threads for the run; None = torch's default. On a machine other work shares, fewer threads
     # than cores can be much faster (a thread waiting for a busy core stalls every matmul).
     threads: int | None = None
-    # Start no question after this many seconds of timed generation (None = run them all; the first always runs). The
-    # questions then take the subtasks in turn, so a cut run still covers each, and the report says where it stopped.
+    # Start no question expected to end after this many seconds of timed generation (its turns at the mean time per
+    # turn so far; None = run them all; the first always runs). The questions then take the subtasks in turn, so a
+    # cut run still covers each, and the report says where it stopped.
     time_limit_s: float | None = None
 
     def validate(self) -> None:
@@ -180,8 +182,10 @@ class BenchOptions:
         number = isinstance(limit, (int, float)) and not isinstance(limit, bool)
         if limit is not None and not (number and 0 < limit < math.inf):
             raise BadInputError(f"--time-limit must be a finite number of seconds > 0, got {limit!r}")
-        if not self.tie_threshold >= 0:
-            raise BadInputError(f"--tie-threshold must be >= 0, got {self.tie_threshold}")
+        tie = self.tie_threshold
+        number = isinstance(tie, (int, float)) and not isinstance(tie, bool)
+        if not (number and 0 <= tie < math.inf):
+            raise BadInputError(f"--tie-threshold must be a finite number >= 0, got {tie!r}")
         from specframe.errors import ConfigError
         from specframe.sampling import check_sampling, top_k_off_as_zero
 
@@ -231,12 +235,10 @@ class BenchOptions:
                 argv += [flag, str(value)]
         if not self.greedy:
             argv += ["--temperature", str(self.temperature), "--top-p", str(self.top_p), "--top-k", str(self.top_k)]
-        if self.seed != 0:
-            argv += ["--seed", str(self.seed)]
-        if self.pld_tokens != 10:
-            argv += ["--pld-tokens", str(self.pld_tokens)]
-        if self.tie_threshold != 1e-3:
-            argv += ["--tie-threshold", str(self.tie_threshold)]
+        default = {f.name: f.default for f in fields(self)}
+        for flag, name in (("--seed", "seed"), ("--pld-tokens", "pld_tokens"), ("--tie-threshold", "tie_threshold")):
+            if getattr(self, name) != default[name]:
+                argv += [flag, str(getattr(self, name))]
         if self.threads is not None:
             argv += ["--threads", str(self.threads)]
         if self.time_limit_s is not None:
@@ -509,8 +511,6 @@ class Setup:
     encoder: Any  # a SpeculativeDecoder whose `encode` turns a conversation into the ids every method gets
     methods: list[Method]
     skipped: dict[str, str]  # method -> why it is not run
-    counter: ForwardCounter
-    eos_ids: list[int]
     target: str
     dtype: str
     device: str
@@ -624,7 +624,7 @@ def build(options: BenchOptions, log: Callable[[str], None]) -> Setup:
         log("the target's tokenizer has no chat template: each conversation is given as its turns' texts, one a line")
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     device = str(info.device)
-    return Setup(model, tokenizer, encoder, methods, skipped, counter, eos_ids, t.model, dtype, device, t.adapter or "")
+    return Setup(model, tokenizer, encoder, methods, skipped, t.model, dtype, device, t.adapter or "")
 
 
 # ------------------------------------------------------------------------------------------------ identity
@@ -691,71 +691,77 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
     threads = torch.get_num_threads()
     if options.threads is not None:
         torch.set_num_threads(options.threads)
+    made: list[dict[str, Any]] = []  # (filled as the run goes: kept when it stops early)
+    failed: dict[str, str] = {}  # (the methods dropped as it goes, their records removed from `made`)
+    # An error or Ctrl-C after questions were timed (in the timed loop, the identity check's float32 copy of the
+    # target, writing the report): their records are kept.
     try:
-        with warnings.catch_warnings(), quiet_transformers():
-            warnings.simplefilter("ignore")  # transformers' per-call advice would bury the progress bar
-            setup = build(options, log)
-            tie = tie_threshold(setup.model, options)
-            made: list[dict[str, Any]] = []  # (filled as the run goes: kept when it stops early)
-            try:
-                records, failed, ran = timed_loop(setup, questions, options, log, tqdm, made)
-            except BaseException:  # an error or Ctrl-C after questions were timed: their records are kept
-                if made:
-                    log(f"stopped early: the {len(made)} records made so far are in {save_partial(made, options)}")
-                    earlier = Path(options.out) / "bench.json"
-                    if earlier.is_file():  # (it would read as this run's report)
-                        log(f"note: {earlier} beside it is an earlier run's report, not this run's")
-                raise
-            note_graphs_turned_off(setup.methods)
-            cut = cut_by_context_window(records, setup.encoder.context_window, options.max_new_tokens)
-            if cut:
-                log(
-                    f"note: {cut} of {len(records)} turns stopped at the target's context window before "
-                    f"--max-new-tokens {options.max_new_tokens} (tokens/s count the tokens made)"
-                )
-            if options.greedy and any(m.name == REFERENCE for m in setup.methods) and REFERENCE not in failed:
-                check_identity(records, setup, tie)
-        run_threads = torch.get_num_threads()
-    finally:
-        torch.set_num_threads(threads)
-    load_end = os.getloadavg()
-    for r in records:  # prompts are long and re-made from the questions; the JSON keeps their length only
-        del r["prompt_ids"]
-    skipped = {**setup.skipped, **failed}
-    methods = [m for m in setup.methods if m.name not in failed]
-    doc = {
-        "format": FORMAT,
-        "version": 1,
-        "command": options.command(),
-        "date": started.isoformat(timespec="seconds"),
-        "duration_s": (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(),
-        "machine": machine_info(setup.device),
-        "loadavg_start": list(load_start),
-        "loadavg_end": list(load_end),
-        "settings": {
-            **{k: v for k, v in asdict(options).items() if k not in ("progress", "threads")},
-            "questions": str(questions_path),
-            "target": setup.target,
-            "adapter": setup.adapter,
-            "dtype": setup.dtype,
-            "device": setup.device,
-            "greedy": options.greedy,
-            "torch_threads": run_threads,
-            "questions_run": {s: sum(q.subtask == s for q in ran) for s in options.subtasks},
-            "questions_planned": len(questions),
-        },
-        "methods": {m.name: {"kind": m.kind, "description": m.description} for m in methods},
-        "skipped": skipped,
-        "definitions": DEFINITIONS
-        | {
-            "near_tie": f"top-1 minus top-2 logit <= {tie:g} x max(1, |top-1 logit|), float32 from-scratch "
-            "forward" + (" (a 16-bit target's dtype eps, above --tie-threshold)" if tie > options.tie_threshold else "")
-        },
-        "summary": summarize(records, [m.name for m in methods], options.subtasks),
-        "turns_cut_by_context_window": cut,
-        "records": records,
-    }
-    write_outputs(doc, Path(options.out), options.results_doc)
+        try:
+            with warnings.catch_warnings(), quiet_transformers():
+                warnings.simplefilter("ignore")  # transformers' per-call advice would bury the progress bar
+                setup = build(options, log)
+                tie = tie_threshold(setup.model, options)
+                records, _, ran = timed_loop(setup, questions, options, log, tqdm, made, failed)
+                note_graphs_turned_off(setup.methods)
+                cut = cut_by_context_window(records, setup.encoder.context_window, options.max_new_tokens)
+                if cut:
+                    log(
+                        f"note: {cut} of {len(records)} turns stopped at the target's context window before "
+                        f"--max-new-tokens {options.max_new_tokens} (tokens/s count the tokens made)"
+                    )
+                if options.greedy and any(m.name == REFERENCE for m in setup.methods) and REFERENCE not in failed:
+                    check_identity(records, setup, tie)
+            run_threads = torch.get_num_threads()
+        finally:
+            torch.set_num_threads(threads)
+        load_end = os.getloadavg()
+        for r in records:  # prompts are long and re-made from the questions; the JSON keeps their length only
+            del r["prompt_ids"]
+        skipped = {**setup.skipped, **failed}
+        methods = [m for m in setup.methods if m.name not in failed]
+        doc = {
+            "format": FORMAT,
+            "version": 1,
+            "command": options.command(),
+            "date": started.isoformat(timespec="seconds"),
+            "duration_s": (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(),
+            "machine": machine_info(setup.device),
+            "loadavg_start": list(load_start),
+            "loadavg_end": list(load_end),
+            "settings": {
+                **{k: v for k, v in asdict(options).items() if k not in ("progress", "threads")},
+                "questions": str(questions_path),
+                "target": setup.target,
+                "adapter": setup.adapter,
+                "dtype": setup.dtype,
+                "device": setup.device,
+                "greedy": options.greedy,
+                "torch_threads": run_threads,
+                "questions_run": {s: sum(q.subtask == s for q in ran) for s in options.subtasks},
+                "questions_planned": len(questions),
+            },
+            "methods": {m.name: {"kind": m.kind, "description": m.description} for m in methods},
+            "skipped": skipped,
+            "definitions": DEFINITIONS
+            | {
+                "near_tie": f"top-1 minus top-2 logit <= {tie:g} x max(1, |top-1 logit|), float32 from-scratch "
+                "forward"
+                + (" (a 16-bit target's dtype eps, above --tie-threshold)" if tie > options.tie_threshold else "")
+            },
+            "summary": summarize(records, [m.name for m in methods], options.subtasks),
+            "turns_cut_by_context_window": cut,
+            "records": records,
+        }
+        # (an earlier, stopped run's records: this run's report replaces them; `render` leaves them)
+        (Path(options.out) / PARTIAL).unlink(missing_ok=True)
+        write_outputs(doc, Path(options.out), options.results_doc)
+    except BaseException:
+        if made:
+            log(f"stopped early: the {len(made)} records made so far are in {save_partial(made, failed, options)}")
+            earlier = Path(options.out) / "bench.json"
+            if earlier.is_file():  # (it would read as this run's report; write_outputs writes it last)
+                log(f"note: {earlier} beside it is an earlier run's report, not this run's")
+        raise
     return doc
 
 
@@ -783,13 +789,15 @@ def bench_keys(name: str, message: str) -> str:
 PARTIAL = "bench.partial.json"  # the records of a run that stopped early, in --out
 
 
-def save_partial(records: list[dict[str, Any]], options: BenchOptions) -> Path:
+def save_partial(records: list[dict[str, Any]], failed: dict[str, str], options: BenchOptions) -> Path:
     """Write the records of a run that stopped before its report (an error, Ctrl-C) to `<out>/bench.partial.json`
-    (per-turn records as in bench.json, prompts by their length; no report is made from them)."""
+    (per-turn records as in bench.json, prompts by their length, none of the `failed` methods, which are named
+    with why; no report is made from them)."""
     path = Path(options.out) / PARTIAL
     path.parent.mkdir(parents=True, exist_ok=True)
     kept = [{k: v for k, v in r.items() if k != "prompt_ids"} for r in records]
-    path.write_text(json.dumps({"command": options.command(), "partial": True, "records": kept}, indent=1))
+    doc = {"command": options.command(), "partial": True, "failed": failed, "records": kept}
+    path.write_text(json.dumps(doc, indent=1))
     return path
 
 
@@ -925,12 +933,14 @@ def timed_loop(
     log: Callable[[str], None],
     tqdm: Any,
     records: list[dict[str, Any]] | None = None,
+    failed: dict[str, str] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, str], list[Question]]:
     """Warm up every method, then run question by question, every method on each (order rotated per question),
-    until the questions or `options.time_limit_s` run out. Returns the records (also appended to `records` as
-    they are made, when given), the failed methods and the questions that ran."""
+    until the questions or `options.time_limit_s` run out. Returns the records (also kept in `records` as they
+    are made, when given; a method that fails has its records removed, as the report leaves them out), the failed
+    methods (also in `failed`, when given) and the questions that ran."""
     methods = list(setup.methods)
-    failed: dict[str, str] = {}
+    failed = {} if failed is None else failed
     first_turn_ids: dict[int, list[int]] = {}  # (the same for every method)
     for q in questions:  # a first turn longer than the context window: said now, not after the ones before it ran
         try:
@@ -938,7 +948,10 @@ def timed_loop(
         except BadInputError as e:
             window = " (leave it out of --questions, or give a target with a longer one)" if "window" in str(e) else ""
             raise BadInputError(f"question {q.question_id} ({q.subtask}): {e}{window}") from e
-    warm = setup.encoder.encode(WARMUP_PROMPT).tolist()
+    try:
+        warm = setup.encoder.encode(WARMUP_PROMPT).tolist()
+    except BadInputError as e:  # (a target with a very short context window: not about the user's prompts)
+        raise BadInputError(f"the benchmark's warm-up prompt {WARMUP_PROMPT!r}: {e}") from e
     for m in list(methods):
         try:
             m.run(warm, min(WARMUP_TOKENS, options.max_new_tokens), options.seed)
@@ -992,8 +1005,8 @@ def timed_loop(
                     failed[m.name] = (
                         f"failed on question {q.question_id}: {type(e).__name__}: {' '.join(str(e).split())}"
                     )
+                    records[:] = [r for r in records if r["method"] != m.name]
                     log(f"dropping {m.name}: {failed[m.name]}")
-    records = [r for r in records if r["method"] not in failed]
     if failed and not records:  # (not an empty report that exits 0)
         raise RuntimeError("every method failed: " + "; ".join(f"{name} {why}" for name, why in failed.items()))
     return records, failed, ran
@@ -1456,14 +1469,8 @@ def markdown(doc: dict[str, Any], plots: bool = True) -> str:
     lines += ["## Methods", ""] + [f"- `{m}`: {v['description']}" for m, v in doc["methods"].items()] + [""]
     lines += ["## Definitions", ""] + [f"- {k}: {v}" for k, v in doc["definitions"].items()] + [""]
     if plots:
-        lines += [
-            "## Plots",
-            "",
-            "![speedup per subtask](speedup.png)",
-            "",
-            "![accepted lengths](accepted_lengths.png)",
-            "",
-        ]
+        speedup = ["![speedup per subtask](speedup.png)", ""] if "speedup.png" in plot_files(doc) else []
+        lines += ["## Plots", "", *speedup, "![accepted lengths](accepted_lengths.png)", ""]
     return "\n".join(lines)
 
 
@@ -1495,8 +1502,23 @@ def fmt_load(load: list[float]) -> str:
     return "/".join(f"{x:.2f}" for x in load)
 
 
+def speedup_basis(doc: dict[str, Any]) -> tuple[str, str] | None:
+    """The speedup the plot shows and its denominator: over `hf`, else over `none`; None when neither ran."""
+    if REFERENCE in doc["methods"]:
+        return "speedup_vs_hf", REFERENCE
+    if ENGINE_BASELINE in doc["methods"]:
+        return "speedup_vs_none", ENGINE_BASELINE
+    return None
+
+
+def plot_files(doc: dict[str, Any]) -> tuple[str, ...]:
+    """The plots `write_plots` makes of `doc`: speedup.png only where hf or none ran."""
+    return PLOT_FILES if speedup_basis(doc) is not None else ("accepted_lengths.png",)
+
+
 def write_plots(doc: dict[str, Any], out: Path) -> list[Path]:
-    """speedup.png (per subtask and method) and accepted_lengths.png (share of steps by tokens emitted)."""
+    """speedup.png (per subtask and method; where hf or none ran) and accepted_lengths.png (share of steps by
+    tokens emitted)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -1505,23 +1527,26 @@ def write_plots(doc: dict[str, Any], out: Path) -> list[Path]:
     summary = doc["summary"]
     methods = list(doc["methods"])
     subtasks = list(summary)
-    key, base = ("speedup_vs_hf", REFERENCE) if REFERENCE in methods else ("speedup_vs_none", ENGINE_BASELINE)
-    shown = [m for m in methods if m != base]
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(subtasks) * max(1, len(shown)) / 2), 4))
-    width = 0.8 / max(1, len(shown))
-    for i, m in enumerate(shown):
-        ys = [summary[s].get(m, {}).get(key) or 0.0 for s in subtasks]
-        ax.bar([x + i * width for x in range(len(subtasks))], ys, width, label=m)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([x + width * (len(shown) - 1) / 2 for x in range(len(subtasks))], subtasks, rotation=20)
-    ax.set_ylabel(f"speedup over {base} (tokens/s ratio)")
-    ax.set_title(f"{doc['settings']['target']}, {'greedy' if doc['settings']['greedy'] else 'sampling'}")
-    if shown:
-        ax.legend(fontsize="small")
-    fig.tight_layout()
-    paths = [out / "speedup.png"]
-    fig.savefig(paths[0], dpi=120)
-    plt.close(fig)
+    paths: list[Path] = []
+    basis = speedup_basis(doc)
+    if basis is not None:
+        key, base = basis
+        shown = [m for m in methods if m != base]
+        fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(subtasks) * max(1, len(shown)) / 2), 4))
+        width = 0.8 / max(1, len(shown))
+        for i, m in enumerate(shown):  # (no bar where a method has no speedup: not measured there)
+            at = [x for x, s in enumerate(subtasks) if summary[s].get(m, {}).get(key) is not None]
+            ax.bar([x + i * width for x in at], [summary[subtasks[x]][m][key] for x in at], width, label=m)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([x + width * (len(shown) - 1) / 2 for x in range(len(subtasks))], subtasks, rotation=20)
+        ax.set_ylabel(f"speedup over {base} (tokens/s ratio)")
+        ax.set_title(f"{doc['settings']['target']}, {'greedy' if doc['settings']['greedy'] else 'sampling'}")
+        if shown:
+            ax.legend(fontsize="small")
+        fig.tight_layout()
+        paths.append(out / "speedup.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
     overall = summary.get(OVERALL, {})
@@ -1545,7 +1570,7 @@ def write_plots(doc: dict[str, Any], out: Path) -> list[Path]:
     ax.set_title("accepted lengths, all subtasks")
     fig.tight_layout()
     paths.append(out / "accepted_lengths.png")
-    fig.savefig(paths[1], dpi=120)
+    fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
     return paths
 
@@ -1554,7 +1579,7 @@ def results_page(doc: dict[str, Any], path: str = "docs/results.md", plots: bool
     """The results page (docs/results.md; docs/results-gpu.md for the GPU check's run): the run's Markdown with
     how it was made; regenerated by the command it names. `plots`: whether the run's folder has them."""
     in_docs = Path(path).parent.name == "docs"  # (beside docs/gpu.md: a relative link to it works)
-    files = ", ".join(f"`{name}`" for name in ("bench.json", *(PLOT_FILES if plots else ())))
+    files = ", ".join(f"`{name}`" for name in ("bench.json", *(plot_files(doc) if plots else ())))
     head = [
         "# Results" + (" on a GPU" if "gpu" in doc["machine"] else ""),
         "",
@@ -1572,21 +1597,24 @@ def results_page(doc: dict[str, Any], path: str = "docs/results.md", plots: bool
 
 
 def write_outputs(doc: dict[str, Any], out: Path, results_doc: str | None) -> None:
-    """The report's files in `out` (the plots where matplotlib is installed) and the results page."""
+    """The report's files in `out` (the plots where matplotlib is installed) and the results page; bench.json
+    last and whole (written aside, then renamed in: `render` rewrites the bench.json it read)."""
     plots = plots_possible()
     out.mkdir(parents=True, exist_ok=True)
-    (out / PARTIAL).unlink(missing_ok=True)  # (an earlier, stopped run's records: this run's report replaces them)
-    (out / "bench.json").write_text(json.dumps(doc, indent=1))
     (out / "bench.md").write_text("# specframe bench\n\n" + markdown(doc, plots=plots))
-    if plots:
-        write_plots(doc, out)
-    else:
-        for name in PLOT_FILES:  # (an earlier run's plots would read as this one's)
+    drawn = write_plots(doc, out) if plots else []
+    for name in PLOT_FILES:  # (an earlier run's plots would read as this one's)
+        if out / name not in drawn:
             (out / name).unlink(missing_ok=True)
     if results_doc:
         page = Path(results_doc)
         page.parent.mkdir(parents=True, exist_ok=True)
         page.write_text(results_page(doc, results_doc, plots))
+    text = json.dumps(doc, indent=1)
+    with tempfile.TemporaryDirectory(dir=out) as work:
+        aside = Path(work) / "bench.json"
+        aside.write_text(text)
+        os.replace(aside, out / "bench.json")
 
 
 class quiet_transformers:

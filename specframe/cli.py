@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--time-limit",
         type=float,
-        dest="time_limit_s",
+        dest=BENCH_FIELDS["--time-limit"],
         metavar="SECONDS",
         help="start no question expected to end after this many seconds of timed runs (its turns at the mean time "
         "per turn so far; the first always runs); the questions then take the subtasks in turn, and the report "
@@ -574,6 +574,7 @@ def cmd_data_distill(args: argparse.Namespace) -> int:
 
 
 RENDER_TAKES = {"render", "out", "results_doc", "debug", "no_progress", "run", "command"}  # (argparse's keys too)
+BENCH_FIELDS = {"--time-limit": "time_limit_s"}  # bench flags whose BenchOptions field is not named after them
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -632,7 +633,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         options.validate()  # (run_bench's own first step, here to say where a bad value came from)
     except BadInputError as e:
         flag = str(e).split()[0] if str(e).startswith("--") else ""
-        key = flag.removeprefix("--").replace("-", "_")
+        key = BENCH_FIELDS.get(flag, flag.removeprefix("--").replace("-", "_"))  # (the BenchOptions field it sets)
         if flag and key not in flags and from_file is not None and key in from_file:  # (the file's, not a flag's)
             raise BadInputError(f"--config {args.config}: {key}{str(e)[len(flag) :]}") from e
         raise

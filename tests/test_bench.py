@@ -178,6 +178,65 @@ def test_render_remakes_the_report_from_the_json(full_run, tmp_path):
     assert code == 2 and "cannot read bench results" in err
 
 
+def test_render_leaves_a_partial_file_and_rewrites_bench_json_whole(full_run, tmp_path, monkeypatch):
+    import pathlib
+
+    root, doc, _, _ = full_run
+    (tmp_path / "bench.json").write_text((root / "out" / "bench.json").read_text())
+    (tmp_path / "bench.partial.json").write_text('{"partial": true}')  # (another, stopped run's records)
+    code, _, err = run_cli("bench", "--render", str(tmp_path / "bench.json"))
+    assert code == 0 and (tmp_path / "bench.partial.json").is_file(), err  # (before: removed)
+    source = (tmp_path / "bench.json").read_text()
+    write_text = pathlib.Path.write_text
+
+    def disk_full(path, *args, **kwargs):
+        if path.name != "bench.json":
+            return write_text(path, *args, **kwargs)
+        path.open("w").close()
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_text", disk_full)
+    code, _, err = run_cli("bench", "--render", str(tmp_path / "bench.json"))
+    assert code == 1 and "No space left on device" in err, err
+    assert (tmp_path / "bench.json").read_text() == source  # (before: emptied, the run's records lost)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["bench.partial.json", *bench.REPORT_FILES])
+
+
+def test_the_speedup_plot_needs_hf_or_none_and_leaves_missing_values_out(full_run, tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    _, doc, _, _ = full_run
+    bars = []  # (axes, label, heights) of each call
+    bar = matplotlib.axes.Axes.bar
+
+    def noted_bar(ax, x, height, *args, **kwargs):
+        bars.append((ax, kwargs["label"], list(height)))
+        return bar(ax, x, height, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", noted_bar)
+    # draft did not run on translation (say, a time limit stopped it): no bar there, not a bar of height 0
+    cut = {**doc, "records": [r for r in doc["records"] if (r["method"], r["subtask"]) != ("draft", "translation")]}
+    (tmp_path / "bench.json").write_text(json.dumps(cut))
+    assert run_cli("bench", "--render", str(tmp_path / "bench.json"))[0] == 0
+    again = json.loads((tmp_path / "bench.json").read_text())["summary"]
+    speedup_axes = bars[0][0]
+    drawn = [h for ax, label, h in bars if ax is speedup_axes and label == "draft"]
+    assert drawn == [[again[s]["draft"]["speedup_vs_hf"] for s in ("mt_bench", "overall")]]
+    # neither hf nor none ran: no speedup plot (before: one "over none", every bar 0), and none shown in bench.md
+    methods = {m: v for m, v in doc["methods"].items() if m not in ("hf", "none")}
+    records = [r for r in doc["records"] if r["method"] in methods]
+    (tmp_path / "bench.json").write_text(json.dumps({**doc, "methods": methods, "records": records}))
+    code, _, err = run_cli("bench", "--render", str(tmp_path / "bench.json"), "--results-doc", str(tmp_path / "r.md"))
+    assert code == 0, err
+    assert not (tmp_path / "speedup.png").exists() and (tmp_path / "accepted_lengths.png").is_file()
+    md = (tmp_path / "bench.md").read_text()
+    assert (
+        "speedup.png" not in md
+        and "accepted_lengths.png" in md
+        and "speedup.png" not in (tmp_path / "r.md").read_text()
+    )
+
+
 def test_without_matplotlib_the_report_is_written_without_plots(full_run, tmp_path, monkeypatch):
     """matplotlib is the `bench` extra: without it the report and the results page are still written (before,
     the plots' import failed after the whole run, and the results page was lost), and an earlier run's plots in
@@ -415,7 +474,10 @@ def test_a_config_file_sets_options_and_flags_win(tiny_dirs, questions, tmp_path
     assert code == 2 and f"--config {tmp_path / 'bad.yaml'}: limits: Key 'limits' not in 'BenchOptions'" in err, err
     # the file's key is named, not a flag the user did not give, nor a `bench.` key that cannot be typed
     for text, said in (("limit: 0\n", "limit must be an integer >= 1, got 0"),
-                       ("subtasks: qa\n", "subtasks must be a list, e.g. subtasks=[qa], got 'qa'")):  # fmt: skip
+                       ("subtasks: qa\n", "subtasks must be a list, e.g. subtasks=[qa], got 'qa'"),
+                       # (its flag is --time-limit: the file was not named, the flag was)
+                       ("time_limit_s: -5\n", "time_limit_s must be a finite number of seconds > 0, got -5"),
+                       ("tie_threshold: .inf\n", "tie_threshold must be a finite number >= 0, got inf")):  # fmt: skip
         (tmp_path / "bad.yaml").write_text(text)
         code, _, err = run_cli("bench", "--config", str(tmp_path / "bad.yaml"))
         assert code == 2 and f"error: --config {tmp_path / 'bad.yaml'}: {said}" in err, err
@@ -462,6 +524,9 @@ def test_a_config_file_sets_options_and_flags_win(tiny_dirs, questions, tmp_path
         ),
         (["--seed", str(10**23), "--temperature", "1"], "--seed must be an integer in [-2**63, 2**63)"),
         (["--threads", str(10**20)], "--threads must be below 2**31"),  # (was torch's "Overflow", exit 1)
+        (["--tie-threshold", "-1"], "--tie-threshold must be a finite number >= 0, got -1.0"),
+        (["--tie-threshold", "inf"], "--tie-threshold must be a finite number >= 0, got inf"),  # (was accepted)
+        (["--tie-threshold", "nan"], "--tie-threshold must be a finite number >= 0, got nan"),
         # a flag and an override that disagree (before: the flag won silently; the record held both)
         (["--proposers", "none", "--dtype", "float32", "target.dtype=bfloat16"], "--dtype float32 and the override"),
         (["--proposers", "none", "target.model=/elsewhere"], "and the override target.model=/elsewhere set target"),
@@ -890,6 +955,81 @@ def test_a_run_that_stops_early_keeps_the_records_made_so_far(tiny_dirs, tmp_pat
     (out / "bench.json").write_text("{}")
     code, _, err = run_cli(*args, "--proposers", "none", "--baselines", "", "--max-new-tokens", "2", "--out", str(out))
     assert code == 2 and f"note: {out / 'bench.json'} beside it is an earlier run's report, not this run's" in err
+
+
+def test_a_failure_after_the_timed_runs_keeps_their_records(tiny_dirs, questions, tmp_path, monkeypatch):
+    # (before: only the timed loop's failures kept them; the identity check's float32 copy of the target running
+    # out of memory, or Ctrl-C while the report was written, lost every record)
+    def out_of_memory(*args):
+        raise MemoryError("no room for the float32 copy")
+
+    monkeypatch.setattr(bench, "check_identity", out_of_memory)
+    out = tmp_path / "out"
+    args = bench_args(tiny_dirs, questions, out, "--proposers", "none", "--baselines", "hf")
+    code, _, err = run_cli(*args)
+    assert code == 1 and "error: no room for the float32 copy" in err and "stopped early: the 10 records" in err, err
+    partial = json.loads((out / "bench.partial.json").read_text())
+    assert sorted({r["method"] for r in partial["records"]}) == ["hf", "none"] and len(partial["records"]) == 10
+    monkeypatch.undo()
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "write_plots", interrupted)
+    (out / "bench.partial.json").unlink()
+    code, _, err = run_cli(*args)
+    assert code == 130 and "stopped early: the 10 records" in err, err
+    assert len(json.loads((out / "bench.partial.json").read_text())["records"]) == 10
+    assert not (out / "bench.json").exists()  # (written last: a bench.json is a whole report)
+
+
+def test_a_failed_method_s_records_are_not_in_the_partial_file(tmp_path):
+    # (before: a method dropped on a later question kept its earlier records there until the loop's end, so a run
+    # stopped after it saved them as if the method had run, not saying it failed)
+    from specframe.bench import BenchOptions, Question, save_partial, timed_loop
+
+    setup = stub_setup(["x", "y"], [])
+    runs = {"x": setup.methods[0].run, "y": setup.methods[1].run}
+    calls = {"x": 0, "y": 0}
+
+    def failing(name, after, error):
+        def run(*args):
+            calls[name] += 1
+            if calls[name] > after:
+                raise error
+            return runs[name](*args)
+
+        return run
+
+    setup.methods[0].run = failing("x", 2, RuntimeError("plugin broke"))  # (the warm-up, then question 1)
+    setup.methods[1].run = failing("y", 3, KeyboardInterrupt())  # (the warm-up, questions 1 and 2)
+    questions = [Question(i, "qa", "qa", ["t"]) for i in range(4)]
+    options = BenchOptions(proposers=[], baselines=[], progress=False, out=str(tmp_path))
+    made, failed = [], {}
+    with pytest.raises(KeyboardInterrupt):
+        timed_loop(setup, questions, options, lambda line: None, tqdm, made, failed)
+    assert [(r["method"], r["question_id"]) for r in made] == [("y", 0), ("y", 1)]
+    assert failed == {"x": "failed on question 1: RuntimeError: plugin broke"}
+    partial = json.loads(save_partial(made, failed, options).read_text())
+    assert partial["failed"] == failed and {r["method"] for r in partial["records"]} == {"y"}
+
+
+def test_the_warm_up_prompt_is_named_when_it_does_not_fit():
+    # (before: "the prompt has 3 tokens; ...", read as about the user's questions)
+    from specframe.bench import BenchOptions, Question, timed_loop
+
+    setup = stub_setup(["x"], [])
+    encode = setup.encoder.encode
+
+    def short_window(text, **kw):
+        if text == bench.WARMUP_PROMPT:
+            raise BadInputError("the prompt has 3 tokens; the target's context window is 3")
+        return encode(text, **kw)
+
+    setup.encoder.encode = short_window
+    options = BenchOptions(proposers=[], baselines=[], progress=False)
+    with pytest.raises(BadInputError, match="^the benchmark's warm-up prompt 'Say hello.': the prompt has 3 tokens"):
+        timed_loop(setup, [Question(1, "qa", "qa", ["t"])], options, lambda line: None, tqdm)
 
 
 def test_turns_cut_by_the_context_window_are_said_so(tiny_dirs, tmp_path):
