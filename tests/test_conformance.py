@@ -507,6 +507,16 @@ def test_the_power_check_passes_a_broken_variant_only_when_its_sample_catches_it
         assert all(r.passed is caught and r.detail.startswith("caught" if caught else "NOT caught") for r in results)
 
 
+def test_a_broken_variant_that_raises_is_a_failed_power_line_not_the_end_of_the_suite(monkeypatch):
+    def raising(*a, **k):
+        raise RuntimeError("the broken rule crashed")
+
+    monkeypatch.setattr(conformance, "check_sampling", raising)
+    results = conformance.check_power("cpu", samples=10)
+    assert len(results) == len(conformance.power_cases()) and not any(r.passed for r in results)
+    assert all("NOT caught: raised RuntimeError: the broken rule crashed" in r.detail for r in results)
+
+
 def test_an_exact_proposer_fits_the_enumerated_continuations_with_the_lead_summed_out():
     # (the distribution summed over the continuations instead of the lead tokens passed the fast tests; 400
     # samples on fixed seeds, so the result is the same on every run)

@@ -85,7 +85,10 @@ class NgramIndex:
         """Up to max_candidates different continuations (each <= depth tokens) of the sequence's suffix.
 
         Longest n first, most recent occurrence first; an occurrence seen under a longer n is not repeated.
-        A continuation that adds nothing to the ones already found (equal to, or a prefix of, one) is skipped.
+        A continuation that adds nothing to the ones already found (equal to, or a prefix of, one) is skipped; one
+        that extends one found replaces it. The search goes on while a continuation found is cut short by the
+        sequence's end (in text that repeats itself, the most recent occurrence is near the end), for an older
+        one that extends it.
         """
         seq, length = self.seq, len(self.seq)
         found: list[list[int]] = []
@@ -99,11 +102,14 @@ class NgramIndex:
                     continue
                 seen.add(p)
                 cont = seq[p : p + depth]
-                if not any(f[: len(cont)] == cont for f in found):
-                    found = [f for f in found if cont[: len(f)] != f]  # drop those this one extends
-                    found.append(cont)
-                    if len(found) == max_candidates:
-                        return found
+                if any(f[: len(cont)] == cont for f in found):
+                    continue
+                extends = [f for f in found if cont[: len(f)] == f]
+                if len(found) == max_candidates and not extends:  # (full: only one that extends a short one)
+                    continue
+                found = [f for f in found if f not in extends] + [cont]
+                if len(found) == max_candidates and all(len(f) == depth for f in found):
+                    return found
         return found
 
 

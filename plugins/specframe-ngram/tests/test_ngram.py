@@ -40,7 +40,7 @@ def test_index_prefers_longest_match_then_most_recent():
 def test_index_looks_at_the_most_recent_max_positions_occurrences():
     index = NgramIndex(2, 3)
     index.extend([1, 2, 9, 1, 2, 8, 1, 2])  # (1, 2) followed by 9, then by 8; the last one is the suffix itself
-    assert index.continuations(1, 4, 1) == [[8]]  # (one window short, max_positions=1 looked at none)
+    assert index.continuations(1, 4, 1) == [[8]]  # (max_positions=1: the most recent occurrence only)
     assert index.continuations(1, 4, 2) == [[8], [9]] == index.continuations(1, 4, 3)
 
 
@@ -155,6 +155,18 @@ def test_a_continuation_that_is_a_prefix_of_one_found_takes_no_candidate():
     index.extend([1, 2, 3, 1, 2, 4, 7, 2, 3, 1, 2])
     # (1, 2) at 3 gives 4 7 2 3, at 0 gives 3 1 2 4; (2,) at 7 gives 3 1 2, a prefix of the second: left out
     assert index.continuations(4, 3, 16) == [[4, 7, 2, 3], [3, 1, 2, 4]]
+
+
+def test_a_match_cut_short_by_the_end_gives_way_to_an_older_one_that_extends_it():
+    # (the most recent match in repeating text gave only the tokens left before the end: a chain of max_candidates
+    # 1, union's on a CPU, drafted 2 tokens of 6 here)
+    index = NgramIndex(1, 3)
+    index.extend([1, 2, 1, 2, 1, 2, 1, 2])
+    assert index.continuations(6, 1, 16) == [[1, 2, 1, 2, 1, 2]]
+    assert index.continuations(6, 2, 16) == [[1, 2, 1, 2, 1, 2]]  # (one continuation: the others are its prefixes)
+    once = NgramIndex(1, 3)  # (no older occurrence: the short one stays)
+    once.extend([4, 9, 8, 7, 9, 8, 7])
+    assert once.continuations(6, 1, 16) == [[9, 8, 7]]
 
 
 def test_a_continuation_that_extends_one_found_replaces_it():
