@@ -174,6 +174,11 @@ class NgramProposer(Proposer):
         # The tokens this step emitted, to index at the next propose() (which checks they make up the sequence).
         self.emitted = [*result.accepted_tokens, result.next_token]
 
+    def end(self) -> None:
+        # The request is over: its index (every n-gram of the sequence) is let go until the next begin().
+        self.index = NgramIndex(self.config.min_ngram, self.config.max_ngram)
+        self.emitted = []
+
 
 @hookimpl
 def register_proposers(register) -> None:

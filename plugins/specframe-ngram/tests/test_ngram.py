@@ -141,6 +141,7 @@ def test_after_steps_it_proposes_as_a_new_proposer_on_the_same_tokens(max_candid
     steps = recorded_proposals(proposer)
     res = SpeculativeDecoder(model, proposer).generate([1, 2, 3], max_new_tokens=64, temperature=0.0)
     assert res.stats["accepted_tokens"] > 0 and len(steps) > 10
+    assert proposer.index.seq == [] and proposer.emitted == []  # (the request's index let go when it ended)
     for step in steps:
         again = fresh_proposal(NgramProposer.random(target_info(model), config), model, step.tokens, step.max_depth)
         assert (again.tokens.tolist(), again.parents.tolist()) == (
