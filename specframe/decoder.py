@@ -346,10 +346,11 @@ class SpeculativeDecoder:
                 with contextlib.suppress(Exception):  # (the call's own error is the one to report)
                     self.proposer.end()
                 raise
+            else:  # (still within the call: an end() that calls generate is refused, as a propose() that does)
+                self._call(self.proposer.end)  # (the proposer's per-call state, as the target's cache below)
             finally:
                 self._caller = None
                 self.cache = None  # (the call's cache; with CUDA graphs their static buffers are kept for the next)
-            self._call(self.proposer.end)  # (the proposer's per-call state, as the target's cache above)
             return result
 
     def _generate(

@@ -1124,6 +1124,31 @@ def test_no_proposer_state_of_a_call_is_held_after_it():
     assert failing.cache is None
 
 
+def test_an_end_that_calls_generate_on_its_decoder_is_refused_not_a_hang():
+    import threading
+
+    class Calling(NoneProposer):
+        def end(self):
+            self.decoder.generate([1, 2], max_new_tokens=2)
+
+    target = tiny_llama(vocab_size=16, hidden_size=32)
+    proposer = Calling(NoneConfig(), target_info(target))
+    proposer.decoder = SpeculativeDecoder(target, proposer)
+    raised = []
+
+    def call():
+        try:
+            proposer.decoder.generate([1, 2, 3], max_new_tokens=4)
+        except ProposerError as e:
+            raised.append(str(e))
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "generate waited forever on its own lock"
+    assert raised and "was called from inside a generate call of the same decoder" in raised[0]
+
+
 def test_a_proposer_whose_end_fails_is_named():
     class Failing(NoneProposer):
         def end(self):
