@@ -341,7 +341,8 @@ class SpeculativeDecoder:
         with self._one_call, proposer_in_use(self.proposer, self.who):
             self._caller = threading.get_ident()
             try:
-                result = self._generate(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, raw)
+                settings = self._settings(max_new_tokens, temperature, top_p, top_k, seed, stop)
+                result = self._generate(prompt, raw, *settings)
             except BaseException:
                 with contextlib.suppress(Exception):  # (the call's own error is the one to report)
                     self.proposer.end()
@@ -356,15 +357,13 @@ class SpeculativeDecoder:
     def _generate(
         self,
         prompt: Prompt,
-        max_new_tokens: int | None,
-        temperature: float | None,
-        top_p: float | None,
-        top_k: int | None,
-        seed: int | None,
-        stop: list[str] | None,
         raw: bool,
+        params: SamplingParams,
+        max_new: int,
+        stop: list[str],
+        generator: torch.Generator,
     ) -> GenerationResult:
-        params, max_new, stop, generator = self._settings(max_new_tokens, temperature, top_p, top_k, seed, stop)
+        """One call's generation, with its settings as `_settings` checked them."""
         start = time.perf_counter()
         prompt_ids = self.encode(prompt, raw=raw)
         model, proposer, layers = self.model, self.proposer, tuple(self.proposer.hidden_state_layers)
@@ -413,7 +412,9 @@ class SpeculativeDecoder:
                 out = self._prefill(forward, sequence, cache, layers)  # (the engine's own sequence, not the proposer's)
                 rows_before = past  # rows of this forward before the root's
             else:
-                out, cache, graphs = self._verify(forward, cache, graphs, sequence[-1:], proposal, structure, layers)
+                out, cache, graphs = self._verify(
+                    forward, cache, past, graphs, sequence[-1:], proposal, structure, layers
+                )
                 rows_before = 0
             stats.target_forwards += 1
             path, nxt = self.acceptance(out.logits[0], proposal, params, generator, structure)
@@ -483,18 +484,19 @@ class SpeculativeDecoder:
         self,
         forward: Any,
         cache: Any,
+        past: int,
         graphs: Any,
         root: torch.Tensor,
         proposal: Proposal,
         structure: ProposalStructure,
         layers: tuple[int, ...],
     ) -> tuple[Any, Any, Any]:
-        """The target's one forward over the root ([1]) and the proposal's nodes, a chain under the model's own
-        causal mask or a tree under its 4-D mask (each node sees the prefix and its ancestors, at position prefix
-        length + depth). Returns (its output, the cache and the CUDA graphs to go on with: a verification larger
-        than any graph, too long for their static buffers, moves this generation to eager forwards on a cache of
-        the usual kind)."""
-        past, n, depths = cache.get_seq_length(), len(proposal), structure.depths
+        """The target's one forward over the root ([1]) and the proposal's nodes, after the `past` positions `cache`
+        holds: a chain under the model's own causal mask or a tree under its 4-D mask (each node sees the prefix and
+        its ancestors, at position prefix length + depth). Returns (its output, the cache and the CUDA graphs to go
+        on with: a verification larger than any graph, too long for their static buffers, moves this generation to
+        eager forwards on a cache of the usual kind)."""
+        n, depths = len(proposal), structure.depths
         inputs = torch.cat([root, proposal.tokens.to(self.device)])[None]
         parents = None  # a chain: the model's own causal mask is the tree mask
         if structure.is_chain():

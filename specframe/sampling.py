@@ -81,11 +81,16 @@ def _nucleus_drop(x: torch.Tensor, top_p: float) -> torch.Tensor:
     lower ids first): a token is dropped when the mass strictly before it already reaches top_p; the top token
     always stays. Returns the dropped tokens, True where dropped."""
     sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
-    sorted_p = sorted_x.softmax(-1)
-    mass_before = sorted_p.cumsum(-1) - sorted_p
-    drop_sorted = mass_before >= top_p
-    drop_sorted[..., 0] = False
+    drop_sorted = _dropped_in_order(sorted_x.softmax(-1), top_p)
     return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+
+
+def _dropped_in_order(sorted_p: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p's rule over probabilities in sorted order ([..., n]): a token is dropped when the mass strictly before
+    it already reaches top_p; the first always stays."""
+    drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+    drop[..., 0] = False
+    return drop
 
 
 NUCLEUS_CANDIDATES = 256  # the largest logits that `_nucleus_drop_among_candidates` sorts, ties with the last included
@@ -108,13 +113,10 @@ def _nucleus_drop_among_candidates(x: torch.Tensor, top_p: float) -> torch.Tenso
         return None
     sorted_x, order = torch.sort(x[candidates], descending=True, stable=True)
     sorted_p = (sorted_x - torch.logsumexp(x, -1)).exp()  # (each candidate's probability among all V)
-    mass_before = sorted_p.cumsum(-1) - sorted_p
-    if not float(mass_before[-1] + sorted_p[-1]) >= top_p:  # (the nucleus reaches past the candidates)
+    if not float(sorted_p.cumsum(-1)[-1]) >= top_p:  # (the nucleus reaches past the candidates: as the rule adds)
         return None
-    drop_sorted = mass_before >= top_p
-    drop_sorted[0] = False
     drop = torch.ones_like(x, dtype=torch.bool)
-    drop[candidates[order]] = drop_sorted
+    drop[candidates[order]] = _dropped_in_order(sorted_p, top_p)
     return drop
 
 

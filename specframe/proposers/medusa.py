@@ -146,17 +146,14 @@ class ResBlock(nn.Module):
 
 class MedusaHeads(nn.Module):
     """K heads of `layers` residual blocks each; logits through the shared LM-head rows `lm_rows` ([Vr, H]), or,
-    for heads with `own_vocab` (those of the Medusa repository), each head's own projection onto the target's
-    full vocabulary: `projection` [K, V, H], no bias."""
+    for heads with a `projection` (those of the Medusa repository, set by `load_repository_heads`), each head's own
+    projection onto the target's full vocabulary: [K, V, H], no bias."""
 
-    def __init__(self, hidden: int, num_heads: int, layers: int, own_vocab: int | None = None) -> None:
+    def __init__(self, hidden: int, num_heads: int, layers: int) -> None:
         super().__init__()
         # Built one by one: `[ResBlock(h)] * n` would repeat one module (shared weights), Medusa's own bug.
         self.heads = nn.ModuleList(nn.Sequential(*(ResBlock(hidden) for _ in range(layers))) for _ in range(num_heads))
-        # (uninitialised: filled from a file by `load_repository_heads`, or by the caller)
-        self.register_parameter(
-            "projection", nn.Parameter(torch.empty(num_heads, own_vocab, hidden)) if own_vocab else None
-        )
+        self.register_parameter("projection", None)  # (none: the target's LM-head rows serve)
 
     @property
     def num_heads(self) -> int:
