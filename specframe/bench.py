@@ -862,8 +862,9 @@ DEFINITIONS = {
     "acceptance_by_position": "[d] = verification steps that accepted a token at draft depth d+1 / steps that "
     "proposed one there (not conditional on depth d being accepted, so it falls with "
     "depth even when every draft is accepted with the same probability)",
-    "accepted_length_histogram": "[k] = verification steps (prefill excluded) that emitted k+1 tokens "
-    "(k accepted drafts + the target's token)",
+    "accepted_length_histogram": "[k] = verification steps (prefill excluded) that accepted k drafts, emitting "
+    "k+1 tokens (k drafts + the target's token; k tokens in a turn's last step that an EOS or a stop string cut "
+    "among its drafts)",
     "alpha": "per-token acceptance probability, estimated as accepted / (accepted + rejections); a step that "
     "accepted fewer drafts than the deepest depth proposed counts one rejection (so a whole shorter "
     "draft near the token budget counts as a rejection: a slight underestimate); only for chains of one depth "
@@ -1169,7 +1170,7 @@ def acceptance_by_position(proposed: list[int], accepted: list[int]) -> list[flo
 
 
 def accepted_length_histogram(steps: int, accepted_by_position: list[int]) -> list[int]:
-    """[k] = steps that accepted exactly k drafts (emitted k+1 tokens), from [d] = steps that accepted >= d+1."""
+    """[k] = steps that accepted exactly k drafts, from [d] = steps that accepted >= d+1."""
     at_least = [steps, *accepted_by_position, 0]
     return [at_least[k] - at_least[k + 1] for k in range(len(accepted_by_position) + 1)]
 

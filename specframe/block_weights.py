@@ -35,6 +35,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from specframe.fingerprint import file_sha256
+
 BLOCK = 32  # weights per block along a row, in GGUF's Q4_1 and Q8_0
 MAX_ROWS = 16  # input rows multiplied by the blocks; more (a prefill) use the float32 weights
 FIRST_ROWS = 8  # weight rows checked before the whole weight (most weights are on no grid: found out early)
@@ -240,7 +242,7 @@ def _built_library(rebuild: bool = False) -> Path:
     path = cache_dir() / "kernels" / f"block_weights-{key}.so"
     digest = path.with_suffix(".sha256")  # (a library cut short, say by a full disk, would crash the process)
     try:
-        if not rebuild and path.exists() and digest.read_text().strip() == _sha256(path):
+        if not rebuild and path.exists() and digest.read_text().strip() == file_sha256(path):
             return path
     except OSError:
         pass  # (no digest, or unreadable: built again)
@@ -257,7 +259,7 @@ def _built_library(rebuild: bool = False) -> Path:
             if run.returncode != 0:
                 said = (run.stderr.strip() or run.stdout.strip() or "nothing said")[-500:]
                 raise _NoKernel(f"compiling {SOURCE.name} failed (exit status {run.returncode}): {said}")
-            (Path(work) / digest.name).write_text(_sha256(built) + "\n")
+            (Path(work) / digest.name).write_text(file_sha256(built) + "\n")
             os.replace(built, path)
             os.replace(Path(work) / digest.name, digest)
     except OSError as e:  # (an unusable cache folder: the kernel is optional, so the run goes on without it)
@@ -265,10 +267,6 @@ def _built_library(rebuild: bool = False) -> Path:
             f"it cannot be kept in {path.parent} ({e.strerror or e}; $SPECFRAME_HOME chooses the cache folder)"
         ) from e
     return path
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 class DerivedCopies(dict):

@@ -19,7 +19,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from specframe.errors import BadInputError, ConfigError, check_field_types, user_path
+from specframe.errors import BadInputError, ConfigError, brief, check_field_types, user_path
 from specframe.sampling import check_sampling, check_seed, top_k_off_as_zero
 
 
@@ -174,7 +174,7 @@ def load_yaml(path: str | Path) -> DictConfig:
             raise ConfigError(f"config file '{path}' must hold a mapping, not {type(parsed).__name__} {parsed!r:.40}")
         raw = OmegaConf.create(parsed if parsed is not None else {})
     except OmegaConfBaseException as e:
-        raise ConfigError(f"bad config: {one_line(e)}") from e
+        raise ConfigError(f"bad config: {brief(e, lines=1)}") from e
     except (yaml.YAMLError, UnicodeDecodeError) as e:  # (OmegaConf passes a file's YAML and encoding errors on)
         raise ConfigError(f"config file '{path}' is not valid YAML: {' '.join(str(e).split())}") from e
     if not isinstance(raw, DictConfig):
@@ -236,6 +236,18 @@ def _parsed(text: str) -> Any:
         return _UNPARSED
 
 
+def _yaml_anchor(text: str) -> str | None:
+    """The name of the first YAML anchor (`&name`) in an override's value `text`, None when it has none (or is
+    not YAML: that error is said where it is parsed)."""
+    try:
+        return next(
+            (e.anchor for e in yaml.parse(text) if getattr(e, "anchor", None) and not isinstance(e, yaml.AliasEvent)),
+            None,
+        )
+    except yaml.YAMLError:
+        return None
+
+
 def _same_value(parsed: Any, value: Any) -> bool:
     """Whether an override's parsed value gives the flag's `value` in its field (a text field takes a number's
     spelling, a number field converts text: `target.model=12`, `sampling.temperature=1e-1`)."""
@@ -266,6 +278,11 @@ def with_overrides(raw: DictConfig, overrides: list[str]) -> DictConfig:
             raise ConfigError(f"override '{item}': the value is a YAML comment; quote text that starts with '#'")
         if text.startswith("- "):  # (a YAML block list's item: `stop=- a` was ['a'] without a word)
             raise ConfigError(f"override '{item}': '- ' starts a YAML list item; give a list as [a,b], quote text")
+        if anchor := _yaml_anchor(text):  # (`stop=[&a]` was [None]: YAML reads `&a` as a label for what follows)
+            raise ConfigError(
+                f"override '{item}': '&{anchor}' is a YAML anchor, a label, not text (the value would be empty); "
+                f"quote text that starts with '&' (\"&{anchor}\", the whole override in single quotes on a shell)"
+            )
         try:
             # (as OmegaConf.from_dotlist, but the value's text kept as typed where YAML would change it)
             override = OmegaConf.create()
@@ -278,7 +295,7 @@ def with_overrides(raw: DictConfig, overrides: list[str]) -> DictConfig:
             raise ConfigError(f"override '{item}': {container_clash(raw, override, key)}") from e
         except OmegaConfBaseException as e:  # (e.g. `stop=[?]`: YAML reads a mapping with no key)
             raise ConfigError(
-                f"override '{item}': {one_line(e)} (the value is read as YAML: quote text that YAML reads as "
+                f"override '{item}': {brief(e, lines=1)} (the value is read as YAML: quote text that YAML reads as "
                 "something else, e.g. KEY='[\"?\"]')"
             ) from e
         except yaml.YAMLError as e:  # (a value is parsed as YAML)
@@ -315,7 +332,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         return build_config(from_file, raw, overrides or [])
     except OmegaConfBaseException as e:  # a whole section that cannot be resolved, e.g. `sampling: ${oops}`
         key = getattr(e, "full_key", None) or next((k for k in raw if not resolves(raw, k)), None)
-        raise ConfigError(f"{f'{key}: ' if key else 'bad config: '}{one_line(e)}") from e
+        raise ConfigError(f"{f'{key}: ' if key else 'bad config: '}{brief(e, lines=1)}") from e
 
 
 def resolves(raw: DictConfig, key: Any) -> bool:
@@ -544,14 +561,10 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
         where = key if key == prefix or key.startswith(prefix + ".") else f"{prefix}.{key}" if key else prefix
         hint = getattr(schema, "unknown_key_hint", None)  # (a schema's own word on a key it does not have)
         more = hint(str(e.key), prefix) if isinstance(e, ConfigKeyError) and hint and e.key is not None else ""
-        raise ConfigError(f"{where}: {one_line(e)}{more}") from e
+        raise ConfigError(f"{where}: {brief(e, lines=1)}{more}") from e
     except (TypeError, ValueError, AssertionError, LookupError) as e:  # a plugin's checks raising these, not
         # ConfigError (other exceptions are bugs, not bad input: they stay what they are)
-        raise ConfigError(f"{prefix} ({schema.__name__}): {type(e).__name__}: {one_line(e)}") from e
-
-
-def one_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{prefix} ({schema.__name__}): {type(e).__name__}: {brief(e, lines=1)}") from e
 
 
 def to_yaml(cfg: SpecframeConfig) -> str:

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from specframe.errors import brief
 from specframe.kv_cache import GrowingLayer, new_cache, tree_attention_mask, tree_visibility
 from specframe.lean_forward import LeanOutput, engine_forward, lean_forward_applies
 
@@ -291,7 +292,7 @@ class GraphedTarget:
             try:
                 self.buffers.graphs[key] = self._capture(bucket, output_hidden_states)
             except Exception as e:
-                self.turn_off(f"capturing failed: {one_line(e)}")
+                self.turn_off(f"capturing failed: {type(e).__name__}: {brief(e)}")
                 return None
         return self.buffers.graphs[key]
 
@@ -463,16 +464,11 @@ def graphed_target(
                         graphed.prepare(output_hidden_states)
                     differs = graphed.off
         except Exception as e:  # (a capture that fails is caught inside: this is the check's own failure)
-            differs = f"checking them against the eager forward failed: {one_line(e)}"
+            differs = f"checking them against the eager forward failed: {type(e).__name__}: {brief(e)}"
     if differs is not None:
         warnings.warn(f"CUDA graphs off for this target: {differs}", GraphsWarning, stacklevel=3)
         return None, differs
     return graphed, None
-
-
-def one_line(e: Exception) -> str:
-    """An exception as one line (CUDA errors come with lines of advice)."""
-    return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def weight_addresses(model: torch.nn.Module) -> tuple[int, ...]:

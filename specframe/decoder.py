@@ -422,7 +422,7 @@ class SpeculativeDecoder:
             keep_positions(cache, past, keep, n + 1)
             accepted_tokens = [structure.tokens[c] for c in path]
             generated += accepted_tokens + [nxt]
-            stats.record(n, max(structure.depths, default=0), len(path), t1 - t0, time.perf_counter() - t1)
+            stats.record(structure.depths, len(path), t1 - t0, time.perf_counter() - t1)
             new = len(path) + 1
             done = self._finished(generated, limit, stop, new)
             if not done:
@@ -431,9 +431,9 @@ class SpeculativeDecoder:
                 self._call(proposer.accepted, Acceptance(path, accepted_tokens, nxt, hidden))
 
         token_ids, text, finish_reason = self._truncate(generated, limit, max_new, stop, new)
-        # Only the last step's block can be cut (every step checks EOS and stop strings): count as accepted only
-        # the draft tokens that were kept, so that accepted_tokens never counts tokens the caller does not get.
-        stats.keep_accepted(len(token_ids) - (len(generated) - stats.last_accepted - 1))
+        # Only the last step's block can be cut (every step checks EOS and stop strings): count as proposed and
+        # accepted only the depths it kept, so that accepted_tokens never counts tokens the caller does not get.
+        stats.keep_only(len(token_ids) - (len(generated) - stats.last_accepted - 1))
         wall = time.perf_counter() - start
         return GenerationResult(token_ids, text, stats.as_dict(len(token_ids), wall, finish_reason))
 
@@ -745,12 +745,15 @@ class StepStats:
         self.propose_time = 0.0
         self.verify_time = 0.0
         self.last_accepted = 0  # draft tokens accepted by the latest step
+        self.last_depths: list[int] = []  # the depth of each node the latest step proposed
 
-    def record(self, nodes: int, depth: int, accepted: int, propose_s: float, verify_s: float) -> None:
+    def record(self, depths: list[int], accepted: int, propose_s: float, verify_s: float) -> None:
+        """One verification step: `depths` of its proposal's nodes, `accepted` of them on the path kept."""
+        depth = max(depths, default=0)
         self.proposed_tokens += depth
-        self.proposed_nodes += nodes
+        self.proposed_nodes += len(depths)
         self.accepted_tokens += accepted
-        self.last_accepted = accepted
+        self.last_accepted, self.last_depths = accepted, depths
         for counts, k in ((self.proposed_by_position, depth), (self.accepted_by_position, accepted)):
             counts.extend([0] * (k - len(counts)))
             for d in range(k):
@@ -758,12 +761,26 @@ class StepStats:
         self.propose_time += propose_s
         self.verify_time += verify_s
 
-    def keep_accepted(self, kept: int) -> None:
-        """The output keeps only `kept` (possibly <= 0) tokens of the latest step's accepted draft tokens."""
-        for d in range(max(kept, 0), self.last_accepted):
-            self.accepted_by_position[d] -= 1
-            self.accepted_tokens -= 1
-        self.last_accepted = min(self.last_accepted, max(kept, 0))
+    def keep_only(self, emitted: int) -> None:
+        """The output keeps only `emitted` (possibly <= 0) tokens of the latest step's block. When that cuts into
+        its accepted drafts (an EOS or stop string among them), the depths past the cut count as neither proposed
+        nor accepted, and their nodes not as proposed: the output ended before them, so they say nothing of the
+        proposer."""
+        kept = max(emitted, 0)
+        if kept > self.last_accepted:  # (the block's own token, or more: nothing cut)
+            return
+        depth = max(self.last_depths, default=0)
+        for counts, k in ((self.accepted_by_position, self.last_accepted), (self.proposed_by_position, depth)):
+            for d in range(kept, k):
+                counts[d] -= 1
+        self.accepted_tokens -= self.last_accepted - kept
+        self.proposed_tokens -= depth - kept
+        self.proposed_nodes -= sum(d > kept for d in self.last_depths)
+        while self.proposed_by_position and not self.proposed_by_position[-1]:  # (depths no step kept)
+            self.proposed_by_position.pop()
+        del self.accepted_by_position[len(self.proposed_by_position) :]
+        self.last_accepted = kept
+        self.last_depths = [d for d in self.last_depths if d <= kept]
 
     def as_dict(self, new_tokens: int, wall: float, finish_reason: str) -> dict[str, Any]:
         return {

@@ -32,6 +32,16 @@ ADAPTER_KEY = "adapter_sha256"
 _OWN = "_specframe_fingerprint"  # attribute a model loaded with a merged adapter carries (see `mark_adapter`)
 
 
+def file_sha256(path: str | Path, h: Any = None) -> str:
+    """The sha256 of a file's bytes, read a MiB at a time; with `h`, a hashlib object, the file goes into it (after
+    what it already holds) and its hex digest is returned."""
+    h = hashlib.sha256() if h is None else h
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def target_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
     """{vocab_size, hidden_size, weights_sha256: {dtype: hash}} (+ adapter_sha256 when an adapter is merged)."""
     own = getattr(model, _OWN, None)
@@ -90,7 +100,8 @@ def adapter_digest(folder: str | Path) -> str:
         for k, v in config.items()
         if k not in ADAPTER_PROVENANCE
     }
-    h = hashlib.sha256((folder / "adapter_model.safetensors").read_bytes())
+    h = hashlib.sha256()
+    file_sha256(folder / "adapter_model.safetensors", h)
     h.update(json.dumps(kept, sort_keys=True).encode())
     return h.hexdigest()
 

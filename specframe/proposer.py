@@ -273,6 +273,11 @@ def _checked_structure(
         raise bad("tokens and parents must be int64 and deterministic bool: " + ", ".join(wrong))
     if n == 0:
         return ProposalStructure([], [], [], [])
+    if n > MAX_PROPOSAL_NODES:  # (before its structure is read: a plugin's runaway tree, not an out-of-memory)
+        raise bad(
+            f"{n} nodes, more than the {MAX_PROPOSAL_NODES} one verification forward takes (its tree attention "
+            "grows with the square of the nodes)"
+        )
     # The structure comes to the host in one transfer, then is checked in Python (a sync per check would stall
     # a GPU several times a step; proposals are small).
     structure = torch.cat([p.tokens, p.parents.to(p.tokens.device), p.deterministic.to(p.tokens.device, torch.long)])
@@ -332,6 +337,9 @@ def _checked_structure(
 # 60, Medusa 64): a verification forward's tree attention grows with the square of its nodes, so a mistaken or
 # hostile medusa_config.json of 37,448 nodes took 16 GB and 89 s for 16 tokens of a tiny target.
 MAX_TREE_NODES = 1024
+# The most nodes any proposal may have, a plugin's too, checked by `validate_proposal`: room for a union of several
+# full built-in trees, and a clear error instead of gigabytes of attention for a runaway one.
+MAX_PROPOSAL_NODES = 8 * MAX_TREE_NODES
 
 _SEEDING = threading.RLock()  # (re-entrant: a build may call another seeded build)
 

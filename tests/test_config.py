@@ -119,6 +119,8 @@ def test_packaged_configs_load_by_name(tmp_path, monkeypatch):
         (["generation.stop=#"], r"^override 'generation.stop=#': the value is a YAML comment; quote text that starts"),
         (["generation.stop=a #b"], r"' #' starts a YAML comment, dropping the rest; quote the text"),  # (was ['a'])
         (["generation.stop=- a"], r"'- ' starts a YAML list item"),  # (was ['a'])
+        (["generation.stop=[&a]"], r"'&a' is a YAML anchor, a label, not text .* \(\"&a\", the whole"),  # (was [None])
+        (["generation.stop=&x  "], r"'&x' is a YAML anchor"),
         (["generation.stop=User: hi"], r"""for the text 'User: hi', quote it: generation.stop='"User: hi"'\)$"""),
         (["generation.stop.0=x"], r"\(set a list field whole, e.g. generation.stop=\[a,b\]\)$"),
         (

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from specframe import Proposal, SamplingParams, SpeculativeDecoder
+from specframe import Proposal, Proposer, SamplingParams, SpeculativeDecoder
 from specframe.decoder import target_info
 from specframe.errors import BadInputError, ConfigError, ProposerError, SpecframeError
 from specframe.proposers.draft import DraftConfig, DraftProposer
@@ -45,7 +45,7 @@ def test_stats_definitions_with_a_perfect_draft(target):
     assert res.token_ids == reference_greedy(target, [1, 2, 3], 9)
 
 
-def test_accepted_tokens_count_only_the_drafts_an_eos_leaves_in_the_output(target):
+def test_proposed_and_accepted_tokens_count_only_the_drafts_an_eos_leaves_in_the_output(target):
     greedy = reference_greedy(target, [1, 2, 3], 9)
     dec = self_draft_decoder(target, gamma=3)
     dec.eos_ids = {greedy[2]}  # the third token: the first step's block (drafts 2-4, bonus 5) is cut after draft 2
@@ -53,10 +53,38 @@ def test_accepted_tokens_count_only_the_drafts_an_eos_leaves_in_the_output(targe
     res = dec.generate([1, 2, 3], max_new_tokens=9)
     s = res.stats
     assert res.token_ids == greedy[:cut] and s["new_tokens"] == cut and s["target_forwards"] == 2
-    assert s["accepted_tokens"] == cut - 1 and s["accepted_by_position"][: cut - 1] == [1] * (cut - 1)
-    assert sum(s["accepted_by_position"]) == s["accepted_tokens"] and s["proposed_tokens"] == 3
-    assert s["accepted_by_position"] == [1] * (cut - 1) + [0] * (3 - (cut - 1))  # (as long as proposed_by_position)
-    assert len(s["accepted_by_position"]) == len(s["proposed_by_position"]) == 3
+    # (the drafts past the EOS were accepted, but the output ended before them: neither proposed nor accepted, so
+    # a perfect draft keeps its acceptance rate of 1 and no rejection is read into the cut)
+    assert s["accepted_tokens"] == s["proposed_tokens"] == cut - 1 and s["acceptance_rate"] in (1.0, None)
+    assert s["accepted_by_position"] == s["proposed_by_position"] == [1] * (cut - 1) and s["proposed_nodes"] == cut - 1
+
+
+def test_an_eos_cutting_a_step_after_a_rejection_drops_the_depths_past_it():
+    """A step proposes greedy[1..k] and a wrong token; greedy[k] is an EOS: the output ends at the last accepted
+    draft, so the rejected depth after it is not counted as proposed (it says nothing of the proposer)."""
+    target = tiny_llama(vocab_size=64, seed=3)
+    greedy = reference_greedy(target, [1, 2, 3], 12)
+    k = next(i for i in range(2, 12) if greedy[i] not in greedy[:i])
+
+    class RightThenWrong(Proposer):
+        name = "right-then-wrong"
+
+        def begin(self, prompt, hidden_states):
+            pass
+
+        def propose(self, state):
+            return Proposal.chain(torch.tensor([*greedy[1 : k + 1], (greedy[k + 1] + 1) % 64]))
+
+        def accepted(self, result):
+            pass
+
+    dec = SpeculativeDecoder(target, RightThenWrong(None, target_info(target)))
+    dec.eos_ids = {greedy[k]}
+    res = dec.generate([1, 2, 3], max_new_tokens=12)
+    s = res.stats
+    assert res.token_ids == greedy[: k + 1] and s["finish_reason"] == "eos" and s["target_forwards"] == 2
+    assert s["proposed_tokens"] == s["accepted_tokens"] == s["proposed_nodes"] == k and s["acceptance_rate"] == 1.0
+    assert s["proposed_by_position"] == s["accepted_by_position"] == [1] * k
 
 
 def test_an_eos_among_the_accepted_drafts_ends_generation_at_that_step():
@@ -397,6 +425,10 @@ L = torch.long
             "rows do not sum to 1 (node 1's sums to 4)",
         ),
         (lambda s: Proposal.chain(torch.ones(s.max_depth + 1, dtype=L)), "depth"),
+        (  # (a runaway tree of depth 1: refused before its attention is built)
+            lambda s: Proposal(torch.ones(8193, dtype=L), torch.full((8193,), -1), torch.ones(8193, dtype=torch.bool)),
+            "8193 nodes, more than the 8192 one verification forward takes",
+        ),
         (  # (one the checks cannot read: named as the proposer's, not a bare NotImplementedError)
             lambda s: Proposal.chain(torch.tensor([1], device="meta")),
             "returned a malformed proposal: NotImplementedError",
@@ -800,7 +832,7 @@ def test_a_union_member_in_use_by_another_decoder_is_refused_and_marks_go_with_a
         return propose(state)
 
     union.members[1].propose = propose_while_another_call_runs
-    with pytest.raises(ProposerError, match="member 'draft' raised ProposerError: proposer 'draft' is already running"):
+    with pytest.raises(ProposerError, match="union member 'draft': proposer 'draft' is already running"):
         SpeculativeDecoder(target, union).generate([1, 2], max_new_tokens=6)
 
     def propose_while_the_union_runs(state):  # (the other way round: the union is refused, naming its member)

@@ -292,6 +292,13 @@ def test_a_failing_member_is_named(target, info):
     with pytest.raises(ProposerError, match="union member 2 'draft' raised RuntimeError: kaput"):
         SpeculativeDecoder(target, twice).generate([1, 2], max_new_tokens=5)
 
+    def own_account(state):  # (a proposer's own ProposerError: its words once, after the member's name)
+        raise ProposerError("the lookup table is stale")
+
+    union.members[1].propose = own_account
+    with pytest.raises(ProposerError, match=r"^union member 'draft': the lookup table is stale$"):
+        SpeculativeDecoder(target, union).generate([1, 2], max_new_tokens=5)
+
 
 def test_a_member_running_out_of_memory_stays_itself(target, info):
     union = UnionProposer.random(info, UnionConfig(members=["none", "draft"]))

@@ -264,6 +264,8 @@ class UnionProposer(Proposer):
             return fn(*args)
         except (MemoryError, torch.OutOfMemoryError):
             raise
+        except ProposerError as e:  # (already a proposer's own account: said once, after the member's name)
+            raise ProposerError(f"{self.whos[m]}: {e}") from e
         except Exception as e:
             raise ProposerError(f"{self.whos[m]} raised {type(e).__name__}: {e}") from e
 
