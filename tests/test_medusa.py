@@ -390,6 +390,40 @@ def test_medusa2_trains_lora_with_peft_and_heads_require_the_adapter(tmp_path, t
     MedusaProposer.from_config(MedusaConfig(model=cfg.out), target_info(adapted16))
 
 
+def test_medusa2_records_the_epoch_mean_of_the_keep_kl(tmp_path, monkeypatch):
+    """Stage 2's `keep_kl` in the history (and the log) is the mean over the epoch's batches of KL(p_original ||
+    p_adapted), not the last batch's."""
+    from specframe.training import medusa
+
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=2)
+    write_distill_data(tmp_path / "d.jsonl", target, n=40)
+    seen: list[float] = []  # each batch's KL, in order
+    per_epoch: list[list[float]] = []  # the batches' values when each epoch's line is logged
+
+    def spy(p_log, q_log):
+        kl = real(p_log, q_log)
+        seen.append(kl.item())
+        return kl
+
+    def log(message: str) -> None:
+        if message.startswith("epoch "):
+            per_epoch.append(seen[sum(map(len, per_epoch)) :])
+            logs.append(message)
+
+    real, logs = medusa.forward_kl, []
+    monkeypatch.setattr(medusa, "forward_kl", spy)
+    cfg = MedusaTrainConfig(
+        data=str(tmp_path / "d.jsonl"), out=str(tmp_path / "m2"), features_cache="", stage=2, num_heads=2, epochs=2,
+        lr=1e-2, batch_size=4, heldout_fraction=0.2, tree_nodes=4, lora_rank=2,
+    )  # fmt: skip
+    history = train_medusa(cfg, target, None, log=log)["history"]
+    assert [h["epoch"] for h in history] == [1, 2] and [len(v) for v in per_epoch] == [8, 8]
+    for h, values, line in zip(history, per_epoch, logs, strict=True):
+        assert h["keep_kl"] == pytest.approx(sum(values) / len(values), rel=1e-12)
+        assert abs(h["keep_kl"] - values[-1]) > 1e-6  # (not vacuous: the last batch's value differs)
+        assert f"KL to the original {h['keep_kl']:.4f} (epoch mean)" in line
+
+
 def test_cli_trains_medusa(tmp_path, tiny_dirs, capsys):
     from specframe.models import load_model
 

@@ -86,7 +86,6 @@ def test_a_run_stopped_within_an_epoch_resumes_at_its_last_checkpoint_as_if_neve
     """With train.checkpoint_every, a checkpoint is saved within epochs too; a run stopped two steps past the one
     in epoch 2 resumes at the batch after it (the schedule, running loss and EAGLE's noise generator restored)
     and ends with the weights and losses of a run never stopped and never checkpointed within an epoch."""
-    import sys
 
     from specframe.training import common
 
@@ -102,8 +101,7 @@ def test_a_run_stopped_within_an_epoch_resumes_at_its_last_checkpoint_as_if_neve
 
     straight = run("straight", every=0, log=lambda m: None)
     saved: list[dict] = []
-    real_save, trainer = common.save_checkpoint, sys.modules[train.__module__]
-    real_step = trainer.optimizer_step
+    real_save, real_step = common.save_checkpoint, common.optimizer_step
     steps, armed = [0, 0], [True]  # (steps in all and since the last save; the stop, once)
 
     def save(folder, params, optimizer, state):
@@ -120,7 +118,7 @@ def test_a_run_stopped_within_an_epoch_resumes_at_its_last_checkpoint_as_if_neve
         return real_step(*args, **kwargs)
 
     monkeypatch.setattr(common, "save_checkpoint", save)
-    monkeypatch.setattr(trainer, "optimizer_step", step)
+    monkeypatch.setattr(common, "optimizer_step", step)  # (run_epochs' own, every trainer's)
     with pytest.raises(Interrupted):
         run("resumed", every=3, log=lambda m: None)
     within = saved[-1]
@@ -132,8 +130,10 @@ def test_a_run_stopped_within_an_epoch_resumes_at_its_last_checkpoint_as_if_neve
     assert f"after {within['within']['batches']} batches of epoch 2" in " ".join(logs), logs
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
-    losses = [(h["epoch"], h.get("train_loss", h.get("train_kl"))) for h in straight["history"]]
-    assert losses == [(h["epoch"], h.get("train_loss", h.get("train_kl"))) for h in resumed["history"]]
+    losses = [(h["epoch"], h.get("train_loss", h.get("train_kl")), h.get("keep_kl")) for h in straight["history"]]
+    assert losses == [
+        (h["epoch"], h.get("train_loss", h.get("train_kl")), h.get("keep_kl")) for h in resumed["history"]
+    ]
     # Not vacuous: the resumed run took only the steps after the checkpoint, and checkpoints were made within epochs.
     total = json.loads((tmp_path / "straight" / "checkpoint" / "state.json").read_text())["steps"]
     assert steps[0] - done == total - within["steps"], (steps, within, total)

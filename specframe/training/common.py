@@ -13,7 +13,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -282,8 +282,9 @@ def _count(value, what: str) -> int:
 class Progress:
     """Where a run stands, as a checkpoint's state.json records it: `epoch` epochs done and `batches` batches of
     the next one (0 at an epoch's end); `steps` optimizer steps in all (the schedule's position); and for a
-    checkpoint within an epoch, that epoch's running loss, its seconds so far and the state of its random
-    generator (EAGLE draws its feature noise from it)."""
+    checkpoint within an epoch, that epoch's running loss, its seconds so far, the state of its random
+    generator (EAGLE draws its feature noise from it) and the sums behind its epoch means (`run_epochs`'s `means`:
+    name -> [sum, batches])."""
 
     epoch: int = 0
     batches: int = 0
@@ -291,6 +292,7 @@ class Progress:
     running: float | None = None
     seconds: float = 0.0
     generator: bytes = b""
+    means: dict = field(default_factory=dict)
 
     def steps_done(self, steps_per_epoch: int) -> int:
         return self.steps if self.steps is not None else self.epoch * steps_per_epoch
@@ -326,6 +328,10 @@ def progress_of(state: dict) -> Progress:
         progress.batches = _count(within.get("batches"), "within.batches")
         progress.running, progress.seconds = running, float(seconds)
         progress.generator = base64.b64decode(within.get("generator", ""), validate=True)
+        means = within.get("means", {})  # (none in checkpoints from before run_epochs kept them)
+        if not isinstance(means, dict) or not all(isinstance(v, list) and len(v) == 2 for v in means.values()):
+            raise ValueError(f"within.means is not sums and counts: {str(means)[:40]}")
+        progress.means = {k: [float(total), _count(n, "a count in within.means")] for k, (total, n) in means.items()}
     return progress
 
 
@@ -609,7 +615,8 @@ class EpochBatches:
     """The batches of one epoch (items of `order`), from the batch after the checkpoint a resumed run started
     from when that checkpoint is within this epoch (then its running loss, seconds and `generator`'s state are
     restored too). After each batch, a checkpoint when one is due (`Checkpoints.due`) and batches remain. The
-    trainer keeps its running loss in `running`; `seconds()` is the epoch's time."""
+    trainer keeps its running loss in `running`, and the sums behind its epoch means in `means` (name ->
+    [sum, batches]); `seconds()` is the epoch's time."""
 
     def __init__(self, owner: Checkpoints, epoch: int, order: list, generator: torch.Generator | None) -> None:
         start = owner.start
@@ -624,6 +631,7 @@ class EpochBatches:
         self.owner, self.epoch, self.order, self.generator = owner, epoch, order, generator
         self.done = start.batches if within else 0
         self.running: float | None = start.running if within else None
+        self.means: dict[str, list] = {k: list(v) for k, v in start.means.items()} if within else {}
         self.started = time.perf_counter() - (start.seconds if within else 0.0)
 
     def seconds(self) -> float:
@@ -647,6 +655,7 @@ class EpochBatches:
                     "running": self.running,
                     "seconds": self.seconds(),
                     "generator": base64.b64encode(state).decode(),
+                    **({"means": self.means} if self.means else {}),
                 }
                 owner._save(self.epoch, within)
 
@@ -784,3 +793,74 @@ def optimizer_step(
     optimizer.step()
     schedule.step()
     return value if running is None else decay * running + (1 - decay) * value
+
+
+def forward_kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) from log-probabilities [positions, vocabulary], averaged over the positions."""
+    return (p_log.exp() * (p_log - q_log)).sum(-1).mean()
+
+
+def run_epochs(
+    cfg: TrainRunConfig,
+    checkpoints: Checkpoints,
+    modules: tuple[torch.nn.Module, ...],
+    order: Callable[[torch.Generator], list],
+    batch_loss: Callable,
+    evaluate: Callable[[], dict],
+    describe: Callable[[dict], str],
+    log,
+    *,
+    loss_name: str = "loss",
+    means: dict[str, str] | None = None,
+    draws: bool = False,
+    baseline: bool = True,
+    decay: float = 0.95,
+    unit: str = "batch",
+    postfix_every: int = 1,
+) -> list:
+    """Every trainer's epochs, from where `checkpoints` starts to `cfg.epochs`; returns the metrics history.
+
+    A new run (with `baseline`) first evaluates the untrained weights (history entry 0). Each epoch: `modules` in
+    train mode; the items `order(gen)`, `gen` seeded `cfg.seed + epoch` (`checkpoints.batches` skips those done
+    before a resumed checkpoint, and with `draws` keeps `gen`'s state: `batch_loss` draws from it); per item,
+    `batch_loss(item, gen)`: the loss to step on, None to skip the item, or (loss, {name: value}) for `means`
+    (name -> its words in the log), averaged over the epoch's batches (a resumed run's too: checkpoints keep the
+    sums). Then `evaluate()` (it sets eval mode), the history entry {"epoch", "train_<loss_name>" (the running
+    loss, smoothed by `decay`), **means, "seconds", **metrics}, its log line, and the epoch's checkpoint."""
+    history, means = checkpoints.history, means or {}
+    if baseline and not history:  # (a new run: a resumed one has these in its checkpoint's history)
+        metrics = evaluate()
+        history.append({"epoch": 0, **metrics})
+        log(f"before training: {describe(metrics)}")
+    key = loss_name.lower()
+    for epoch in range(checkpoints.start.epoch, cfg.epochs):
+        for module in modules:
+            module.train()
+        gen = torch.Generator().manual_seed(cfg.seed + epoch)
+        epoch_batches = checkpoints.batches(epoch, order(gen), gen if draws else None)
+        bar = epoch_batches.bar(f"epoch {epoch + 1}/{cfg.epochs}", unit=unit)
+        for s, item in enumerate(bar, start=epoch_batches.done):
+            loss = batch_loss(item, gen)
+            if loss is None:  # (nothing to learn from in this batch)
+                continue
+            loss, seen = loss if isinstance(loss, tuple) else (loss, {})
+            running = epoch_batches.running = optimizer_step(
+                loss, checkpoints.params, checkpoints.optimizer, checkpoints.schedule, epoch_batches.running, decay
+            )
+            seen = {name: float(value) for name, value in seen.items()}
+            for name, value in seen.items():
+                sums = epoch_batches.means.setdefault(name, [0.0, 0])
+                sums[:] = sums[0] + value, sums[1] + 1
+            if s % postfix_every == 0:
+                shown = {key: f"{running:.3f}", **{k: f"{v:.4f}" for k, v in seen.items()}}
+                bar.set_postfix(shown, lr=f"{checkpoints.schedule.get_last_lr()[0]:.1e}")
+        metrics = evaluate()
+        running = epoch_batches.running
+        averages = {name: total / max(1, n) for name, (total, n) in epoch_batches.means.items()}
+        history.append(
+            {"epoch": epoch + 1, f"train_{key}": running, **averages, "seconds": epoch_batches.seconds(), **metrics}
+        )
+        said = "".join(f", {words} {averages[name]:.4f} (epoch mean)" for name, words in means.items())
+        log(f"epoch {epoch + 1}: train {loss_name} {running:.3f}{said}; {describe(metrics)}")
+        checkpoints.epoch_done(epoch + 1)
+    return history

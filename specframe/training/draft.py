@@ -26,13 +26,14 @@ from specframe.training.common import (
     Sequence,
     TrainRunConfig,
     collate,
+    forward_kl,
     make_batches,
     on_device,
     only_run_in_out,
-    optimizer_step,
     recovered,
     resume_from,
     resuming_from,
+    run_epochs,
     run_identity,
     start_run,
 )
@@ -175,41 +176,34 @@ def train_draft(cfg: DraftTrainConfig, target, tokenizer, resume: bool = False, 
     optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
     checkpoints = resume_from(ckpt, params, optimizer, cfg, resuming=resuming, run=run, log=log)
     progress, history = checkpoints.start, checkpoints.history
-    schedule = checkpoints.make_schedule(math.ceil(len(train_seqs) / cfg.batch_size), cfg.epochs)
+    checkpoints.make_schedule(math.ceil(len(train_seqs) / cfg.batch_size), cfg.epochs)
 
     vocab_ids = vocab_ids.to(target.device)  # (the coverage above counted on the CPU)
     teacher_head = target.get_output_embeddings().weight.detach()[vocab_ids].float()  # [K, hidden]
     # float32, once per run (the target is frozen); not needed when resuming a run that already finished
     reference = teacher_reference(target, vocab_ids, held_seqs, pad) if progress.epoch < cfg.epochs else None
-    if not history:  # (a new run: a resumed one has these in its checkpoint's history)
-        metrics = evaluate(draft.eval(), reference, vocab_ids, held_seqs, pad)
-        log(f"before training: held-out top-1 agreement {metrics['top1_agreement']:.3f}, alpha {metrics['alpha']:.3f}")
-        history.append({"epoch": 0, **metrics})
     batches = make_batches(train_seqs, cfg.batch_size, cfg.seed)
-    for epoch in range(progress.epoch, cfg.epochs):
-        draft.train()
-        order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
-        epoch_batches = checkpoints.batches(epoch, order)
-        bar = epoch_batches.bar(f"epoch {epoch + 1}/{cfg.epochs}")
-        for b in bar:
-            ids, attn, mask = collate(batches[b], pad)
-            with torch.no_grad():  # (the cached features stay on the CPU: only the batch's go to the device)
-                hidden = torch.cat([s.features[mask[i, : len(s.ids)]] for i, s in enumerate(batches[b])])
-                p_log = (hidden.to(teacher_head.device).float() @ teacher_head.T).log_softmax(-1)
-            ids, attn, mask = on_device((ids, attn, mask), draft.device)
-            h = draft.model(input_ids=ids, attention_mask=attn).last_hidden_state[mask]
-            q_log = draft.lm_head(h).float().log_softmax(-1)
-            loss = (p_log.exp() * (p_log - q_log)).sum(-1).mean()  # KL(p || q)
-            running = epoch_batches.running = optimizer_step(loss, params, optimizer, schedule, epoch_batches.running)
-            bar.set_postfix(kl=f"{running:.3f}", lr=f"{schedule.get_last_lr()[0]:.1e}")
-        metrics = evaluate(draft.eval(), reference, vocab_ids, held_seqs, pad)
-        running = epoch_batches.running
-        history.append({"epoch": epoch + 1, "train_kl": running, "seconds": epoch_batches.seconds(), **metrics})
-        log(
-            f"epoch {epoch + 1}: train KL {running:.3f}; held-out top-1 agreement {metrics['top1_agreement']:.3f}, "
-            f"alpha {metrics['alpha']:.3f}"
-        )
-        checkpoints.epoch_done(epoch + 1)
+
+    def batch_loss(b: int, _gen) -> torch.Tensor:
+        ids, attn, mask = collate(batches[b], pad)
+        with torch.no_grad():  # (the cached features stay on the CPU: only the batch's go to the device)
+            hidden = torch.cat([s.features[mask[i, : len(s.ids)]] for i, s in enumerate(batches[b])])
+            p_log = (hidden.to(teacher_head.device).float() @ teacher_head.T).log_softmax(-1)
+        ids, attn, mask = on_device((ids, attn, mask), draft.device)
+        h = draft.model(input_ids=ids, attention_mask=attn).last_hidden_state[mask]
+        return forward_kl(p_log, draft.lm_head(h).float().log_softmax(-1))
+
+    run_epochs(
+        cfg,
+        checkpoints,
+        (draft,),
+        lambda gen: torch.randperm(len(batches), generator=gen).tolist(),
+        batch_loss,
+        lambda: evaluate(draft.eval(), reference, vocab_ids, held_seqs, pad),
+        lambda m: f"held-out top-1 agreement {m['top1_agreement']:.3f}, alpha {m['alpha']:.3f}",
+        log,
+        loss_name="KL",
+    )
     final = {
         "heldout": history[-1],
         "history": history,

@@ -32,7 +32,7 @@ import torch
 
 from specframe.errors import ConfigError, is_count, is_number
 from specframe.fingerprint import target_fingerprint
-from specframe.training.common import TrainRunConfig, only_run_in_out, optimizer_step
+from specframe.training.common import TrainRunConfig, only_run_in_out
 
 
 @dataclass
@@ -251,6 +251,7 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
         recovered,
         resume_from,
         resuming_from,
+        run_epochs,
         run_identity,
         start_run,
     )
@@ -305,38 +306,35 @@ def train_eagle(cfg: EagleTrainConfig, target, tokenizer, resume: bool = False, 
     extra = {"fuse_layers": cfg.fuse_layers, "self_fed_steps": cfg.self_fed_steps}
     checkpoints = resume_from(ckpt, params, optimizer, cfg, resuming=resuming, run=run, log=log, extra=extra)
     history = checkpoints.history
-    schedule = checkpoints.make_schedule(len(batches), cfg.epochs)
+    checkpoints.make_schedule(len(batches), cfg.epochs)
     memo: dict = {}
-    if not history:  # (a new run: a resumed one has these in its checkpoint's history)
-        metrics = evaluate(drafter, full_head, vocab_ids, held_seqs, memo=memo)
-        log(f"before training: {describe(metrics)}")
-        history.append({"epoch": 0, **metrics})
-    for epoch in range(checkpoints.start.epoch, cfg.epochs):
-        drafter.train()
-        gen = torch.Generator().manual_seed(cfg.seed + epoch)
-        order = torch.randperm(len(batches), generator=gen).tolist()
-        epoch_batches = checkpoints.batches(epoch, order, gen)  # (then `gen` draws the feature noise)
-        bar = epoch_batches.bar(f"epoch {epoch + 1}/{cfg.epochs}")
-        for b in bar:
-            feats, ids, mask, extra = collate_features([train_seqs[i] for i in batches[b]], cfg.prompt_positions)
-            if not bool(mask.any()):
-                continue
-            outs = drafter_passes(drafter, feats, ids, cfg.noise, cfg.self_fed_steps, gen, extra)
-            mask = mask.to(outs[0].device)
-            loss = 0.0
-            for s, (predicted, counted) in enumerate(zip(outs, level_masks(mask, len(outs)), strict=True)):
-                if bool(counted.any()):  # pass s+1 predicts f_{j+s+1}
-                    feat_loss, token_loss = losses(drafter, predicted, feats[:, s + 1 :], counted)
-                    loss = loss + (1.0 if s == 0 else cfg.self_fed_weight) * (
-                        cfg.feature_weight * feat_loss + cfg.token_weight * token_loss
-                    )
-            running = epoch_batches.running = optimizer_step(loss, params, optimizer, schedule, epoch_batches.running)
-            bar.set_postfix(loss=f"{running:.3f}", lr=f"{schedule.get_last_lr()[0]:.1e}")
-        metrics = evaluate(drafter, full_head, vocab_ids, held_seqs, memo=memo)
-        running = epoch_batches.running
-        history.append({"epoch": epoch + 1, "train_loss": running, "seconds": epoch_batches.seconds(), **metrics})
-        log(f"epoch {epoch + 1}: train loss {running:.3f}; {describe(metrics)}")
-        checkpoints.epoch_done(epoch + 1)
+
+    def batch_loss(b: int, gen: torch.Generator) -> torch.Tensor | None:
+        feats, ids, mask, extra = collate_features([train_seqs[i] for i in batches[b]], cfg.prompt_positions)
+        if not bool(mask.any()):
+            return None
+        outs = drafter_passes(drafter, feats, ids, cfg.noise, cfg.self_fed_steps, gen, extra)
+        mask = mask.to(outs[0].device)
+        loss = 0.0
+        for s, (predicted, counted) in enumerate(zip(outs, level_masks(mask, len(outs)), strict=True)):
+            if bool(counted.any()):  # pass s+1 predicts f_{j+s+1}
+                feat_loss, token_loss = losses(drafter, predicted, feats[:, s + 1 :], counted)
+                loss = loss + (1.0 if s == 0 else cfg.self_fed_weight) * (
+                    cfg.feature_weight * feat_loss + cfg.token_weight * token_loss
+                )
+        return loss
+
+    run_epochs(  # (`gen` draws the feature noise after the epoch's order)
+        cfg,
+        checkpoints,
+        (drafter,),
+        lambda gen: torch.randperm(len(batches), generator=gen).tolist(),
+        batch_loss,
+        lambda: evaluate(drafter, full_head, vocab_ids, held_seqs, memo=memo),
+        describe,
+        log,
+        draws=True,
+    )
     final = {
         "heldout": history[-1],
         "history": history,

@@ -33,12 +33,13 @@ from specframe.fingerprint import ADAPTER_KEY, begin_artifact, mark_adapter, rea
 from specframe.training.common import (
     NO_MEASURED_SHAPE,
     TrainRunConfig,
+    forward_kl,
     on_device,
     only_run_in_out,
-    optimizer_step,
     recovered,
     resume_from,
     resuming_from,
+    run_epochs,
     run_identity,
     start_run,
 )
@@ -318,33 +319,25 @@ def _train_stage1(cfg, target, heads, vocab_ids, index, train_ex, held_ex, resum
     optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
     steps = math.ceil(x_train.shape[0] / cfg.batch_size)
     checkpoints = resume_from(ckpt, params, optimizer, cfg, resuming=resuming, run=run, log=log)
-    history = checkpoints.history
-    schedule = checkpoints.make_schedule(steps, cfg.epochs)
-    if not history:  # (a new run: a resumed one has these in its checkpoint's history)
-        m = evaluate(heads.eval(), lm_rows, vocab_ids, x_held, y_held)
-        history.append({"epoch": 0, **m})
-        log(f"before training: {summary(m, chosen_tree(m, cfg.tree_nodes))}")
-    for epoch in range(checkpoints.start.epoch, cfg.epochs):
-        heads.train()
-        order = torch.randperm(x_train.shape[0], generator=torch.Generator().manual_seed(cfg.seed + epoch))
-        epoch_batches = checkpoints.batches(epoch, list(range(steps)))
-        bar = epoch_batches.bar(f"epoch {epoch + 1}/{cfg.epochs}", unit="step")
-        for s in bar:
-            idx = order[s * cfg.batch_size : (s + 1) * cfg.batch_size]
-            logits = heads.logits(x_train[idx].to(lm_rows.device).float(), lm_rows)
-            loss = _heads_loss(logits, y_train[idx].to(lm_rows.device), index, cfg.head_decay)
-            if loss is None:  # (no label in this batch: skipped, as the EAGLE trainer skips one)
-                continue
-            running = epoch_batches.running = optimizer_step(
-                loss, params, optimizer, schedule, epoch_batches.running, decay=0.98
-            )
-            if s % 20 == 0:
-                bar.set_postfix(loss=f"{running:.3f}", lr=f"{schedule.get_last_lr()[0]:.1e}")
-        m = evaluate(heads.eval(), lm_rows, vocab_ids, x_held, y_held)
-        running = epoch_batches.running
-        history.append({"epoch": epoch + 1, "train_loss": running, "seconds": epoch_batches.seconds(), **m})
-        log(f"epoch {epoch + 1}: train loss {running:.3f}; {summary(m, chosen_tree(m, cfg.tree_nodes))}")
-        checkpoints.epoch_done(epoch + 1)
+    checkpoints.make_schedule(steps, cfg.epochs)
+
+    def batch_loss(idx: torch.Tensor, _gen) -> torch.Tensor | None:  # (None: no label in this batch, skipped)
+        logits = heads.logits(x_train[idx].to(lm_rows.device).float(), lm_rows)
+        return _heads_loss(logits, y_train[idx].to(lm_rows.device), index, cfg.head_decay)
+
+    history = run_epochs(  # (each step's items: `batch_size` positions of the epoch's permutation of them all)
+        cfg,
+        checkpoints,
+        (heads,),
+        lambda gen: list(torch.randperm(x_train.shape[0], generator=gen).split(cfg.batch_size)),
+        batch_loss,
+        lambda: evaluate(heads.eval(), lm_rows, vocab_ids, x_held, y_held),
+        lambda m: summary(m, chosen_tree(m, cfg.tree_nodes)),
+        log,
+        decay=0.98,
+        unit="step",
+        postfix_every=20,
+    )
     final, tree = _final(history, cfg, x_train.shape[0], x_held.shape[0])
     return final, tree, target, {"adapter": None}
 
@@ -428,56 +421,42 @@ def _fit_stage2(model, cfg, target, heads, vocab_ids, index, train_ex, held_ex, 
     run = run_identity(cfg, train_ex, held_ex, vocab_ids, base_fingerprint)
     resuming = resuming_from(ckpt, params, resume, run, cfg.epochs)
     checkpoints = resume_from(ckpt, params, optimizer, cfg, resuming=resuming, run=run, log=log)
-    start, history = checkpoints.start.epoch, checkpoints.history
-    schedule = checkpoints.make_schedule(len(batches), cfg.epochs)
+    checkpoints.make_schedule(len(batches), cfg.epochs)
 
     def heldout() -> dict:
+        model.eval()
         feats = extract_features(base, held_ex, cfg.max_length, dtype=base.dtype, quiet=True)
         x, y = stack_features(feats, cfg.num_heads)
         return evaluate(heads.eval(), lm_rows, vocab_ids, x, y)
 
-    for epoch in range(start, cfg.epochs):
-        heads.train()
-        model.train()
-        order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
-        epoch_batches = checkpoints.batches(epoch, order)
-        bar = epoch_batches.bar(f"epoch {epoch + 1}/{cfg.epochs}")
-        for b in bar:
-            ids, attn, mask = collate(batches[b], pad=0, prompt_positions=cfg.prompt_positions)
-            labels = torch.cat(  # (from the batch on the CPU, then moved with it)
-                [
-                    head_labels(ids[i, : int(attn[i].sum())], s.first_target, cfg.num_heads, cfg.prompt_positions)[1]
-                    for i, s in enumerate(batches[b])
-                ]
-            )
-            ids, attn, mask, labels = on_device((ids, attn, mask, labels), lm_rows.device)
-            with torch.no_grad(), model.disable_adapter():
-                p_log = target(input_ids=ids, attention_mask=attn).logits[mask].float().log_softmax(-1)
-            feat = base.model(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, T, H] adapted
-            q_log = base.lm_head(feat[mask]).float().log_softmax(-1)
-            keep = (p_log.exp() * (p_log - q_log)).sum(-1).mean()
-            logits = heads.logits(feat[mask], lm_rows)
-            heads_loss = _heads_loss(logits, labels, index, cfg.head_decay)
-            loss = cfg.keep_weight * keep + (0.0 if heads_loss is None else heads_loss)
-            running = epoch_batches.running = optimizer_step(loss, params, optimizer, schedule, epoch_batches.running)
-            bar.set_postfix(loss=f"{running:.3f}", keep_kl=f"{keep.item():.4f}")
-        model.eval()
-        m = heldout()
-        running = epoch_batches.running
-        history.append(
-            {
-                "epoch": epoch + 1,
-                "train_loss": running,
-                "keep_kl": keep.item(),
-                "seconds": epoch_batches.seconds(),
-                **m,
-            }
+    def batch_loss(b: int, _gen) -> tuple[torch.Tensor, dict]:
+        ids, attn, mask = collate(batches[b], pad=0, prompt_positions=cfg.prompt_positions)
+        labels = torch.cat(  # (from the batch on the CPU, then moved with it)
+            [
+                head_labels(ids[i, : int(attn[i].sum())], s.first_target, cfg.num_heads, cfg.prompt_positions)[1]
+                for i, s in enumerate(batches[b])
+            ]
         )
-        log(
-            f"epoch {epoch + 1}: train loss {running:.3f}, KL to the original {keep.item():.4f} (last batch); "
-            f"{summary(m, chosen_tree(m, cfg.tree_nodes))}"
-        )
-        checkpoints.epoch_done(epoch + 1)
+        ids, attn, mask, labels = on_device((ids, attn, mask, labels), lm_rows.device)
+        with torch.no_grad(), model.disable_adapter():
+            p_log = target(input_ids=ids, attention_mask=attn).logits[mask].float().log_softmax(-1)
+        feat = base.model(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, T, H] adapted
+        keep = forward_kl(p_log, base.lm_head(feat[mask]).float().log_softmax(-1))
+        heads_loss = _heads_loss(heads.logits(feat[mask], lm_rows), labels, index, cfg.head_decay)
+        return cfg.keep_weight * keep + (0.0 if heads_loss is None else heads_loss), {"keep_kl": keep.detach()}
+
+    history = run_epochs(
+        cfg,
+        checkpoints,
+        (heads, model),
+        lambda gen: torch.randperm(len(batches), generator=gen).tolist(),
+        batch_loss,
+        heldout,
+        lambda m: summary(m, chosen_tree(m, cfg.tree_nodes)),
+        log,
+        means={"keep_kl": "KL to the original"},
+        baseline=False,
+    )
     # (the held-out size from the last evaluation's metrics: also when a resumed run had no epoch left to train)
     positions = sum(
         len(head_labels(torch.tensor(s.ids), s.first_target, cfg.num_heads, cfg.prompt_positions)[0]) for s in seqs
