@@ -861,6 +861,7 @@ def run_epochs(
             {"epoch": epoch + 1, f"train_{key}": running, **averages, "seconds": epoch_batches.seconds(), **metrics}
         )
         said = "".join(f", {words} {averages[name]:.4f} (epoch mean)" for name, words in means.items())
-        log(f"epoch {epoch + 1}: train {loss_name} {running:.3f}{said}; {describe(metrics)}")
+        trained = "none (no batch had a position to learn from)" if running is None else f"{running:.3f}"
+        log(f"epoch {epoch + 1}: train {loss_name} {trained}{said}; {describe(metrics)}")
         checkpoints.epoch_done(epoch + 1)
     return history
