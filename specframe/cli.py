@@ -285,12 +285,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "specframe: note: the target's tokenizer has no chat template: the prompt is given as it is",
             file=sys.stderr,
         )
-    result = decoder.generate(prompt, raw=args.raw)
+    result = decoder.generate(prompt, raw=args.raw, stream=None if args.json else write_now)
     if args.json:
         shapes = measured_shapes(decoder.proposer)  # (they decide which random numbers a sampled run draws)
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats, "shapes": shapes}))
     else:
-        print(result.text)
+        print(flush=True)  # (the text itself was streamed: its pieces add up to result.text)
         s = result.stats
         print(
             f"[{cfg.proposer_name}] {s['new_tokens']} tokens, {s['target_forwards']} target forwards, "
@@ -306,6 +306,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def write_now(text: str) -> None:
+    """Write a piece of streamed text to standard output at once."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def read_stdin() -> str:

@@ -6,7 +6,7 @@ import contextlib
 import operator
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -46,6 +46,7 @@ from specframe.proposer import (
     validate_proposal,
 )
 from specframe.sampling import SamplingParams, check_sampling, check_seed
+from specframe.streaming import TextStream
 
 Prompt = str | list[int] | list[dict[str, str]] | torch.Tensor
 
@@ -329,10 +330,12 @@ class SpeculativeDecoder:
         seed: int | None = None,
         stop: list[str] | None = None,
         raw: bool = False,
+        stream: Callable[[str], object] | None = None,
     ) -> GenerationResult:
-        """Generate a continuation of `prompt`. A decoder runs one call at a time (the target's cache and the
-        proposer's state are the call's): calls from several threads wait their turn; for parallel requests,
-        build one decoder per thread (they may share the target model)."""
+        """Generate a continuation of `prompt`. `stream`, a function of one string, is handed the text in pieces
+        as it is generated (specframe/streaming.py); they add up to the result's text. A decoder runs one call at
+        a time (the target's cache and the proposer's state are the call's): calls from several threads wait
+        their turn; for parallel requests, build one decoder per thread (they may share the target model)."""
         if self._caller == threading.get_ident():
             raise SpecframeError(
                 "SpeculativeDecoder.generate was called from inside a generate call of the same decoder (by its "
@@ -342,7 +345,8 @@ class SpeculativeDecoder:
             self._caller = threading.get_ident()
             try:
                 settings = self._settings(max_new_tokens, temperature, top_p, top_k, seed, stop)
-                result = self._generate(prompt, raw, *settings)
+                text_stream = self._text_stream(stream, settings[2])
+                result = self._generate(prompt, raw, *settings, text_stream)
             except BaseException:
                 with contextlib.suppress(Exception):  # (the call's own error is the one to report)
                     self.proposer.end()
@@ -362,6 +366,7 @@ class SpeculativeDecoder:
         max_new: int,
         stop: list[str],
         generator: torch.Generator,
+        text_stream: TextStream | None = None,
     ) -> GenerationResult:
         """One call's generation, with its settings as `_settings` checked them."""
         start = time.perf_counter()
@@ -392,6 +397,8 @@ class SpeculativeDecoder:
         sequence = torch.cat([prompt_ids, torch.tensor(generated, device=self.device)])
 
         while not done:
+            if text_stream is not None:
+                text_stream.update(generated)
             past = cache.get_seq_length()
             tokens = sequence.clone()  # (the proposer's edits of state.tokens stay its own)
             max_depth = limit - len(generated) - 1  # a step emits depth + 1 tokens; limit respects the window
@@ -434,8 +441,20 @@ class SpeculativeDecoder:
         # Only the last step's block can be cut (every step checks EOS and stop strings): count as proposed and
         # accepted only the depths it kept, so that accepted_tokens never counts tokens the caller does not get.
         stats.keep_only(len(token_ids) - (len(generated) - stats.last_accepted - 1))
+        if text_stream is not None:
+            text_stream.finish(text)
         wall = time.perf_counter() - start
         return GenerationResult(token_ids, text, stats.as_dict(len(token_ids), wall, finish_reason))
+
+    def _text_stream(self, stream: Any, stop: list[str]) -> TextStream | None:
+        """The call's TextStream for a `stream` function, checked (None without one)."""
+        if stream is None:
+            return None
+        if not callable(stream):
+            raise BadInputError(f"stream must be a function taking the text's pieces, got {given_in_words(stream)}")
+        if self.tokenizer is None:
+            raise BadInputError("stream needs the target's tokenizer to decode the tokens, and this target has none")
+        return TextStream(stream, self._decode, stop)
 
     def _settings(
         self,

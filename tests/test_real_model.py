@@ -47,8 +47,10 @@ def hf_greedy(dec, prompt, n):
 def test_every_proposer_equals_transformers_greedy(decoders, prompt):
     ref = hf_greedy(decoders["none"], prompt, 48)
     for name, dec in decoders.items():
-        res = dec.generate(prompt, max_new_tokens=48)
+        pieces = []  # (streamed as `specframe generate` prints it: the pieces add up to the text)
+        res = dec.generate(prompt, max_new_tokens=48, stream=pieces.append)
         assert res.token_ids == ref, name
+        assert "".join(pieces) == res.text and len(pieces) > 1, name
 
 
 # Floors under what each shipped artifact measures on these prompts (mean accepted length over all three,

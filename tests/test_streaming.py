@@ -1,0 +1,103 @@
+"""Text streamed while it is generated (`generate(stream=...)`, specframe/streaming.py)."""
+
+import pytest
+
+from specframe import SpeculativeDecoder
+from specframe.decoder import target_info
+from specframe.errors import BadInputError
+from specframe.proposers.draft import DraftConfig, DraftProposer
+from specframe.proposers.none import NoneConfig, NoneProposer
+from specframe.streaming import HOLD_CHARS, TextStream
+from specframe.testing.tiny import tiny_llama
+
+
+class LetterTokenizer:
+    """Token id i decodes to the i-th character from 'a' on."""
+
+    eos_token_id = None
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+class ByteTokenizer(LetterTokenizer):
+    """Token i is the byte i, decoded as byte-level BPE decodes: the first bytes of a character whose rest is
+    still to come read as U+FFFD until it comes."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def decoders(vocab_size, tokenizer):
+    target = tiny_llama(vocab_size=vocab_size, seed=5)
+    info = target_info(target)
+    draft = DraftProposer.random(info, DraftConfig(num_speculative_tokens=3), seed=1)  # (steps of several tokens)
+    for proposer in (NoneProposer(NoneConfig(), info), draft):
+        dec = SpeculativeDecoder(target, proposer, tokenizer)
+        dec.eos_ids = set()
+        yield dec
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("vocab_size, tokenizer", [(26, LetterTokenizer()), (256, ByteTokenizer())])
+def test_the_pieces_add_up_to_the_text_and_come_while_it_is_generated(vocab_size, tokenizer, temperature):
+    for dec in decoders(vocab_size, tokenizer):
+        pieces, seen_by_step = [], []
+        propose = dec.proposer.propose
+        dec.proposer.propose = lambda state, seen=seen_by_step, pieces=pieces, propose=propose: (
+            seen.append(len(pieces)) or propose(state)
+        )
+        for seed in range(3):
+            pieces.clear()
+            res = dec.generate([1, 2, 3], max_new_tokens=40, temperature=temperature, seed=seed, stream=pieces.append)
+            assert "".join(pieces) == res.text and len(res.text) >= 3 * HOLD_CHARS
+            assert all(pieces) and seen_by_step[-1] >= 1  # (text out before the last step, never an empty piece)
+
+
+def test_a_stop_string_is_never_streamed():
+    for dec in decoders(26, LetterTokenizer()):
+        full = dec.generate([1, 2, 3], max_new_tokens=40).text
+        for stop in ([full[20:22]], [full[15:30]], [full[25:27], "z" * 30]):
+            pieces = []
+            res = dec.generate([1, 2, 3], max_new_tokens=40, stop=stop, stream=pieces.append)
+            assert res.stats["finish_reason"] == "stop" and "".join(pieces) == res.text
+            assert all(s not in "".join(pieces) for s in stop) and len(res.text) <= 25
+
+
+def test_the_tail_a_tokenizer_may_still_change_is_held_back():
+    texts = iter(["Well, I think I do n", "Well, I think I don't know yet, but"])
+    pieces = []
+    stream = TextStream(pieces.append, lambda ids: next(texts), stop=[])
+    stream.update([1])
+    assert pieces == ["Well, I think"[: len("Well, I think I do n") - HOLD_CHARS]]
+    stream.update([1, 2])
+    stream.finish("Well, I think I don't know yet, but sure.")
+    assert "".join(pieces) == "Well, I think I don't know yet, but sure."
+    long_stop = TextStream(pieces.append, lambda ids: "x" * 30, stop=["y" * 20])
+    assert long_stop.hold == 20
+
+
+def test_text_that_changes_further_back_stops_the_stream_and_is_never_written_wrong():
+    texts = iter(["abcdefghijklmnopq", "abcdeZZZZZZZZZZZZZZZZZ", "abcdeZZZZZZZZZZZZZZZZZZZZZZ"])
+    pieces = []
+    stream = TextStream(pieces.append, lambda ids: next(texts), stop=[])
+    for _ in range(3):
+        stream.update([1])
+    assert pieces == ["abcdefghi"]  # (nothing after the change)
+    with pytest.warns(RuntimeWarning, match="streamed text .* is not the start of the result's text"):
+        stream.finish("abcdeZZZZZZZZZZZZZZZZZZZZZZ")
+    assert pieces == ["abcdefghi"]
+    again = TextStream(pieces.append, lambda ids: "abcdefghijklmnopq", stop=[])
+    again.update([1])
+    again.finish("abcdefghijklmnopq and the rest")  # (consistent after all: the rest, no warning)
+    assert pieces[-2:] == ["abcdefghi", "jklmnopq and the rest"]
+
+
+def test_bad_streams_are_refused():
+    dec = next(decoders(26, LetterTokenizer()))
+    with pytest.raises(BadInputError, match="stream must be a function taking the text's pieces, got an int"):
+        dec.generate([1, 2], max_new_tokens=3, stream=5)
+    dec.tokenizer = None
+    with pytest.raises(BadInputError, match="stream needs the target's tokenizer"):
+        dec.generate([1, 2], max_new_tokens=3, stream=print)
