@@ -867,7 +867,8 @@ DEFINITIONS = {
     "among its drafts)",
     "alpha": "per-token acceptance probability, estimated as accepted / (accepted + rejections); a step that "
     "accepted fewer drafts than the deepest depth proposed counts one rejection (so a whole shorter "
-    "draft near the token budget counts as a rejection: a slight underestimate); only for chains of one depth "
+    "draft near the token budget, or a turn's last step cut by an EOS or a stop string among its drafts, counts "
+    "as a rejection: a slight underestimate); only for chains of one depth "
     "(at most gamma + 1 steps a turn drafting fewer, near its token budget): of others the prediction is not made",
     "predicted_speedup": "Leviathan et al.: E[tokens/step] = (1 - alpha^(gamma+1)) / (1 - alpha); speedup = "
     "E[tokens/step] x plain step cost / (gamma x draft cost per token + verify cost per "

@@ -280,7 +280,7 @@ def with_overrides(raw: DictConfig, overrides: list[str]) -> DictConfig:
             raise ConfigError(f"override '{item}': '- ' starts a YAML list item; give a list as [a,b], quote text")
         if anchor := _yaml_anchor(text):  # (`stop=[&a]` was [None]: YAML reads `&a` as a label for what follows)
             raise ConfigError(
-                f"override '{item}': '&{anchor}' is a YAML anchor, a label, not text (the value would be empty); "
+                f"override '{item}': '&{anchor}' is a YAML anchor, a label that YAML drops, not text; "
                 f"quote text that starts with '&' (\"&{anchor}\", the whole override in single quotes on a shell)"
             )
         try:

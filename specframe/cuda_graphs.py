@@ -292,7 +292,7 @@ class GraphedTarget:
             try:
                 self.buffers.graphs[key] = self._capture(bucket, output_hidden_states)
             except Exception as e:
-                self.turn_off(f"capturing failed: {type(e).__name__}: {brief(e)}")
+                self.turn_off(f"capturing failed: {brief(e, typed=True)}")
                 return None
         return self.buffers.graphs[key]
 
@@ -464,7 +464,7 @@ def graphed_target(
                         graphed.prepare(output_hidden_states)
                     differs = graphed.off
         except Exception as e:  # (a capture that fails is caught inside: this is the check's own failure)
-            differs = f"checking them against the eager forward failed: {type(e).__name__}: {brief(e)}"
+            differs = f"checking them against the eager forward failed: {brief(e, typed=True)}"
     if differs is not None:
         warnings.warn(f"CUDA graphs off for this target: {differs}", GraphsWarning, stacklevel=3)
         return None, differs

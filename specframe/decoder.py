@@ -35,6 +35,7 @@ from specframe.errors import (
 from specframe.kv_cache import context_limit, keep_positions, new_cache, tree_attention_mask
 from specframe.lean_forward import engine_forward
 from specframe.proposer import (
+    MAX_PROPOSAL_NODES,
     Acceptance,
     DecodeState,
     Proposal,
@@ -402,6 +403,7 @@ class SpeculativeDecoder:
             past = cache.get_seq_length()
             tokens = sequence.clone()  # (the proposer's edits of state.tokens stay its own)
             max_depth = limit - len(generated) - 1  # a step emits depth + 1 tokens; limit respects the window
+            max_depth = min(max_depth, MAX_PROPOSAL_NODES)  # (a chain that deep still fits one verification)
             if self.rope_switch is not None and past < self.rope_switch:  # (no verification across the switch)
                 max_depth = min(max_depth, self.rope_switch - 1 - past)
             recompute = self.recompute_at_switch and past == self.rope_switch  # (then a step without drafts)

@@ -68,12 +68,13 @@ def check_field_types(config: object, prefix: str) -> None:
             raise ConfigError(f"{prefix}{f.name} must be {words}{unset}, got {value!r}")
 
 
-def brief(e: BaseException, limit: int | None = None, lines: int | None = None) -> str:
+def brief(e: BaseException, limit: int | None = None, lines: int | None = None, typed: bool = False) -> str:
     """An exception's message on one line (some embed multi-line reprs): its first `lines` non-empty lines if
     given (OmegaConf's and transformers' errors add lines of context after the message), at most `limit`
-    characters if given; the exception's type when it has no message."""
+    characters if given; after its type's name with `typed`; the type's name alone when it has no message."""
     kept = [line for line in str(e).splitlines() if line.strip()][:lines]
-    text = " ".join(" ".join(kept).split()) or type(e).__name__
+    text = " ".join(" ".join(kept).split())
+    text = (f"{type(e).__name__}: {text}" if typed else text) if text else type(e).__name__
     return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
 
 

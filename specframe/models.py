@@ -910,9 +910,9 @@ def pull_default_model(
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ModelLoadError(f"cannot create the model cache {root}: {e} (set SPECFRAME_HOME elsewhere)") from e
-    with _one_pull_at_a_time(root, alias, quiet) as waited:
-        if waited and not force and _cache_problem(final, checksums=verify) is None:
-            _say(quiet, f"{alias} was cached at {final} meanwhile")  # (by the process that held the lock)
+    with _one_pull_at_a_time(root, alias, quiet):
+        if not force and _cache_problem(final, checksums=verify) is None:  # (another process's pull, just now)
+            _say(quiet, f"{alias} was cached at {final} meanwhile")
             return final
         _remove_stale_partials(root, alias)
         start = time.monotonic()
@@ -925,16 +925,16 @@ def pull_default_model(
 
 
 @contextlib.contextmanager
-def _one_pull_at_a_time(root: Path, alias: str, quiet: bool) -> Iterator[bool]:
+def _one_pull_at_a_time(root: Path, alias: str, quiet: bool) -> Iterator[None]:
     """Hold an exclusive lock on `<root>/.<alias>-pull.lock` for a pull, so that a second process (or thread)
-    pulling the same alias waits, then finds the first one's copy, instead of downloading it again. Yields whether
-    it had to wait. The lock file is removed on release; a waiter that then holds a removed file's lock tries
-    again on the new one. Unlocked where the system has no `fcntl` or the cache folder takes no lock (the pull's
-    own checks still keep the cache whole; only the work may be done twice)."""
+    pulling the same alias waits, then finds the first one's copy, instead of downloading it again. The lock file
+    is removed on release; a waiter that then holds a removed file's lock tries again on the new one. Unlocked
+    where the system has no `fcntl` or the cache folder takes no lock (the pull's own checks still keep the cache
+    whole; only the work may be done twice)."""
     path = root / f".{alias}-pull.lock"
-    fd, waited = _lock_file(path, lambda: _say(quiet, f"waiting for another process pulling {alias} into {root}..."))
+    fd = _lock_file(path, lambda: _say(quiet, f"waiting for another process pulling {alias} into {root}..."))
     try:
-        yield waited
+        yield
     finally:
         if fd is not None:
             with contextlib.suppress(OSError):
@@ -942,19 +942,19 @@ def _one_pull_at_a_time(root: Path, alias: str, quiet: bool) -> Iterator[bool]:
             os.close(fd)
 
 
-def _lock_file(path: Path, on_wait: Any) -> tuple[int | None, bool]:
-    """(an open descriptor of `path` holding its exclusive lock, or None where no lock can be had; whether it
-    waited, having called `on_wait` once)."""
+def _lock_file(path: Path, on_wait: Any) -> int | None:
+    """An open descriptor of `path` holding its exclusive lock (`on_wait()` called once if it has to wait for
+    it), or None where no lock can be had."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows
-        return None, False
+        return None
     waited = False
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError:  # (a read-only cache: the pull says so when it writes)
-            return None, waited
+            return None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -964,12 +964,12 @@ def _lock_file(path: Path, on_wait: Any) -> tuple[int | None, bool]:
                 waited = True
                 fcntl.flock(fd, fcntl.LOCK_EX)
             if os.fstat(fd).st_ino == os.stat(path).st_ino:  # (not a file its holder removed meanwhile)
-                return fd, waited
+                return fd
         except FileNotFoundError:
             pass
         except OSError:  # (no locks on this file system)
             os.close(fd)
-            return None, waited
+            return None
         except BaseException:  # (Ctrl-C while waiting)
             os.close(fd)
             raise

@@ -119,7 +119,7 @@ def test_packaged_configs_load_by_name(tmp_path, monkeypatch):
         (["generation.stop=#"], r"^override 'generation.stop=#': the value is a YAML comment; quote text that starts"),
         (["generation.stop=a #b"], r"' #' starts a YAML comment, dropping the rest; quote the text"),  # (was ['a'])
         (["generation.stop=- a"], r"'- ' starts a YAML list item"),  # (was ['a'])
-        (["generation.stop=[&a]"], r"'&a' is a YAML anchor, a label, not text .* \(\"&a\", the whole"),  # (was [None])
+        (["generation.stop=[&a]"], r"'&a' is a YAML anchor, a label that YAML drops, not text; .* \(\"&a\", the"),
         (["generation.stop=&x  "], r"'&x' is a YAML anchor"),
         (["generation.stop=User: hi"], r"""for the text 'User: hi', quote it: generation.stop='"User: hi"'\)$"""),
         (["generation.stop.0=x"], r"\(set a list field whole, e.g. generation.stop=\[a,b\]\)$"),
@@ -353,3 +353,13 @@ def test_a_flag_and_an_override_of_text_that_is_no_number_differ():
 
     with pytest.raises(BadInputError, match="--temperature 0.5 and the override sampling.temperature=abc set"):
         flag_overrides({"sampling.temperature": ("--temperature", 0.5)}, ["sampling.temperature=abc"])
+
+
+def test_brief_puts_an_exception_on_one_line():
+    from specframe.errors import brief
+
+    e = ValueError("first  line\n\n  second\nthird")
+    assert brief(e) == "first line second third" and brief(e, lines=1) == "first line"
+    assert brief(e, 12, lines=2) == "first lin..."
+    assert brief(RuntimeError("boom"), typed=True) == "RuntimeError: boom"
+    assert brief(RuntimeError(""), typed=True) == brief(RuntimeError()) == "RuntimeError"

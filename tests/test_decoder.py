@@ -115,6 +115,22 @@ def test_draft_depth_never_exceeds_the_remaining_budget(target):
     assert seen == [5, 0]  # 1 token from prefill; a step of 4 + 1 leaves 1 more, so nothing to draft
 
 
+def test_draft_depth_never_exceeds_what_one_verification_takes(target, monkeypatch):
+    """A chain as deep as the settings allow (num_speculative_tokens is not capped) is offered no more depth than
+    MAX_PROPOSAL_NODES: it was refused mid-generation as a malformed proposal."""
+    import specframe.decoder
+    import specframe.proposer
+
+    for module in (specframe.decoder, specframe.proposer):
+        monkeypatch.setattr(module, "MAX_PROPOSAL_NODES", 3)
+    seen = []
+    dec = self_draft_decoder(target, gamma=6)
+    inner = dec.proposer.propose
+    dec.proposer.propose = lambda state: seen.append(state.max_depth) or inner(state)
+    res = dec.generate([1, 2, 3], max_new_tokens=12)
+    assert max(seen) == 3 and res.token_ids == reference_greedy(target, [1, 2, 3], 12)
+
+
 def test_same_seed_same_output_under_sampling(target, info):
     dec = SpeculativeDecoder(target, DraftProposer.random(info, DraftConfig(num_speculative_tokens=2), seed=3))
     a = dec.generate([1, 2], max_new_tokens=20, temperature=1.0, seed=7).token_ids

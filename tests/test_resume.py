@@ -284,6 +284,12 @@ DAMAGE = {
     "within an epoch, generator state not base64": lambda c: (c / "state.json").write_text(
         '{"epoch": 1, "history": [], "within": {"batches": 2, "generator": "not base64!"}}'
     ),
+    "within an epoch, a mean's sum not a finite number": lambda c: (c / "state.json").write_text(
+        '{"epoch": 1, "history": [], "within": {"batches": 2, "means": {"keep_kl": ["inf", 2]}}}'
+    ),
+    "within an epoch, a mean counting more batches than were done": lambda c: (c / "state.json").write_text(
+        '{"epoch": 1, "history": [], "within": {"batches": 2, "means": {"keep_kl": [0.5, 99]}}}'
+    ),
 }
 
 

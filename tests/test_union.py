@@ -300,6 +300,17 @@ def test_a_failing_member_is_named(target, info):
         SpeculativeDecoder(target, union).generate([1, 2], max_new_tokens=5)
 
 
+def test_members_proposing_more_nodes_together_than_one_verification_takes_are_named(target, info, monkeypatch):
+    import specframe.proposers.union
+
+    monkeypatch.setattr(specframe.proposers.union, "MAX_PROPOSAL_NODES", 5)
+    union = UnionProposer.random(info, UnionConfig(members=["draft", "draft"]))
+    for member in union.members:
+        member.gamma = 3  # (sampled drafts are never merged: 6 nodes)
+    with pytest.raises(ProposerError, match=r"^union: its 2 members proposed 6 nodes together, more than the 5 one"):
+        SpeculativeDecoder(target, union).generate([1, 2], max_new_tokens=20, temperature=1.0, seed=0)
+
+
 def test_a_member_running_out_of_memory_stays_itself(target, info):
     union = UnionProposer.random(info, UnionConfig(members=["none", "draft"]))
     oom = torch.OutOfMemoryError("CUDA out of memory")

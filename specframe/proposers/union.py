@@ -35,6 +35,7 @@ from omegaconf import OmegaConf
 
 from specframe.errors import BadInputError, ConfigError, ProposerError
 from specframe.proposer import (
+    MAX_PROPOSAL_NODES,
     Acceptance,
     DecodeState,
     Proposal,
@@ -291,6 +292,13 @@ class UnionProposer(Proposer):
             structures.append(validate_proposal(p, self.target.vocab_size, state.max_depth, self.whos[m]))
             proposals.append(p)
         self.merged = merge_proposals(proposals, self.target.vocab_size, state.tokens.device, structures)
+        nodes = len(self.merged.proposal)
+        if nodes > MAX_PROPOSAL_NODES:  # (each member's fits; together, not shared, they do not)
+            raise ProposerError(
+                f"union: its {len(self.members)} members proposed {nodes} nodes together, more than the "
+                f"{MAX_PROPOSAL_NODES} one verification takes: use fewer members or smaller drafts (e.g. a lower "
+                "num_speculative_tokens)"
+            )
         return self.merged.proposal
 
     def accepted(self, result: Acceptance) -> None:

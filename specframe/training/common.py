@@ -329,9 +329,13 @@ def progress_of(state: dict) -> Progress:
         progress.running, progress.seconds = running, float(seconds)
         progress.generator = base64.b64decode(within.get("generator", ""), validate=True)
         means = within.get("means", {})  # (none in checkpoints from before run_epochs kept them)
-        if not isinstance(means, dict) or not all(isinstance(v, list) and len(v) == 2 for v in means.values()):
-            raise ValueError(f"within.means is not sums and counts: {str(means)[:40]}")
+        if not isinstance(means, dict) or not all(
+            isinstance(v, list) and len(v) == 2 and is_number(v[0]) and math.isfinite(v[0]) for v in means.values()
+        ):
+            raise ValueError(f"within.means is not finite sums and counts: {str(means)[:40]}")
         progress.means = {k: [float(total), _count(n, "a count in within.means")] for k, (total, n) in means.items()}
+        if any(n > progress.batches for _, n in progress.means.values()):
+            raise ValueError(f"within.means counts more batches than the {progress.batches} done")
     return progress
 
 
@@ -860,7 +864,10 @@ def run_epochs(
         history.append(
             {"epoch": epoch + 1, f"train_{key}": running, **averages, "seconds": epoch_batches.seconds(), **metrics}
         )
-        said = "".join(f", {words} {averages[name]:.4f} (epoch mean)" for name, words in means.items())
+        said = "".join(
+            f", {words} {f'{averages[name]:.4f}' if name in averages else 'none'} (epoch mean)"
+            for name, words in means.items()
+        )
         trained = "none (no batch had a position to learn from)" if running is None else f"{running:.3f}"
         log(f"epoch {epoch + 1}: train {loss_name} {trained}{said}; {describe(metrics)}")
         checkpoints.epoch_done(epoch + 1)
