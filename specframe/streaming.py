@@ -2,13 +2,15 @@
 
 After every verification step the engine gives `TextStream.update` the tokens so far; the stream decodes them
 and writes the part of the text that later tokens can no longer change: all but the last HOLD_CHARS characters,
-and all but the longest stop string's length (a stop string is cut from the text with whatever follows it, and
-one still to be completed starts within that tail). Held back with them are the tail's other unsettled pieces:
-the bytes of a character whose rest is in the next token (decoded as U+FFFD until then), and a space that a
-tokenizer's clean-up drops when the next token arrives ("do n" + "'t" decodes as "don't"). When generation ends,
-`finish` writes the rest of the result's text, so the pieces always add up to `result.text` exactly. A tokenizer
-whose text changes further back than that is not streamed wrong: from that step nothing more is written until
-the end, and if the written part is then no longer the start of the text, a warning says so.
+the tail's unsettled pieces: the bytes of a character whose rest is in the next token (decoded as U+FFFD until
+then; SentencePiece's byte fallback gives one per byte, so the text can grow shorter: "\ufffd\ufffd\ufffd" to
+"😀"), and a space that a tokenizer's clean-up drops when the next token arrives ("do n" + "'t" decodes as
+"don't"). With stop strings, the longest one's length more is held back: a stop string is cut from the text
+with whatever follows it, and one still to be completed may end in the unsettled tail, so start that much
+before it. When generation ends, `finish` writes the rest of the result's text, so the pieces always add up to
+`result.text` exactly. A tokenizer whose text changes further back than that is not streamed wrong: from that
+step nothing more is written until the end, and if the written part is then no longer the start of the text, a
+warning says so.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
-HOLD_CHARS = 8  # characters of the newest text held back (more when a stop string is longer)
+HOLD_CHARS = 8  # characters of the newest text held back (and the longest stop string's length more)
 
 
 class TextStream:
@@ -24,7 +26,7 @@ class TextStream:
 
     def __init__(self, write: Callable[[str], object], decode: Callable[[list[int]], str], stop: list[str]) -> None:
         self.write, self.decode = write, decode
-        self.hold = max([HOLD_CHARS, *(len(s) for s in stop)])
+        self.hold = HOLD_CHARS + max((len(s) for s in stop), default=0)
         self.written = ""
         self.diverged = False  # (the text changed before what was held back: nothing more until the end)
 
@@ -33,12 +35,11 @@ class TextStream:
         if self.diverged:
             return
         text = self.decode(token_ids)
-        settled = text[: max(0, len(text) - self.hold)]
-        if not settled.startswith(self.written):
+        if not text.startswith(self.written):  # (the whole text: one grown shorter may hold less than is out)
             self.diverged = True
-        elif len(settled) > len(self.written):
-            self.write(settled[len(self.written) :])
-            self.written = settled
+        elif len(text) - self.hold > len(self.written):
+            self.write(text[len(self.written) : len(text) - self.hold])
+            self.written = text[: len(text) - self.hold]
 
     def finish(self, text: str) -> None:
         """Generation ended with `text` (the result's): write what is left of it."""

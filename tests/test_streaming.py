@@ -1,5 +1,7 @@
 """Text streamed while it is generated (`generate(stream=...)`, specframe/streaming.py)."""
 
+import warnings
+
 import pytest
 
 from specframe import SpeculativeDecoder
@@ -75,7 +77,60 @@ def test_the_tail_a_tokenizer_may_still_change_is_held_back():
     stream.finish("Well, I think I don't know yet, but sure.")
     assert "".join(pieces) == "Well, I think I don't know yet, but sure."
     long_stop = TextStream(pieces.append, lambda ids: "x" * 30, stop=["y" * 20])
-    assert long_stop.hold == 20
+    assert long_stop.hold == HOLD_CHARS + 20  # (a stop string may end in the unsettled tail)
+
+
+def byte_fallback_tokenizer():
+    """SentencePiece's kind (Llama 2's, Mistral's): spaces as "▁", other text as its UTF-8 bytes (<0xNN>), each
+    byte of a character whose rest is still to come decoded as one U+FFFD."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    vocab["▁"] = 257
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    parts = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    tok.decoder = decoders.Sequence(parts)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def test_text_that_grows_shorter_is_streamed_on():
+    # (before: "\ufffd\ufffd\ufffd" becoming "😀", or "x '" cleaned up to "x'", left less settled text than was
+    # out, which was taken for a change further back: nothing more was streamed until the end)
+    tokenizer = byte_fallback_tokenizer()
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    ids = tokenizer.encode("the cat 😀 sat on the mat, the cat sat on the mat", add_special_tokens=False)
+    assert decode(ids[:12]) == "the cat \ufffd\ufffd\ufffd" and decode(ids[:13]) == "the cat 😀"
+    pieces = []
+    stream = TextStream(pieces.append, decode, stop=[])
+    for n in range(1, len(ids)):  # (a token a step, as plain decoding)
+        stream.update(ids[:n])
+    assert "".join(pieces) == decode(ids[:-1])[:-HOLD_CHARS]
+    texts = ["Well, I think it was x '", "Well, I think it was x'", "Well, I think it was x' and more"]
+    pieces = []
+    stream = TextStream(pieces.append, lambda ids: texts[len(ids) - 1], stop=[])
+    for n in range(1, 4):
+        stream.update([0] * n)
+    assert "".join(pieces) == texts[2][:-HOLD_CHARS]
+
+
+def test_a_stop_string_that_the_last_byte_of_a_character_completes_is_never_streamed():
+    # (before: "cat sat \ufffd\ufffd\ufffd" gave way to "cat sat 😀" two characters shorter, so the stop string
+    # began two characters before the tail held back: its "c" was streamed, then a warning)
+    tokenizer = byte_fallback_tokenizer()
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    ids = tokenizer.encode("the mat, the cat sat 😀 on the mat", add_special_tokens=False)
+    stop = "cat sat 😀"
+    completes = next(n for n in range(1, len(ids) + 1) if stop in decode(ids[:n]))
+    pieces = []
+    stream = TextStream(pieces.append, decode, stop=[stop])
+    for n in range(1, completes):  # (the engine's updates before the step that completes it)
+        stream.update(ids[:n])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stream.finish("the mat, the ")  # (the result's text: cut where the stop string starts)
+    assert "".join(pieces) == "the mat, the "
 
 
 def test_text_that_changes_further_back_stops_the_stream_and_is_never_written_wrong():
