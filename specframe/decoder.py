@@ -340,7 +340,8 @@ class SpeculativeDecoder:
         if self._caller == threading.get_ident():
             raise SpecframeError(
                 "SpeculativeDecoder.generate was called from inside a generate call of the same decoder (by its "
-                f"{self.who}?): a decoder runs one call at a time; use another decoder"
+                f"{self.who}, or the function given as stream?): a decoder runs one call at a time; use another "
+                "decoder"
             )
         with self._one_call, proposer_in_use(self.proposer, self.who):
             self._caller = threading.get_ident()

@@ -6,7 +6,7 @@ import pytest
 
 from specframe import SpeculativeDecoder
 from specframe.decoder import target_info
-from specframe.errors import BadInputError
+from specframe.errors import BadInputError, SpecframeError
 from specframe.proposers.draft import DraftConfig, DraftProposer
 from specframe.proposers.none import NoneConfig, NoneProposer
 from specframe.streaming import HOLD_CHARS, TextStream
@@ -147,6 +147,24 @@ def test_text_that_changes_further_back_stops_the_stream_and_is_never_written_wr
     again.update([1])
     again.finish("abcdefghijklmnopq and the rest")  # (consistent after all: the rest, no warning)
     assert pieces[-2:] == ["abcdefghi", "jklmnopq and the rest"]
+
+
+def test_a_stream_that_fails_ends_the_call_and_leaves_the_decoder_as_it_was():
+    dec = list(decoders(26, LetterTokenizer()))[1]  # (the draft proposer: its per-call state too)
+    expected = dec.generate([1, 2, 3], max_new_tokens=40, temperature=1.0, seed=2).token_ids
+
+    def failing(piece):
+        raise KeyboardInterrupt
+
+    for stream, error, match in (
+        (failing, KeyboardInterrupt, None),
+        (lambda piece: dec.generate([1], max_new_tokens=2), SpecframeError, "by its proposer 'draft', or the funct"),
+    ):
+        with pytest.raises(error, match=match):
+            dec.generate([1, 2, 3], max_new_tokens=40, stream=stream)
+        pieces = []
+        res = dec.generate([1, 2, 3], max_new_tokens=40, temperature=1.0, seed=2, stream=pieces.append)
+        assert res.token_ids == expected and "".join(pieces) == res.text
 
 
 def test_bad_streams_are_refused():
