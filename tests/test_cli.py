@@ -66,6 +66,9 @@ def test_generate_json_with_a_draft(capsys, tiny_dirs):
 def test_generate_plain_text_and_stdin_prompt(capsys, tiny_dirs, monkeypatch):
     code, out, err = run(capsys, *gen_args(tiny_dirs, "--proposer", "none"), stdin="a b", monkeypatch=monkeypatch)
     assert code == 0 and out.strip() != "" and "mean accepted length 1.00" in err
+    # Standard output is the answer's text once (streamed in pieces) and a line end, as --json gives the text.
+    code, as_json, _ = run(capsys, *gen_args(tiny_dirs, "--proposer", "none", "--json", "--prompt", "a b"))
+    assert code == 0 and out == json.loads(as_json)["text"] + "\n"
     # (the tiny tokenizer has no chat template: the prompt goes in as it is, and generate says so, as bench does)
     assert "note: the target's tokenizer has no chat template: the prompt is given as it is" in err
     # The line end that `echo` adds is not part of the prompt (as with --prompt "a b").
