@@ -1496,7 +1496,8 @@ def busy_note(doc: dict[str, Any]) -> list[str]:
     return [
         f"- **the machine was busy**: 1-minute load {load:.2f} on {cpus} CPUs before the run started, so "
         "absolute tokens/s are depressed and noisy; the ratios between methods, interleaved prompt by "
-        "prompt, are the numbers to read"
+        "prompt, are less so, not immune: a turn stalled by another process skews its method's mean, so "
+        "confirm a surprising ratio on an idle machine"
     ]
 
 

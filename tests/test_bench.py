@@ -1219,3 +1219,15 @@ def test_graph_buffers_are_reserved_within_the_window_and_a_failure_is_only_note
     reserve_graph_buffers(methods, encoder, [Question(1, "qa", "qa", [" ".join(["w"] * 100)])], 256, lines.append)
     assert asked == [("a", 356), ("b", 300), ("c", 356)]
     assert lines == ["note: c's CUDA-graph buffers are made as it runs: RuntimeError: CUDA out of memory"]
+
+
+def test_a_run_begun_on_a_busy_cpu_says_so_and_what_to_read():
+    from specframe.bench import busy_note
+
+    def doc(load, device="cpu"):
+        return {"loadavg_start": [load, 0.0, 0.0], "machine": {"nproc": 2}, "settings": {"device": device}}
+
+    assert busy_note(doc(0.9)) == [] and busy_note(doc(3.0, "cuda:0")) == []
+    (note,) = busy_note(doc(1.0))
+    assert note.startswith("- **the machine was busy**: 1-minute load 1.00 on 2 CPUs before the run started")
+    assert "confirm a surprising ratio on an idle machine" in note
