@@ -49,8 +49,8 @@ class TextStream:
             return
         warnings.warn(
             f"the streamed text ({len(self.written)} characters) is not the start of the result's text: the "
-            "tokenizer's decoded text changed further back than the stream holds back; result.text is the right "
-            "one",
+            "tokenizer's decoded text changed further back than the stream holds back; result.text (the text of "
+            "`specframe generate --json`) is the right one",
             RuntimeWarning,
             stacklevel=3,
         )
