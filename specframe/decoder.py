@@ -346,9 +346,11 @@ class SpeculativeDecoder:
         with self._one_call, proposer_in_use(self.proposer, self.who):
             self._caller = threading.get_ident()
             try:
-                settings = self._settings(max_new_tokens, temperature, top_p, top_k, seed, stop)
-                text_stream = self._text_stream(stream, settings[2])
-                result = self._generate(prompt, raw, *settings, text_stream)
+                params, max_new, stop_strings, generator = self._settings(
+                    max_new_tokens, temperature, top_p, top_k, seed, stop
+                )
+                text_stream = self._text_stream(stream, stop_strings)
+                result = self._generate(prompt, raw, params, max_new, stop_strings, generator, text_stream)
             except BaseException:
                 with contextlib.suppress(Exception):  # (the call's own error is the one to report)
                     self.proposer.end()
