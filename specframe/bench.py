@@ -925,7 +925,7 @@ def reserve_graph_buffers(
         try:
             m.decoder.graphs.new_cache(min(longest, m.decoder.context_window))
         except Exception as e:
-            log(f"note: {m.name}'s CUDA-graph buffers are made as it runs: {type(e).__name__}: {brief(e)}")
+            log(f"note: {m.name}'s CUDA-graph buffers are made as it runs: {brief(e, typed=True)}")
 
 
 def timed_loop(

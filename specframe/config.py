@@ -564,7 +564,7 @@ def structured(schema: type, values: Any, prefix: str) -> Any:
         raise ConfigError(f"{where}: {brief(e, lines=1)}{more}") from e
     except (TypeError, ValueError, AssertionError, LookupError) as e:  # a plugin's checks raising these, not
         # ConfigError (other exceptions are bugs, not bad input: they stay what they are)
-        raise ConfigError(f"{prefix} ({schema.__name__}): {type(e).__name__}: {brief(e, lines=1)}") from e
+        raise ConfigError(f"{prefix} ({schema.__name__}): {brief(e, lines=1, typed=True)}") from e
 
 
 def to_yaml(cfg: SpecframeConfig) -> str:

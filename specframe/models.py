@@ -801,7 +801,7 @@ def _apply_adapter(model: Any, adapter: str, base: str, base_dir: Path | None = 
         with safe_open(str(weights), framework="pt") as f:
             saved = set(f.keys())
     except (*_load_errors(), UnicodeDecodeError) as e:
-        raise ModelLoadError(f"adapter {path} is damaged: {type(e).__name__}: {brief(e, 400, lines=2)}") from e
+        raise ModelLoadError(f"adapter {path} is damaged: {brief(e, 400, lines=2, typed=True)}") from e
     if not isinstance(adapter_config, dict):
         raise ModelLoadError(f"adapter {path} is damaged: adapter_config.json holds no JSON object")
     from peft import PeftType

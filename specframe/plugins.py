@@ -185,7 +185,7 @@ def build_registry(autoload: bool | None = None) -> Registry:
                 continue
             register_plugin(pm, registry, module, ep.name, dist, ver)
         except Exception as e:
-            not_loaded(registry, ep.name, dist, ver, f"{type(e).__name__}: {brief(e, 300)}")
+            not_loaded(registry, ep.name, dist, ver, brief(e, 300, typed=True))
             held = registry.contest(e.name, ep.name, dist) if isinstance(e, ContestedName) else None
             if isinstance(e, ContestedName):
                 registry.withdraw([n for n in e.plugin_names if n != e.name], ep.name, dist, e.name)

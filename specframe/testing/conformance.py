@@ -715,7 +715,7 @@ def run_check(name: str, check: Callable[[], CheckResult], device: str, dtype: s
     except BadInputError:
         raise
     except Exception as e:
-        detail = f"raised {type(e).__name__}: {brief(e, 300)}"
+        detail = f"raised {brief(e, 300, typed=True)}"
         trace = "".join(traceback.format_exception(e)).rstrip()
         return CheckResult(name, device, False, detail, None, time.perf_counter() - t0, dtype, trace=trace)
 
