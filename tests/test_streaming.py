@@ -9,8 +9,10 @@ from specframe.decoder import target_info
 from specframe.errors import BadInputError, SpecframeError
 from specframe.proposers.draft import DraftConfig, DraftProposer
 from specframe.proposers.none import NoneConfig, NoneProposer
-from specframe.streaming import HOLD_CHARS, TextStream
+from specframe.streaming import DECODE_SHARE, HOLD_CHARS, TextStream
 from specframe.testing.tiny import tiny_llama
+
+STILL = lambda: 0.0  # noqa: E731  (a clock that never moves: a stream so timed decodes at every update)
 
 
 class LetterTokenizer:
@@ -70,14 +72,49 @@ def test_a_stop_string_is_never_streamed():
 def test_the_tail_a_tokenizer_may_still_change_is_held_back():
     texts = iter(["Well, I think I do n", "Well, I think I don't know yet, but"])
     pieces = []
-    stream = TextStream(pieces.append, lambda ids: next(texts), stop=[])
+    stream = TextStream(pieces.append, lambda ids: next(texts), stop=[], clock=STILL)
     stream.update([1])
     assert pieces == ["Well, I think"[: len("Well, I think I do n") - HOLD_CHARS]]
     stream.update([1, 2])
     stream.finish("Well, I think I don't know yet, but sure.")
     assert "".join(pieces) == "Well, I think I don't know yet, but sure."
-    long_stop = TextStream(pieces.append, lambda ids: "x" * 30, stop=["y" * 20])
+    long_stop = TextStream(pieces.append, lambda ids: "x" * 30, stop=["y" * 20], clock=STILL)
     assert long_stop.hold == HOLD_CHARS + 20  # (a stop string may end in the unsettled tail)
+
+
+class ScriptedClock:
+    """A clock that moves only when told: by each decode's cost and by the time between steps."""
+
+    def __init__(self):
+        self.now, self.decoding = 0.0, 0.0
+
+    def __call__(self):
+        return self.now
+
+    def decoder(self, cost, text):
+        def decode(ids):
+            self.now += cost
+            self.decoding += cost
+            return text[: len(ids)]
+
+        return decode
+
+
+@pytest.mark.parametrize("decode_cost, decodes", [(1e-4, 200), (1.0, 40)])
+def test_decoding_takes_at_most_its_share_of_the_time(decode_cost, decodes):
+    # (steps of 10 s: a decode of 0.1 ms runs at every one of the 200; one of 1 s only at every fifth, and
+    # the text still comes while it is generated, in pieces that add up to it)
+    text = "".join(chr(ord("a") + i % 26) for i in range(400))
+    clock, pieces = ScriptedClock(), []
+    stream = TextStream(pieces.append, clock.decoder(decode_cost, text), stop=[], clock=clock)
+    for n in range(1, 201):
+        stream.update(list(range(2 * n)))
+        clock.now += 10.0
+    assert round(clock.decoding / decode_cost) == decodes
+    assert clock.decoding <= DECODE_SHARE * clock.now + decode_cost
+    assert len("".join(pieces)) >= 400 - 2 * 5 * 2 - HOLD_CHARS  # (the last decode at most ~5 steps back)
+    stream.finish(text)
+    assert "".join(pieces) == text
 
 
 def byte_fallback_tokenizer():
@@ -103,13 +140,13 @@ def test_text_that_grows_shorter_is_streamed_on():
     ids = tokenizer.encode("the cat 😀 sat on the mat, the cat sat on the mat", add_special_tokens=False)
     assert decode(ids[:12]) == "the cat \ufffd\ufffd\ufffd" and decode(ids[:13]) == "the cat 😀"
     pieces = []
-    stream = TextStream(pieces.append, decode, stop=[])
+    stream = TextStream(pieces.append, decode, stop=[], clock=STILL)
     for n in range(1, len(ids)):  # (a token a step, as plain decoding)
         stream.update(ids[:n])
     assert "".join(pieces) == decode(ids[:-1])[:-HOLD_CHARS]
     texts = ["Well, I think it was x '", "Well, I think it was x'", "Well, I think it was x' and more"]
     pieces = []
-    stream = TextStream(pieces.append, lambda ids: texts[len(ids) - 1], stop=[])
+    stream = TextStream(pieces.append, lambda ids: texts[len(ids) - 1], stop=[], clock=STILL)
     for n in range(1, 4):
         stream.update([0] * n)
     assert "".join(pieces) == texts[2][:-HOLD_CHARS]
@@ -124,7 +161,7 @@ def test_a_stop_string_that_the_last_byte_of_a_character_completes_is_never_stre
     stop = "cat sat 😀"
     completes = next(n for n in range(1, len(ids) + 1) if stop in decode(ids[:n]))
     pieces = []
-    stream = TextStream(pieces.append, decode, stop=[stop])
+    stream = TextStream(pieces.append, decode, stop=[stop], clock=STILL)
     for n in range(1, completes):  # (the engine's updates before the step that completes it)
         stream.update(ids[:n])
     with warnings.catch_warnings():
@@ -136,14 +173,14 @@ def test_a_stop_string_that_the_last_byte_of_a_character_completes_is_never_stre
 def test_text_that_changes_further_back_stops_the_stream_and_is_never_written_wrong():
     texts = iter(["abcdefghijklmnopq", "abcdeZZZZZZZZZZZZZZZZZ", "abcdeZZZZZZZZZZZZZZZZZZZZZZ"])
     pieces = []
-    stream = TextStream(pieces.append, lambda ids: next(texts), stop=[])
+    stream = TextStream(pieces.append, lambda ids: next(texts), stop=[], clock=STILL)
     for _ in range(3):
         stream.update([1])
     assert pieces == ["abcdefghi"]  # (nothing after the change)
     with pytest.warns(RuntimeWarning, match="streamed text .* is not the start of the result's text"):
         stream.finish("abcdeZZZZZZZZZZZZZZZZZZZZZZ")
     assert pieces == ["abcdefghi"]
-    again = TextStream(pieces.append, lambda ids: "abcdefghijklmnopq", stop=[])
+    again = TextStream(pieces.append, lambda ids: "abcdefghijklmnopq", stop=[], clock=STILL)
     again.update([1])
     again.finish("abcdefghijklmnopq and the rest")  # (consistent after all: the rest, no warning)
     assert pieces[-2:] == ["abcdefghi", "jklmnopq and the rest"]
