@@ -439,8 +439,8 @@ def hf_method(
     from specframe.models import neutral_generation_config
 
     pad = eos_ids[0] if eos_ids else None
-    # As specframe's decoder: no token past the target's context window, its sliding attention window where that is
-    # smaller (transformers would go on past either).
+    # As specframe's decoder: no token past the target's context window, or the sliding attention window of a target
+    # served only inside it, where that is smaller (transformers would go on past either).
     window, kind = context_limit(model)
     # The baselines run from a neutral generation config (a fresh one per call), as specframe's methods do;
     # sampling settings are passed explicitly.

@@ -439,8 +439,9 @@ def _append_responses(
         )
     done = {e.id for e in existing}
     # Prompts must leave room for a response in the target's context window, as `specframe generate` requires, and
-    # responses end there as generate's do: its sliding attention window where that is smaller (past it the decoder
-    # stops, so data from past it would never be used: `specframe.kv_cache.context_window`).
+    # responses end there as generate's do: the sliding attention window of a target served only inside it, where
+    # that is smaller (past it the decoder stops, so data from past it would never be used:
+    # `specframe.kv_cache.context_window`).
     window, kind = context_limit(model)
     longest = min(max_prompt_tokens, window - 1)
     todo, too_long = [], 0

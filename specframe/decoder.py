@@ -32,7 +32,7 @@ from specframe.errors import (
     is_integer,
     is_number,
 )
-from specframe.kv_cache import context_limit, keep_positions, new_cache, tree_attention_mask
+from specframe.kv_cache import context_limit, keep_positions, new_cache, sliding_layout, tree_attention_mask
 from specframe.lean_forward import engine_forward
 from specframe.proposer import (
     MAX_PROPOSAL_NODES,
@@ -142,11 +142,11 @@ class SpeculativeDecoder:
                 )
         self.eos_ids = eos_token_ids(model, tokenizer)
         # The most tokens a sequence may hold: max_position_embeddings, or a sliding-window target's attention
-        # window where that is smaller (inside it, sliding layers see what full attention does: the cache keeps
-        # every position and a token tree's mask needs no window; past it, a tree's mask would not apply the
-        # window). Also refuses, before any generation, a target whose cache cannot be rolled back
-        # (`specframe.kv_cache.new_cache`).
+        # window where that is smaller and specframe serves its type only inside it (`kv_cache.sliding_layout`:
+        # past it, a token tree's mask applies the window). Also refuses, before any generation, a target whose
+        # cache cannot be rolled back (`specframe.kv_cache.new_cache`).
         self.context_window, self.context_kind = context_limit(model)  # (the kind in words, for messages)
+        self.sliding = sliding_layout(model)
         self.rope_switch = longrope_switch(model.config)
         # Whether the target's own generation recomputes its whole cache when the sequence reaches the switch
         # (transformers' Phi-3 family does, in its prepare_inputs_for_generation): then the engine does too.
@@ -287,7 +287,12 @@ class SpeculativeDecoder:
             raise BadInputError(
                 f"the prompt has {len(ids)} tokens; the target's {self.context_kind} is {self.context_window}, which "
                 "leaves no room for a new token"
-                + (" (specframe serves a sliding-window model only inside its window)" if sliding else "")
+                + (
+                    f" (specframe serves a sliding-window model of type '{self.model.config.model_type}' only inside "
+                    "its window: its tree masks are not checked past it)"
+                    if sliding
+                    else ""
+                )
             )
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
@@ -534,7 +539,9 @@ class SpeculativeDecoder:
             graphs = None
         if graphs is not None and graphs.takes(n + 1):
             return graphs.forward(cache, inputs, positions, parents, output_hidden_states=bool(layers)), cache, graphs
-        mask = None if parents is None else tree_attention_mask(parents, past, self.mask_dtype, self.device)
+        mask = (
+            None if parents is None else tree_attention_mask(parents, past, self.mask_dtype, self.device, self.sliding)
+        )
         out = forward(
             input_ids=inputs,
             position_ids=positions,

@@ -6,14 +6,18 @@ so a forward copies only its own positions (SmolLM2-135M's 30 layers on the 2-co
 added after 1,200 cached: 1.0 ms against 6.2; after 300, 1.0 against 2.1; `scripts/kernel_timings.py`). The
 logits are the same, bit for bit. Rolling back stays a crop of the view.
 
-Sliding-window layers (Mistral, Gemma 2 and 3, Qwen2 with use_sliding_window) get the same full layer: specframe
-keeps every sequence inside the model's attention window (`attention_window`), where they see what full
-attention sees.
+Sliding-window layers (Mistral, Gemma 2 and 3, Qwen2 with use_sliding_window, ...) get the same full layer, which
+keeps every position (rolling back may need any of them): the model's own mask, built from positions, applies the
+window over it in the prefill and in a chain's verification, and a token tree's mask applies it too
+(`tree_attention_mask` with the model's `sliding_layout`). Model types not checked that way
+(PAST_WINDOW_MODEL_TYPES) are served inside their attention window only (`attention_window`), where a sliding
+layer sees what full attention sees.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache
@@ -21,46 +25,75 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, ge
 
 from specframe.errors import BadInputError
 
+# Model types served past their sliding attention window: each one's forward applies a tree mask per layer type as
+# `tree_attention_mask` gives it (one mask where every layer slides, else one per layer type: transformers' models
+# with both kinds take {"full_attention": ..., "sliding_attention": ...}), and tiny models of each, generating well
+# past a window of 8, give transformers' own output token for token with every proposer, trees included
+# (tests/test_sliding_window.py). Other sliding-window models stop at their window (`context_limit`).
+PAST_WINDOW_MODEL_TYPES = frozenset(
+    {"mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "gemma2", "gemma3_text", "starcoder2", "phi3", "olmo3"}
+    | {"smollm3", "gpt_oss"}
+)
+
+
+class SlidingLayout(NamedTuple):
+    """What a tree's mask must know of a model served past its sliding window (`sliding_layout`)."""
+
+    window: int  # its sliding layers' window: position i sees positions i - window + 1 to i
+    every_layer: bool  # whether every layer slides (then one mask serves them all)
+
 
 def new_cache(model: torch.nn.Module) -> DynamicCache:
     """An empty cache for `model`, refused (bad input: the user chose the model) when some layer could not be
     rolled back exactly. Cheap: the decoder and the draft proposer also call it when they are built.
 
     Full-attention and sliding-window layers get a `GrowingLayer`, which keeps every position: transformers'
-    sliding-window layer drops the oldest ones and cannot be cropped back past them. Inside the window the two
-    hold the same keys and values, and the model's own mask (by position) decides what is seen; specframe never
-    goes past the window (`attention_window`)."""
+    sliding-window layer drops the oldest ones and cannot be cropped back past them. The model's own mask (by
+    position) decides what a forward sees, and a token tree's mask applies the window too (`tree_attention_mask`)."""
     return _checked_cache(model)[0]
 
 
 def attention_window(model: torch.nn.Module) -> int | None:
     """The smallest sliding attention window of `model`'s layers, in positions (None: every layer attends to the
     whole sequence). A layer with window w lets position i see positions i - w + 1 to i: for every position
-    below w, that is the whole sequence before it, exactly what a full-attention layer sees. So specframe serves
-    such a model exactly while a sequence holds at most w tokens, and stops there (as at max_position_embeddings:
-    a window counts the tokens a sequence may hold, so the last position fed is w - 2, one short of the last
-    exact one, w - 1). Refuses what `new_cache` refuses."""
-    return _checked_cache(model)[1]
+    below w, that is the whole sequence before it, exactly what a full-attention layer sees. Refuses what
+    `new_cache` refuses."""
+    windows = _checked_cache(model)[1]
+    return min(windows, default=None)
+
+
+def sliding_layout(model: torch.nn.Module) -> SlidingLayout | None:
+    """How a token tree's mask applies `model`'s sliding window past it (`tree_attention_mask`); None where no layer
+    slides, and where specframe serves the model only inside its window: a type not in PAST_WINDOW_MODEL_TYPES, or
+    sliding layers of more than one window (a mask per layer type could not tell them apart)."""
+    _, windows, kinds = _checked_cache(model)
+    if not windows or len(set(windows)) > 1 or getattr(model.config, "model_type", None) not in PAST_WINDOW_MODEL_TYPES:
+        return None
+    return SlidingLayout(windows[0], all(kind == "sliding_attention" for kind in kinds))
 
 
 def context_window(model: torch.nn.Module) -> int:
     """The most tokens (prompt and generated) a sequence of `model` may reach in specframe: its
-    max_position_embeddings or its attention window, the smaller (10**9 without either)."""
+    max_position_embeddings, or its attention window where that is smaller and specframe serves the model only
+    inside it (`sliding_layout`) (10**9 without either)."""
     return context_limit(model)[0]
 
 
 def context_limit(model: torch.nn.Module) -> tuple[int, str]:
     """`context_window`, and what it is in words for messages: "sliding attention window" where that is what ends
-    a sequence of `model`, else "context window". Refuses what `new_cache` refuses."""
+    a sequence of `model`, else "context window". Such a model stops as at max_position_embeddings: a window
+    counts the tokens a sequence may hold, so the last position fed is w - 2, one short of the last exact one,
+    w - 1. Refuses what `new_cache` refuses."""
     positions = getattr(model.config, "max_position_embeddings", None) or 10**9
     window = attention_window(model)
-    if window is not None and window <= positions:
+    if window is not None and window <= positions and sliding_layout(model) is None:
         return window, "sliding attention window"
     return positions, "context window"
 
 
-def _checked_cache(model: torch.nn.Module) -> tuple[DynamicCache, int | None]:
-    """`new_cache` and `attention_window` in one: the cache, and the smallest sliding window of its layers."""
+def _checked_cache(model: torch.nn.Module) -> tuple[DynamicCache, list[int], list[str]]:
+    """`new_cache` and what `attention_window` and `sliding_layout` read: the cache, each sliding layer's window,
+    and each layer's type."""
     supports = getattr(model, "_supports_default_dynamic_cache", None)  # (transformers' own list of exceptions)
     if supports is not None and not supports():
         raise BadInputError(
@@ -82,7 +115,7 @@ def _checked_cache(model: torch.nn.Module) -> tuple[DynamicCache, int | None]:
                 "caches, so it refuses this model"
             )
     cache.layers = [GrowingLayer() for _ in cache.layers]
-    return cache, min(windows, default=None)
+    return cache, windows, list(kinds)
 
 
 class GrowingLayer(DynamicLayer):
@@ -168,10 +201,28 @@ def tree_visibility(parents: Sequence[int]) -> torch.Tensor:
     return allowed
 
 
-def tree_attention_mask(parents: list[int], past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive [1, 1, n + 1, past + n + 1] mask: the root and each node see the past, themselves, ancestors."""
+def tree_attention_mask(
+    parents: list[int],
+    past: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    sliding: SlidingLayout | None = None,
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Additive [1, 1, n + 1, past + n + 1] mask: the root and each node see the past, themselves, ancestors.
+
+    With `sliding` (the target's `sliding_layout`), once the tree reaches past the window: a node at position
+    p (past + its depth) sees, in sliding layers, only what sits at positions p - window + 1 to p, cached tokens and
+    ancestors alike; that one mask where every layer slides, else {"full_attention": the mask above,
+    "sliding_attention": that one}."""
     n = len(parents)
-    block = torch.where(tree_visibility(parents), 0.0, torch.finfo(dtype).min).to(dtype)
+    visible = tree_visibility(parents)
+    block = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)
     mask = torch.zeros(1, 1, n + 1, past + n + 1, dtype=dtype, device=device)  # (only the block is uploaded)
     mask[0, 0, :, past:] = block.to(device)
-    return mask
+    depths = visible.sum(1) - 1  # (a row sees the root, its ancestors and itself: depth + 1 rows)
+    if sliding is None or past + int(depths.max()) < sliding.window:  # (the window cuts nothing yet)
+        return mask
+    rows = past + depths.to(device)  # each row's position, then each column's: slots below past are positions
+    columns = torch.cat([torch.arange(past, device=device), rows])
+    windowed = mask.masked_fill(columns[None, :] <= rows[:, None] - sliding.window, torch.finfo(dtype).min)
+    return windowed if sliding.every_layer else {"full_attention": mask, "sliding_attention": windowed}

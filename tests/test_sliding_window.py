@@ -1,13 +1,24 @@
-"""Sliding-window targets and drafts (Mistral, Gemma 2 and 3, Qwen2 with use_sliding_window): served exactly inside
-their attention window, stopped at its end; a prompt that fills it is refused."""
+"""Sliding-window targets and drafts (Mistral, Gemma 2 and 3, Qwen2 with use_sliding_window, ...): the types in
+PAST_WINDOW_MODEL_TYPES served exactly past their window (trees included); other types served inside it, stopped at
+its end, and a prompt that fills it refused."""
 
 import pytest
 import torch
 
-from specframe import SpeculativeDecoder
+from specframe import SpeculativeDecoder, cpu_kernels, kv_cache
+from specframe.cpu_kernels import FAST_ATTENTION_MODEL_TYPES
 from specframe.decoder import target_info
 from specframe.errors import BadInputError
-from specframe.kv_cache import GrowingLayer, attention_window, context_window, new_cache
+from specframe.kv_cache import (
+    PAST_WINDOW_MODEL_TYPES,
+    GrowingLayer,
+    SlidingLayout,
+    attention_window,
+    context_window,
+    new_cache,
+    sliding_layout,
+    tree_attention_mask,
+)
 from specframe.proposer import seeded
 from specframe.proposers.draft import DraftConfig, DraftProposer
 from specframe.proposers.eagle import EagleConfig, EagleProposer
@@ -20,6 +31,22 @@ SHAPE = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_lay
              eos_token_id=None, pad_token_id=None)  # fmt: skip
 ARCHS = ["mistral", "qwen2", "gemma2", "gemma3"]
 SEEDS = {"mistral": 0, "qwen2": 2, "gemma2": 2, "gemma3": 1}  # (weights whose greedy output varies)
+HYBRID = ["sliding_attention", "full_attention"]
+# Every type served past its window, by the name tiny_sliding builds it under: (model type, every layer slides)
+PAST_ARCHS = {
+    "mistral": ("mistral", True),
+    "mixtral": ("mixtral", True),
+    "qwen2": ("qwen2", False),
+    "qwen2_moe": ("qwen2_moe", False),
+    "qwen3": ("qwen3", False),
+    "gemma2": ("gemma2", False),
+    "gemma3": ("gemma3_text", False),
+    "starcoder2": ("starcoder2", True),
+    "phi3": ("phi3", True),
+    "olmo3": ("olmo3", False),
+    "smollm3": ("smollm3", False),
+    "gpt_oss": ("gpt_oss", False),
+}
 
 
 def tiny_sliding(arch, window=WINDOW, seed=None):
@@ -27,28 +54,62 @@ def tiny_sliding(arch, window=WINDOW, seed=None):
     weights whose greedy output is not one token repeated."""
     import transformers as t
 
+    moe = dict(num_experts_per_tok=1)
     if arch == "mistral":
         model_class, config = t.MistralForCausalLM, t.MistralConfig(**SHAPE, sliding_window=window)
+    elif arch == "mixtral":
+        config = t.MixtralConfig(**SHAPE, sliding_window=window, num_local_experts=2, **moe)
+        model_class = t.MixtralForCausalLM
     elif arch == "qwen2":  # (layers from max_window_layers on slide)
         config = t.Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=window, max_window_layers=1)
         model_class = t.Qwen2ForCausalLM
+    elif arch == "qwen2_moe":
+        config = t.Qwen2MoeConfig(
+            **SHAPE, use_sliding_window=True, sliding_window=window, max_window_layers=1, num_experts=2, **moe,
+            moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        )  # fmt: skip
+        model_class = t.Qwen2MoeForCausalLM
+    elif arch == "qwen3":
+        config = t.Qwen3Config(**SHAPE, head_dim=8, use_sliding_window=True, sliding_window=window, max_window_layers=1)
+        model_class = t.Qwen3ForCausalLM
     elif arch == "gemma2":  # (no SDPA attention in transformers: eager, as specframe.models loads it; untied
         # embeddings: with tied ones, a tiny Gemma repeats the prompt's last token)
         config = t.Gemma2Config(
             **SHAPE, head_dim=8, sliding_window=window, attn_implementation="eager", tie_word_embeddings=False
         )
         model_class = t.Gemma2ForCausalLM
-    else:  # gemma3: layers 0 and 2 slide, 1 attends to everything; the larger window is not the one that counts
+    elif arch == "gemma3":  # layers 0 and 2 slide, 1 attends to everything; the larger window is not the one that
+        # counts
         layers = ["sliding_attention", "full_attention", "sliding_attention"]
         shape = {**SHAPE, "num_hidden_layers": 3}
         config = t.Gemma3TextConfig(
             **shape, head_dim=8, sliding_window=window, layer_types=layers, tie_word_embeddings=False
         )
         model_class = t.Gemma3ForCausalLM
-    with seeded(SEEDS[arch] if seed is None else seed):
+    elif arch == "starcoder2":
+        model_class, config = t.Starcoder2ForCausalLM, t.Starcoder2Config(**SHAPE, sliding_window=window)
+    elif arch == "phi3":
+        model_class, config = t.Phi3ForCausalLM, t.Phi3Config(**SHAPE, sliding_window=window)
+    elif arch == "olmo3":
+        model_class, config = t.Olmo3ForCausalLM, t.Olmo3Config(**SHAPE, sliding_window=window, layer_types=HYBRID)
+    elif arch == "smollm3":
+        config = t.SmolLM3Config(**SHAPE, use_sliding_window=True, sliding_window=window, layer_types=HYBRID)
+        model_class = t.SmolLM3ForCausalLM
+    else:  # gpt_oss
+        config = t.GptOssConfig(
+            **SHAPE, head_dim=8, sliding_window=window, num_local_experts=2, **moe, layer_types=HYBRID
+        )
+        model_class = t.GptOssForCausalLM
+    with seeded(SEEDS.get(arch, 0) if seed is None else seed):
         model = model_class(config).eval()
     model.generation_config.eos_token_id = None
     return model
+
+
+@pytest.fixture
+def inside_only(monkeypatch):
+    """Every sliding-window model served inside its window only, as a type not in PAST_WINDOW_MODEL_TYPES is."""
+    monkeypatch.setattr(kv_cache, "PAST_WINDOW_MODEL_TYPES", frozenset())
 
 
 def transformers_greedy(model, prompt, n):
@@ -78,13 +139,28 @@ PROMPT = [3, 5, 7, 3, 5, 7, 3, 5, 9, 11]  # (repeats: n-gram drafts, some accept
 PROPOSERS = ["none", "self-draft", "draft", "medusa", "eagle", "ngram"]
 
 
-def test_the_attention_window_is_the_smallest_sliding_window_and_the_cache_keeps_every_position():
+def test_the_attention_window_is_the_smallest_sliding_window_and_the_cache_keeps_every_position(monkeypatch):
+    assert PAST_WINDOW_MODEL_TYPES == {model_type for model_type, _ in PAST_ARCHS.values()}  # (each one tested)
+    for arch, (model_type, every_layer) in PAST_ARCHS.items():
+        model = tiny_sliding(arch)
+        assert model.config.model_type == model_type
+        assert attention_window(model) == WINDOW and context_window(model) == 512, arch  # (served past it)
+        assert sliding_layout(model) == SlidingLayout(WINDOW, every_layer), arch
+        assert all(type(layer) is GrowingLayer for layer in new_cache(model).layers), arch
+    monkeypatch.setattr(kv_cache, "PAST_WINDOW_MODEL_TYPES", frozenset())  # (types served inside it only)
     for arch in ARCHS:
         model = tiny_sliding(arch)
-        assert attention_window(model) == context_window(model) == WINDOW, arch
-        assert all(type(layer) is GrowingLayer for layer in new_cache(model).layers), arch
+        assert attention_window(model) == context_window(model) == WINDOW and sliding_layout(model) is None, arch
     mistral = tiny_sliding("mistral", window=1000)  # (a window past max_position_embeddings: the latter counts)
     assert attention_window(mistral) == 1000 and context_window(mistral) == 512
+    monkeypatch.undo()
+    gemma = tiny_sliding("gemma3")  # (sliding layers of two windows: a mask per layer type cannot tell them apart)
+    gemma.config.layer_types = ["sliding_attention", "sliding_attention", "sliding_attention"]
+    windows = iter([WINDOW, WINDOW, 2 * WINDOW])
+    monkeypatch.setattr(kv_cache.DynamicSlidingWindowLayer, "__init__", lambda self, sliding_window, **kw: (
+        kv_cache.DynamicLayer.__init__(self), setattr(self, "sliding_window", next(windows))
+    )[0])  # fmt: skip
+    assert sliding_layout(gemma) is None
     from specframe.testing.tiny import tiny_llama
 
     assert attention_window(tiny_llama()) is None and context_window(tiny_llama(max_position_embeddings=64)) == 64
@@ -108,9 +184,63 @@ def test_greedy_output_inside_the_window_is_transformers_own(arch, proposer):
     assert len(set(want)) > 1  # (not one token repeated)
 
 
+@pytest.mark.parametrize("arch", list(PAST_ARCHS))
+def test_a_token_tree_past_the_window_scores_each_node_as_the_model_scores_its_path(arch):
+    # (a window of 4 after 12 cached tokens: every row's window cuts into the cache; the chain 0-5 is deeper than
+    # the window, so its deepest nodes must not see their first ancestors either)
+    model = tiny_sliding(arch, window=4)
+    sequence = [3, 5, 7, 3, 5, 7, 3, 5, 9, 11, 2, 4]
+    parents = [-1, 0, 1, 2, 3, 4, -1, 6, 0]  # (depths 1-6 along the chain; 1-2 on the branch; 2 off node 0)
+    nodes = [6, 8, 10, 12, 14, 16, 7, 9, 13]
+    cache, past = new_cache(model), len(sequence) - 1
+    with torch.no_grad():
+        model(input_ids=torch.tensor([sequence[:-1]]), cache=cache, use_cache=True)
+        depths = [0]
+        for parent in parents:
+            depths.append(depths[parent + 1] + 1)
+        mask = tree_attention_mask(parents, past, torch.float32, torch.device("cpu"), sliding_layout(model))
+        tree = model(
+            input_ids=torch.tensor([[sequence[-1], *nodes]]), position_ids=torch.tensor([[past + d for d in depths]]),
+            attention_mask=mask, cache=cache, use_cache=True,
+        ).logits[0]  # fmt: skip
+        for row in range(len(nodes) + 1):
+            path, node = [], row - 1
+            while node >= 0:
+                path.insert(0, nodes[node])
+                node = parents[node]
+            alone = model(input_ids=torch.tensor([sequence + path])).logits[0, -1]  # (the model's own masks)
+            assert torch.allclose(tree[row], alone, atol=1e-5), (arch, row)
+
+
+@pytest.mark.parametrize("arch", list(PAST_ARCHS))
+def test_greedy_output_past_the_window_is_transformers_own(arch):
+    # (a window of 8, a 10-token prompt, 40 new tokens: every proposer's verifications, trees and chains, past it)
+    model = tiny_sliding(arch, window=8)
+    want = transformers_greedy(model, PROMPT, 40)
+    assert len(set(want)) > 2  # (not one token repeated)
+    for proposer in PROPOSERS:
+        res = SpeculativeDecoder(model, proposer_for(proposer, model)).generate(PROMPT, max_new_tokens=40)
+        assert res.token_ids == want and res.stats["finish_reason"] == "length", (arch, proposer)
+        if proposer == "self-draft":  # (the target as its own draft: it drafts past its window, all accepted)
+            assert res.stats["accepted_tokens"] == res.stats["proposed_tokens"] > 30, res.stats
+
+
+@pytest.mark.parametrize("arch", sorted(FAST_ATTENTION_MODEL_TYPES & set(PAST_ARCHS)))
+def test_past_the_window_on_specframe_s_cpu_kernels_too(arch, monkeypatch):
+    # (their attention, specframe_sdpa, takes the masks as transformers' sdpa does)
+    monkeypatch.setattr(cpu_kernels, "layout_choice", cpu_kernels.FEW_ROWS)  # (every linear layer rerouted)
+    model = tiny_sliding(arch, window=8)
+    want = transformers_greedy(model, PROMPT, 40)
+    cpu_kernels.use_fast_cpu_kernels(model)
+    assert model.config._attn_implementation == cpu_kernels.ATTENTION
+    for proposer in ["none", "medusa", "eagle", "ngram"]:
+        res = SpeculativeDecoder(model, proposer_for(proposer, model)).generate(PROMPT, max_new_tokens=40)
+        assert res.token_ids == want, (arch, proposer)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("proposer", ["none", "self-draft", "eagle", "ngram"])
-def test_generation_stops_at_the_sliding_window_and_never_verifies_past_it(arch, proposer):
+def test_generation_stops_at_the_sliding_window_and_never_verifies_past_it(arch, proposer, inside_only):
     model = tiny_sliding(arch)
     dec = SpeculativeDecoder(model, proposer_for(proposer, model))
     positions = []  # the largest position each forward fed (a tree's nodes: past + depth)
@@ -130,17 +260,17 @@ def test_generation_stops_at_the_sliding_window_and_never_verifies_past_it(arch,
         assert res.stats["accepted_tokens"] > 0  # (verification blocks of several tokens reached the window's end)
 
 
-def test_a_prompt_that_fills_the_window_is_refused_by_name():
+def test_a_prompt_that_fills_the_window_is_refused_by_name(inside_only):
     model = tiny_sliding("mistral")
     dec = SpeculativeDecoder(model, NoneProposer(NoneConfig(), target_info(model)))
     with pytest.raises(BadInputError, match=f"the prompt has {WINDOW} tokens; the target's sliding attention window "
                        f"is {WINDOW}, which leaves no room for a new token") as e:  # fmt: skip
         dec.generate([1] * WINDOW)
-    assert "only inside its window" in str(e.value)
+    assert "sliding-window model of type 'mistral' only inside its window" in str(e.value)
     assert len(dec.generate([1] * (WINDOW - 1), max_new_tokens=5).token_ids) == 1
 
 
-def test_a_sliding_window_draft_drafts_nothing_from_its_window_on():
+def test_a_sliding_window_draft_drafts_nothing_from_its_window_on(inside_only):
     # A Llama target with room to spare and a draft (its own vocabulary) whose sliding window is 16: the draft
     # never feeds a position at or past 16; from there on the steps are plain decoding steps, and the output is the
     # target's all along.
@@ -160,7 +290,9 @@ def test_a_sliding_window_draft_drafts_nothing_from_its_window_on():
     assert all(n == 0 for length, n in proposed if length > 16) and any(n > 0 for _, n in proposed), proposed
 
 
-def test_distill_and_training_take_a_sliding_window_target_and_distill_stops_at_its_window(tiny_dirs, tmp_path, capsys):
+def test_distill_and_training_take_a_sliding_window_target_and_distill_stops_at_its_window(
+    tiny_dirs, tmp_path, capsys, inside_only
+):
     # (as the decoder does: prompts that fill the window are skipped, responses end where it is full)
     import json
 
@@ -198,7 +330,7 @@ def test_distill_and_training_take_a_sliding_window_target_and_distill_stops_at_
     assert not any("max_length" in m for m in logs), logs
 
 
-def test_the_command_line_names_the_sliding_window(tiny_dirs, tmp_path, capsys):
+def test_the_command_line_names_the_sliding_window(tiny_dirs, tmp_path, capsys, inside_only):
     import json
 
     from transformers import AutoTokenizer
@@ -217,7 +349,24 @@ def test_the_command_line_names_the_sliding_window(tiny_dirs, tmp_path, capsys):
     assert "the prompt has 8 tokens; the target's sliding attention window is 8" in err and "Traceback" not in err
 
 
-def test_the_bench_s_transformers_baselines_stop_at_the_sliding_window_too():
+def test_the_command_line_generates_past_the_window_of_a_type_served_past_it(tiny_dirs, tmp_path, capsys):
+    import json
+
+    from transformers import AutoTokenizer
+
+    from specframe.cli import main
+
+    model = tiny_sliding("mistral", window=8)
+    model.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_dirs["target"]).save_pretrained(tmp_path)
+    args = ["generate", "--target", str(tmp_path), "--proposer", "none", "--raw", "--json", "--prompt"]
+    assert main([*args, " ".join(["a"] * 12), "--max-new-tokens", "20"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["stats"]["finish_reason"] == "length" and len(out["token_ids"]) == 20
+    assert out["token_ids"] == transformers_greedy(model, [2] * 12, 20)
+
+
+def test_the_bench_s_transformers_baselines_stop_at_the_sliding_window_too(inside_only):
     # (a turn of every method ends at the same token, so their outputs and speeds compare)
     from specframe import bench
 

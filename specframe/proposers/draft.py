@@ -7,9 +7,9 @@ length but inside the logit matrix) are kept as each model scores them, so p is 
 Without tokenizers the two logit widths must be equal.
 
 Context: the draft never feeds a position at or past its own context window, its max_position_embeddings or,
-for a sliding-window draft (Mistral, Gemma 2 and 3, ...), its attention window where that is smaller (inside it,
-sliding layers see what full attention does). Near it a step drafts fewer tokens, and from it on none: those
-steps are plain decoding steps of the target. Exactness is unaffected either way.
+for a sliding-window draft of a type served only inside its window (`kv_cache.context_window`), that window where
+it is smaller (inside it, sliding layers see what full attention does). Near it a step drafts fewer tokens, and
+from it on none: those steps are plain decoding steps of the target. Exactness is unaffected either way.
 """
 
 from __future__ import annotations
@@ -128,9 +128,9 @@ class DraftProposer(Proposer):
         self.vocab_ids = vocab_ids  # target ids of the draft's logit columns (a reduced vocabulary), or None
         self.width = min(model.get_output_embeddings().weight.shape[0], target.vocab_size)
         # The draft's own context window: past it the draft proposes nothing and the target decodes alone (a
-        # model with learned positions, e.g. GPT-2, would fail there; past a sliding window, only the model's own
-        # mask would keep it to its window over specframe's full cache: not relied on). Refuses, when it is built,
-        # a draft whose cache cannot be rolled back.
+        # model with learned positions, e.g. GPT-2, would fail there; a sliding window counts only for a type not
+        # checked past it, kv_cache.PAST_WINDOW_MODEL_TYPES: the draft's chains past it are masked by the model's
+        # own windowed mask). Refuses, when it is built, a draft whose cache cannot be rolled back.
         self.window = context_window(model)
         self.cache = None
         self.forward = self.model  # (set by `begin`)
