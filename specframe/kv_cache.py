@@ -34,6 +34,12 @@ PAST_WINDOW_MODEL_TYPES = frozenset(
     {"mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "gemma2", "gemma3_text", "starcoder2", "phi3", "olmo3"}
     | {"smollm3", "gpt_oss"}
 )
+# Of those, the types whose model gives every layer the one (sliding) mask whatever `layer_types` says, and so takes
+# no mask per layer type (a dict: their forward fails on one). A config of one of these types with `layer_types`
+# that are not all sliding (transformers warns "Detected Mistral model with layer_types") gets a cache whose layers
+# disagree with the model's own masks (transformers' own generation fails past the window), so it is served inside
+# its window only.
+ONE_MASK_MODEL_TYPES = frozenset({"mistral", "mixtral", "starcoder2", "phi3"})
 
 
 class SlidingLayout(NamedTuple):
@@ -65,11 +71,16 @@ def attention_window(model: torch.nn.Module) -> int | None:
 def sliding_layout(model: torch.nn.Module) -> SlidingLayout | None:
     """How a token tree's mask applies `model`'s sliding window past it (`tree_attention_mask`); None where no layer
     slides, and where specframe serves the model only inside its window: a type not in PAST_WINDOW_MODEL_TYPES, or
-    sliding layers of more than one window (a mask per layer type could not tell them apart)."""
+    sliding layers of more than one window (a mask per layer type could not tell them apart), or a type that takes
+    one mask for every layer (ONE_MASK_MODEL_TYPES) whose layer types are not all sliding."""
     _, windows, kinds = _checked_cache(model)
-    if not windows or len(set(windows)) > 1 or getattr(model.config, "model_type", None) not in PAST_WINDOW_MODEL_TYPES:
+    model_type = getattr(model.config, "model_type", None)
+    if not windows or len(set(windows)) > 1 or model_type not in PAST_WINDOW_MODEL_TYPES:
         return None
-    return SlidingLayout(windows[0], all(kind == "sliding_attention" for kind in kinds))
+    every_layer = all(kind == "sliding_attention" for kind in kinds)
+    if not every_layer and model_type in ONE_MASK_MODEL_TYPES:
+        return None
+    return SlidingLayout(windows[0], every_layer)
 
 
 def context_window(model: torch.nn.Module) -> int:

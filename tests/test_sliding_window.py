@@ -166,6 +166,25 @@ def test_the_attention_window_is_the_smallest_sliding_window_and_the_cache_keeps
     assert attention_window(tiny_llama()) is None and context_window(tiny_llama(max_position_embeddings=64)) == 64
 
 
+def test_a_one_mask_type_whose_layer_types_are_not_all_sliding_is_served_inside_its_window_only():
+    # (Mistral, Mixtral, Starcoder2 and Phi-3 give every layer the one sliding mask whatever `layer_types` says: a
+    # mask per layer type, as a tree past the window would get, fails in their forward, 'dict' has no 'ndim')
+    import transformers as t
+
+    from specframe.kv_cache import ONE_MASK_MODEL_TYPES
+    from specframe.testing.conformance import reference_greedy
+
+    assert ONE_MASK_MODEL_TYPES == {kind for kind, every_layer in PAST_ARCHS.values() if every_layer}
+    for arch in ["mistral", "mixtral", "starcoder2", "phi3"]:
+        model = tiny_sliding(arch, window=16)
+        model.config.layer_types = ["sliding_attention", "full_attention"]
+        assert sliding_layout(model) is None and context_window(model) == 16, arch
+    with seeded(0):
+        model = t.MistralForCausalLM(t.MistralConfig(**SHAPE, sliding_window=16, layer_types=HYBRID)).eval()
+    res = SpeculativeDecoder(model, proposer_for("ngram", model)).generate(PROMPT, max_new_tokens=20)
+    assert res.stats["finish_reason"] == "context" and res.token_ids == reference_greedy(model, PROMPT, 6)
+
+
 def test_an_eagle_drafter_for_gemma_3_rotates_as_its_full_attention_layers_do():
     # (Gemma 3 gives each layer type its own rotary parameters; the drafter's one layer attends to everything)
     from specframe.proposers.eagle import drafter_config
