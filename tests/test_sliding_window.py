@@ -24,6 +24,7 @@ from specframe.proposers.draft import DraftConfig, DraftProposer
 from specframe.proposers.eagle import EagleConfig, EagleProposer
 from specframe.proposers.medusa import MedusaProposer
 from specframe.proposers.none import NoneConfig, NoneProposer
+from specframe.testing.tiny import available_devices
 
 WINDOW = 48  # every tiny model's smallest sliding window; their max_position_embeddings is 512
 SHAPE = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -114,7 +115,7 @@ def inside_only(monkeypatch):
 
 def transformers_greedy(model, prompt, n):
     """transformers' own greedy generation, with its own (sliding-window) cache."""
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=n, do_sample=False, pad_token_id=0)
     return out[0, len(prompt) :].tolist()
 
 
@@ -203,38 +204,41 @@ def test_greedy_output_inside_the_window_is_transformers_own(arch, proposer):
     assert len(set(want)) > 1  # (not one token repeated)
 
 
+@pytest.mark.parametrize("device", available_devices())
 @pytest.mark.parametrize("arch", list(PAST_ARCHS))
-def test_a_token_tree_past_the_window_scores_each_node_as_the_model_scores_its_path(arch):
+def test_a_token_tree_past_the_window_scores_each_node_as_the_model_scores_its_path(arch, device):
     # (a window of 4 after 12 cached tokens: every row's window cuts into the cache; the chain 0-5 is deeper than
     # the window, so its deepest nodes must not see their first ancestors either)
-    model = tiny_sliding(arch, window=4)
+    model = tiny_sliding(arch, window=4).to(device)
+    ids = lambda tokens: torch.tensor([tokens], device=device)  # noqa: E731
     sequence = [3, 5, 7, 3, 5, 7, 3, 5, 9, 11, 2, 4]
     parents = [-1, 0, 1, 2, 3, 4, -1, 6, 0]  # (depths 1-6 along the chain; 1-2 on the branch; 2 off node 0)
     nodes = [6, 8, 10, 12, 14, 16, 7, 9, 13]
     cache, past = new_cache(model), len(sequence) - 1
     with torch.no_grad():
-        model(input_ids=torch.tensor([sequence[:-1]]), cache=cache, use_cache=True)
+        model(input_ids=ids(sequence[:-1]), cache=cache, use_cache=True)
         depths = [0]
         for parent in parents:
             depths.append(depths[parent + 1] + 1)
-        mask = tree_attention_mask(parents, past, torch.float32, torch.device("cpu"), sliding_layout(model))
+        mask = tree_attention_mask(parents, past, torch.float32, torch.device(device), sliding_layout(model))
         tree = model(
-            input_ids=torch.tensor([[sequence[-1], *nodes]]), position_ids=torch.tensor([[past + d for d in depths]]),
-            attention_mask=mask, cache=cache, use_cache=True,
+            input_ids=ids([sequence[-1], *nodes]), position_ids=ids([past + d for d in depths]), attention_mask=mask,
+            cache=cache, use_cache=True,
         ).logits[0]  # fmt: skip
         for row in range(len(nodes) + 1):
             path, node = [], row - 1
             while node >= 0:
                 path.insert(0, nodes[node])
                 node = parents[node]
-            alone = model(input_ids=torch.tensor([sequence + path])).logits[0, -1]  # (the model's own masks)
-            assert torch.allclose(tree[row], alone, atol=1e-5), (arch, row)
+            alone = model(input_ids=ids(sequence + path)).logits[0, -1]  # (the model's own masks)
+            assert torch.allclose(tree[row], alone, atol=1e-5 if device == "cpu" else 1e-4), (arch, row)
 
 
+@pytest.mark.parametrize("device", available_devices())
 @pytest.mark.parametrize("arch", list(PAST_ARCHS))
-def test_greedy_output_past_the_window_is_transformers_own(arch):
+def test_greedy_output_past_the_window_is_transformers_own(arch, device):
     # (a window of 8, a 10-token prompt, 40 new tokens: every proposer's verifications, trees and chains, past it)
-    model = tiny_sliding(arch, window=8)
+    model = tiny_sliding(arch, window=8).to(device)
     want = transformers_greedy(model, PROMPT, 40)
     assert len(set(want)) > 2  # (not one token repeated)
     for proposer in PROPOSERS:
