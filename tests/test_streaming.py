@@ -9,7 +9,7 @@ from specframe.decoder import target_info
 from specframe.errors import BadInputError, SpecframeError
 from specframe.proposers.draft import DraftConfig, DraftProposer
 from specframe.proposers.none import NoneConfig, NoneProposer
-from specframe.streaming import DECODE_SHARE, HOLD_CHARS, TextStream
+from specframe.streaming import ALWAYS_DECODED, DECODE_SHARE, HOLD_CHARS, TextStream
 from specframe.testing.tiny import tiny_llama
 
 STILL = lambda: 0.0  # noqa: E731  (a clock that never moves: a stream so timed decodes at every update)
@@ -102,19 +102,31 @@ class ScriptedClock:
 
 @pytest.mark.parametrize("decode_cost, decodes", [(1e-4, 200), (1.0, 40)])
 def test_decoding_takes_at_most_its_share_of_the_time(decode_cost, decodes):
-    # (steps of 10 s: a decode of 0.1 ms runs at every one of the 200; one of 1 s only at every fifth, and
-    # the text still comes while it is generated, in pieces that add up to it)
-    text = "".join(chr(ord("a") + i % 26) for i in range(400))
+    # (steps of 10 s, two tokens each past ALWAYS_DECODED: a decode of 0.1 ms runs at every one of the 200; one of
+    # 1 s only at every fifth, and the text still comes while it is generated, in pieces that add up to it)
+    start = ALWAYS_DECODED
+    text = "".join(chr(ord("a") + i % 26) for i in range(start + 400))
     clock, pieces = ScriptedClock(), []
     stream = TextStream(pieces.append, clock.decoder(decode_cost, text), stop=[], clock=clock)
     for n in range(1, 201):
-        stream.update(list(range(2 * n)))
+        stream.update(list(range(start + 2 * n)))
         clock.now += 10.0
     assert round(clock.decoding / decode_cost) == decodes
     assert clock.decoding <= DECODE_SHARE * clock.now + decode_cost
-    assert len("".join(pieces)) >= 400 - 2 * 5 * 2 - HOLD_CHARS  # (the last decode at most ~5 steps back)
+    assert len("".join(pieces)) >= len(text) - 2 * 5 * 2 - HOLD_CHARS  # (the last decode at most ~5 steps back)
     stream.finish(text)
     assert "".join(pieces) == text
+
+
+def test_a_short_text_is_decoded_at_every_step_however_slow_a_decode_looks():
+    # (on a busy machine one decode of a short text can take long: its text must come out at every step anyway)
+    clock, pieces = ScriptedClock(), []
+    text = "".join(chr(ord("a") + i % 26) for i in range(ALWAYS_DECODED))
+    stream = TextStream(pieces.append, clock.decoder(5.0, text), stop=[], clock=clock)
+    for n in range(1, ALWAYS_DECODED + 1):
+        stream.update(list(range(n)))
+        clock.now += 0.001
+    assert round(clock.decoding / 5.0) == ALWAYS_DECODED and "".join(pieces) == text[:-HOLD_CHARS]
 
 
 def byte_fallback_tokenizer():
