@@ -50,55 +50,56 @@ PAST_ARCHS = {
 }
 
 
-def tiny_sliding(arch, window=WINDOW, seed=None):
+def tiny_sliding(arch, window=WINDOW, seed=None, vocab_size=32):
     """A tiny random model of `arch` with sliding-window layers (all of them, or some: hybrid); by default with
     weights whose greedy output is not one token repeated."""
     import transformers as t
 
     moe = dict(num_experts_per_tok=1)
+    shape = {**SHAPE, "vocab_size": vocab_size}
     if arch == "mistral":
-        model_class, config = t.MistralForCausalLM, t.MistralConfig(**SHAPE, sliding_window=window)
+        model_class, config = t.MistralForCausalLM, t.MistralConfig(**shape, sliding_window=window)
     elif arch == "mixtral":
-        config = t.MixtralConfig(**SHAPE, sliding_window=window, num_local_experts=2, **moe)
+        config = t.MixtralConfig(**shape, sliding_window=window, num_local_experts=2, **moe)
         model_class = t.MixtralForCausalLM
     elif arch == "qwen2":  # (layers from max_window_layers on slide)
-        config = t.Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=window, max_window_layers=1)
+        config = t.Qwen2Config(**shape, use_sliding_window=True, sliding_window=window, max_window_layers=1)
         model_class = t.Qwen2ForCausalLM
     elif arch == "qwen2_moe":
         config = t.Qwen2MoeConfig(
-            **SHAPE, use_sliding_window=True, sliding_window=window, max_window_layers=1, num_experts=2, **moe,
+            **shape, use_sliding_window=True, sliding_window=window, max_window_layers=1, num_experts=2, **moe,
             moe_intermediate_size=16, shared_expert_intermediate_size=16,
         )  # fmt: skip
         model_class = t.Qwen2MoeForCausalLM
     elif arch == "qwen3":
-        config = t.Qwen3Config(**SHAPE, head_dim=8, use_sliding_window=True, sliding_window=window, max_window_layers=1)
+        config = t.Qwen3Config(**shape, head_dim=8, use_sliding_window=True, sliding_window=window, max_window_layers=1)
         model_class = t.Qwen3ForCausalLM
     elif arch == "gemma2":  # (no SDPA attention in transformers: eager, as specframe.models loads it; untied
         # embeddings: with tied ones, a tiny Gemma repeats the prompt's last token)
         config = t.Gemma2Config(
-            **SHAPE, head_dim=8, sliding_window=window, attn_implementation="eager", tie_word_embeddings=False
+            **shape, head_dim=8, sliding_window=window, attn_implementation="eager", tie_word_embeddings=False
         )
         model_class = t.Gemma2ForCausalLM
     elif arch == "gemma3":  # layers 0 and 2 slide, 1 attends to everything; the larger window is not the one that
         # counts
         layers = ["sliding_attention", "full_attention", "sliding_attention"]
-        shape = {**SHAPE, "num_hidden_layers": 3}
+        shape = {**shape, "num_hidden_layers": 3}
         config = t.Gemma3TextConfig(
             **shape, head_dim=8, sliding_window=window, layer_types=layers, tie_word_embeddings=False
         )
         model_class = t.Gemma3ForCausalLM
     elif arch == "starcoder2":
-        model_class, config = t.Starcoder2ForCausalLM, t.Starcoder2Config(**SHAPE, sliding_window=window)
+        model_class, config = t.Starcoder2ForCausalLM, t.Starcoder2Config(**shape, sliding_window=window)
     elif arch == "phi3":
-        model_class, config = t.Phi3ForCausalLM, t.Phi3Config(**SHAPE, sliding_window=window)
+        model_class, config = t.Phi3ForCausalLM, t.Phi3Config(**shape, sliding_window=window)
     elif arch == "olmo3":
-        model_class, config = t.Olmo3ForCausalLM, t.Olmo3Config(**SHAPE, sliding_window=window, layer_types=HYBRID)
+        model_class, config = t.Olmo3ForCausalLM, t.Olmo3Config(**shape, sliding_window=window, layer_types=HYBRID)
     elif arch == "smollm3":
-        config = t.SmolLM3Config(**SHAPE, use_sliding_window=True, sliding_window=window, layer_types=HYBRID)
+        config = t.SmolLM3Config(**shape, use_sliding_window=True, sliding_window=window, layer_types=HYBRID)
         model_class = t.SmolLM3ForCausalLM
     else:  # gpt_oss
         config = t.GptOssConfig(
-            **SHAPE, head_dim=8, sliding_window=window, num_local_experts=2, **moe, layer_types=HYBRID
+            **shape, head_dim=8, sliding_window=window, num_local_experts=2, **moe, layer_types=HYBRID
         )
         model_class = t.GptOssForCausalLM
     with seeded(SEEDS.get(arch, 0) if seed is None else seed):
@@ -246,6 +247,34 @@ def test_greedy_output_past_the_window_is_transformers_own(arch, device):
         assert res.token_ids == want and res.stats["finish_reason"] == "length", (arch, proposer)
         if proposer == "self-draft":  # (the target as its own draft: it drafts past its window, all accepted)
             assert res.stats["accepted_tokens"] == res.stats["proposed_tokens"] > 30, res.stats
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_sampling_past_the_window_is_the_target_s_distribution(arch):
+    # (a window of 3 behind a 7-token prompt, a vocabulary of 8: every verification past it, Medusa's and EAGLE's
+    # trees included; a chi-square against the distribution enumerated from the model's own no-cache forwards, as
+    # the conformance suite checks it: a p-value below ALPHA is sampled again on fresh seeds)
+    from specframe.sampling import SamplingParams
+    from specframe.testing.conformance import (
+        ALPHA,
+        CONTINUATION,
+        SamplingCase,
+        chi_square,
+        exact_distribution,
+        sample_counts,
+    )
+
+    model = tiny_sliding(arch, window=3, seed=0, vocab_size=8)
+    case = SamplingCase(SamplingParams(1.0, 0, 1.0), prompt=(5, 1, 7, 2, 6, 3, 1), extra=2, samples=3000)
+    probs = exact_distribution(model, list(case.prompt), case.lead + CONTINUATION, case.params)
+    probs = probs.reshape(8**case.lead, 8**CONTINUATION).sum(0)
+    for proposer in ("medusa", "eagle"):
+        decoder, drafts = SpeculativeDecoder(model, proposer_for(proposer, model)), [0, 0]
+        p = chi_square(sample_counts(decoder, case, case.samples, drafts=drafts), probs)[2]
+        if p < ALPHA:
+            p = max(p, chi_square(sample_counts(decoder, case, case.samples, seed=case.samples), probs)[2])
+        assert p >= ALPHA and drafts[1] > 100, (arch, proposer, p, drafts)
 
 
 @pytest.mark.parametrize("arch", sorted(FAST_ATTENTION_MODEL_TYPES & set(PAST_ARCHS)))
