@@ -74,6 +74,11 @@ def sliding_layout(model: torch.nn.Module) -> SlidingLayout | None:
     sliding layers of more than one window (a mask per layer type could not tell them apart), or a type that takes
     one mask for every layer (ONE_MASK_MODEL_TYPES) whose layer types are not all sliding."""
     _, windows, kinds = _checked_cache(model)
+    return _layout(model, windows, kinds)
+
+
+def _layout(model: torch.nn.Module, windows: list[int], kinds: list[str]) -> SlidingLayout | None:
+    """`sliding_layout` from what `_checked_cache` read of `model`: its sliding layers' windows, its layer types."""
     model_type = getattr(model.config, "model_type", None)
     if not windows or len(set(windows)) > 1 or model_type not in PAST_WINDOW_MODEL_TYPES:
         return None
@@ -96,8 +101,9 @@ def context_limit(model: torch.nn.Module) -> tuple[int, str]:
     counts the tokens a sequence may hold, so the last position fed is w - 2, one short of the last exact one,
     w - 1. Refuses what `new_cache` refuses."""
     positions = getattr(model.config, "max_position_embeddings", None) or 10**9
-    window = attention_window(model)
-    if window is not None and window <= positions and sliding_layout(model) is None:
+    _, windows, kinds = _checked_cache(model)  # (once: the cache is built to read them)
+    window = min(windows, default=None)
+    if window is not None and window <= positions and _layout(model, windows, kinds) is None:
         return window, "sliding attention window"
     return positions, "context window"
 
@@ -230,8 +236,10 @@ def tree_attention_mask(
     block = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)
     mask = torch.zeros(1, 1, n + 1, past + n + 1, dtype=dtype, device=device)  # (only the block is uploaded)
     mask[0, 0, :, past:] = block.to(device)
+    if sliding is None:
+        return mask
     depths = visible.sum(1) - 1  # (a row sees the root, its ancestors and itself: depth + 1 rows)
-    if sliding is None or past + int(depths.max()) < sliding.window:  # (the window cuts nothing yet)
+    if past + int(depths.max()) < sliding.window:  # (the window cuts nothing yet)
         return mask
     rows = past + depths.to(device)  # each row's position, then each column's: slots below past are positions
     columns = torch.cat([torch.arange(past, device=device), rows])

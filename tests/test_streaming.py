@@ -12,8 +12,6 @@ from specframe.proposers.none import NoneConfig, NoneProposer
 from specframe.streaming import ALWAYS_DECODED, DECODE_SHARE, HOLD_CHARS, TextStream
 from specframe.testing.tiny import tiny_llama
 
-STILL = lambda: 0.0  # noqa: E731  (a clock that never moves: a stream so timed decodes at every update)
-
 
 class LetterTokenizer:
     """Token id i decodes to the i-th character from 'a' on."""
@@ -72,13 +70,13 @@ def test_a_stop_string_is_never_streamed():
 def test_the_tail_a_tokenizer_may_still_change_is_held_back():
     texts = iter(["Well, I think I do n", "Well, I think I don't know yet, but"])
     pieces = []
-    stream = TextStream(pieces.append, lambda ids: next(texts), stop=[], clock=STILL)
+    stream = TextStream(pieces.append, lambda ids: next(texts), stop=[])
     stream.update([1])
     assert pieces == ["Well, I think"[: len("Well, I think I do n") - HOLD_CHARS]]
     stream.update([1, 2])
     stream.finish("Well, I think I don't know yet, but sure.")
     assert "".join(pieces) == "Well, I think I don't know yet, but sure."
-    long_stop = TextStream(pieces.append, lambda ids: "x" * 30, stop=["y" * 20], clock=STILL)
+    long_stop = TextStream(pieces.append, lambda ids: "x" * 30, stop=["y" * 20])
     assert long_stop.hold == HOLD_CHARS + 20  # (a stop string may end in the unsettled tail)
 
 
@@ -152,13 +150,13 @@ def test_text_that_grows_shorter_is_streamed_on():
     ids = tokenizer.encode("the cat 😀 sat on the mat, the cat sat on the mat", add_special_tokens=False)
     assert decode(ids[:12]) == "the cat \ufffd\ufffd\ufffd" and decode(ids[:13]) == "the cat 😀"
     pieces = []
-    stream = TextStream(pieces.append, decode, stop=[], clock=STILL)
+    stream = TextStream(pieces.append, decode, stop=[])
     for n in range(1, len(ids)):  # (a token a step, as plain decoding)
         stream.update(ids[:n])
     assert "".join(pieces) == decode(ids[:-1])[:-HOLD_CHARS]
     texts = ["Well, I think it was x '", "Well, I think it was x'", "Well, I think it was x' and more"]
     pieces = []
-    stream = TextStream(pieces.append, lambda ids: texts[len(ids) - 1], stop=[], clock=STILL)
+    stream = TextStream(pieces.append, lambda ids: texts[len(ids) - 1], stop=[])
     for n in range(1, 4):
         stream.update([0] * n)
     assert "".join(pieces) == texts[2][:-HOLD_CHARS]
@@ -173,7 +171,7 @@ def test_a_stop_string_that_the_last_byte_of_a_character_completes_is_never_stre
     stop = "cat sat 😀"
     completes = next(n for n in range(1, len(ids) + 1) if stop in decode(ids[:n]))
     pieces = []
-    stream = TextStream(pieces.append, decode, stop=[stop], clock=STILL)
+    stream = TextStream(pieces.append, decode, stop=[stop])
     for n in range(1, completes):  # (the engine's updates before the step that completes it)
         stream.update(ids[:n])
     with warnings.catch_warnings():
@@ -185,14 +183,14 @@ def test_a_stop_string_that_the_last_byte_of_a_character_completes_is_never_stre
 def test_text_that_changes_further_back_stops_the_stream_and_is_never_written_wrong():
     texts = iter(["abcdefghijklmnopq", "abcdeZZZZZZZZZZZZZZZZZ", "abcdeZZZZZZZZZZZZZZZZZZZZZZ"])
     pieces = []
-    stream = TextStream(pieces.append, lambda ids: next(texts), stop=[], clock=STILL)
+    stream = TextStream(pieces.append, lambda ids: next(texts), stop=[])
     for _ in range(3):
         stream.update([1])
     assert pieces == ["abcdefghi"]  # (nothing after the change)
     with pytest.warns(RuntimeWarning, match="streamed text .* is not the start of the result's text"):
         stream.finish("abcdeZZZZZZZZZZZZZZZZZZZZZZ")
     assert pieces == ["abcdefghi"]
-    again = TextStream(pieces.append, lambda ids: "abcdefghijklmnopq", stop=[], clock=STILL)
+    again = TextStream(pieces.append, lambda ids: "abcdefghijklmnopq", stop=[])
     again.update([1])
     again.finish("abcdefghijklmnopq and the rest")  # (consistent after all: the rest, no warning)
     assert pieces[-2:] == ["abcdefghi", "jklmnopq and the rest"]
