@@ -110,6 +110,7 @@ class BenchOptions:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int = 0  # each (question, turn) gets seed + 10 * question_id + turn, the same for every method
     # KEY=VALUE: `target.*` for the target, `<proposer>.<key>` for one proposer (e.g. draft.num_speculative_tokens=5).
     overrides: list[str] = field(default_factory=list)
@@ -190,9 +191,10 @@ class BenchOptions:
         from specframe.sampling import check_sampling, top_k_off_as_zero
 
         try:
-            check_sampling(self.temperature, self.top_k, self.top_p, prefix="--")
+            check_sampling(self.temperature, self.top_k, self.top_p, self.min_p, prefix="--")
         except ConfigError as e:  # name the flag as typed: --top-p, not --top_p
-            raise BadInputError(str(e).replace("top_p", "top-p").replace("top_k", "top-k")) from None
+            flag = str(e).replace("top_p", "top-p").replace("top_k", "top-k").replace("min_p", "min-p")
+            raise BadInputError(flag) from None
         self.top_k = top_k_off_as_zero(self.top_k)  # (transformers' generate takes 0 for off, not -1)
         split_overrides(self.overrides, self.override_heads())
 
@@ -235,6 +237,8 @@ class BenchOptions:
                 argv += [flag, str(value)]
         if not self.greedy:
             argv += ["--temperature", str(self.temperature), "--top-p", str(self.top_p), "--top-k", str(self.top_k)]
+            if self.min_p:
+                argv += ["--min-p", str(self.min_p)]
         default = {f.name: f.default for f in fields(self)}
         for flag, name in (("--seed", "seed"), ("--pld-tokens", "pld_tokens"), ("--tie-threshold", "tie_threshold")):
             if getattr(self, name) != default[name]:
@@ -415,6 +419,7 @@ def specframe_method(name: str, decoder: Any, options: BenchOptions, description
             temperature=options.temperature,
             top_p=options.top_p,
             top_k=options.top_k,
+            min_p=options.min_p,
             seed=seed,
         )
         seconds = time.perf_counter() - t0
@@ -458,8 +463,10 @@ def hf_method(
             kwargs["do_sample"] = False
         else:
             # The transform of specframe's T: temperature, top-k (0 = off), top-p (at a top-p cut inside a run of
-            # tied logits the two may keep different tokens of equal mass: specframe.sampling).
+            # tied logits the two may keep different tokens of equal mass: specframe.sampling), min-p (0 = off).
             kwargs.update(do_sample=True, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
+            if options.min_p:
+                kwargs["min_p"] = options.min_p
             torch.manual_seed(seed)
         assistant = extra.get("assistant_model")  # (on the stock kernels too, as a transformers user runs it)
         assistant_kernels = stock_kernels(assistant) if assistant is not None else contextlib.nullcontext()
@@ -680,7 +687,8 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
     options.validate()
     if not plots_possible():  # (said before the run, not found after it)
         log(f"note: {NO_PLOTS}")
-    unused = [flag for flag, off in (("--top-p", options.top_p == 1.0), ("--top-k", options.top_k == 0)) if not off]
+    defaults = (("--top-p", options.top_p == 1.0), ("--top-k", options.top_k == 0), ("--min-p", options.min_p == 0.0))
+    unused = [flag for flag, off in defaults if not off]
     note = greedy_note(unused) if options.greedy else None
     if note:  # (as generate says it: greedy draws nothing)
         log(f"note: {note}")
@@ -1367,7 +1375,8 @@ def markdown(doc: dict[str, Any], plots: bool = True) -> str:
     mode = (
         "greedy"
         if s["greedy"]
-        else f"sampling (temperature {s['temperature']}, top-p {s['top_p']}, top-k {s['top_k']})"
+        else f"sampling (temperature {s['temperature']}, top-p {s['top_p']}, top-k {s['top_k']}"
+        + (f", min-p {s['min_p']})" if s.get("min_p") else ")")  # (no min_p in a bench.json before 2026-12-07)
     )
     categories: dict[str, dict[int, str]] = {}  # subtask -> question id -> category (mt_bench has eight)
     for r in doc["records"]:

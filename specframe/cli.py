@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, help="sampling.temperature (default 0 = greedy)")
     g.add_argument("--top-p", type=float, help="sampling.top_p (default 1 = off)")
     g.add_argument("--top-k", type=int, help="sampling.top_k (default 0 = off; -1 = off too)")
+    g.add_argument("--min-p", type=float, help="sampling.min_p (default 0 = off)")
     g.add_argument("--seed", type=int, help="sampling.seed (default: unset, a fresh seed per run)")
     g.add_argument("--config", help="YAML config file (or the name of a packaged one, e.g. draft.yaml)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -169,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--temperature", type=float, help="0 = greedy (Spec-Bench); > 0 = sampling")
     b.add_argument("--top-p", type=float, help="nucleus sampling, with --temperature > 0 (default 1 = off)")
     b.add_argument("--top-k", type=int, help="top-k sampling, with --temperature > 0 (default 0 = off; -1 = off too)")
+    b.add_argument("--min-p", type=float, help="min-p sampling, with --temperature > 0 (default 0 = off)")
     b.add_argument("--seed", type=int, help="base seed; each (question, turn) derives its own (default 0)")
     b.add_argument("--pld-tokens", type=int, help="hf-pld's prompt_lookup_num_tokens (default 10)")
     b.add_argument(
@@ -241,6 +243,7 @@ GENERATE_FLAGS = {  # the config key each `generate` flag sets, and the flag
     "sampling.temperature": "--temperature",
     "sampling.top_p": "--top-p",
     "sampling.top_k": "--top-k",
+    "sampling.min_p": "--min-p",
     "sampling.seed": "--seed",
 }
 
@@ -261,7 +264,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, generate_overrides(args))
     s = cfg.sampling
-    unused = [k for k, off in (("top_p", s.top_p == 1.0), ("top_k", s.top_k == 0), ("seed", s.seed is None)) if not off]
+    defaults = (("top_p", s.top_p == 1.0), ("top_k", s.top_k == 0), ("min_p", s.min_p == 0.0), ("seed", s.seed is None))
+    unused = [k for k, off in defaults if not off]
     note = greedy_note([f"sampling.{k}" for k in unused]) if s.temperature == 0 else None
     if note:  # (greedy draws nothing: as transformers, say so rather than ignore it)
         print(f"specframe: note: {note}; give --temperature > 0 to sample", file=sys.stderr)

@@ -51,18 +51,20 @@ class TargetConfig:
 
 @dataclass
 class SamplingConfig:
-    # 0 = greedy; otherwise logits are divided by it before top-k/top-p.
+    # 0 = greedy; otherwise logits are divided by it before top-k/top-p/min-p.
     temperature: float = 0.0
     # Nucleus sampling mass in (0, 1]; 1 = off.
     top_p: float = 1.0
     # Keep only the k most likely tokens; 0 = off (-1, as vLLM writes off, is read as 0).
     top_k: int = 0
+    # Keep only tokens at least min_p times as likely as the most likely one, in [0, 1]; 0 = off (after top-p).
+    min_p: float = 0.0
     # Seed for every random draw (target and proposer); None = a fresh random seed per call.
     seed: int | None = None
 
     def __post_init__(self) -> None:
         check_field_types(self, "sampling.")
-        check_sampling(self.temperature, self.top_k, self.top_p)
+        check_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
         self.top_k = top_k_off_as_zero(self.top_k)
         check_seed(self.seed)
 
@@ -99,7 +101,8 @@ def greedy_note(unused: list[str]) -> str | None:
     if not unused:
         return None
     verb = "has" if len(unused) == 1 else "have"
-    return f"{' and '.join(unused)} {verb} no effect at temperature 0 (greedy decoding)"
+    listed = " and ".join([", ".join(unused[:-1]), unused[-1]] if len(unused) > 2 else unused)
+    return f"{listed} {verb} no effect at temperature 0 (greedy decoding)"
 
 
 @dataclass

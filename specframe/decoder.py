@@ -163,7 +163,7 @@ class SpeculativeDecoder:
         self._one_call = threading.Lock()  # held by the running generate call
         self._caller: int | None = None  # that call's thread
 
-    # `dec.temperature = 0.7` (and top_k, top_p) sets the decoder's sampling, as the generate arguments of those
+    # `dec.temperature = 0.7` (and top_k, top_p, min_p) sets the decoder's sampling, as the generate arguments of those
     # names do for one call: without these, the assignment would make an attribute that nothing reads.
     temperature = property(
         lambda self: self.sampling.temperature,
@@ -176,6 +176,10 @@ class SpeculativeDecoder:
     top_p = property(
         lambda self: self.sampling.top_p,
         lambda self, value: setattr(self, "sampling", replace(self.sampling, top_p=_as_float(value))),
+    )
+    min_p = property(
+        lambda self: self.sampling.min_p,
+        lambda self, value: setattr(self, "sampling", replace(self.sampling, min_p=_as_float(value))),
     )
 
     def graphs_status(self) -> str:
@@ -231,7 +235,7 @@ class SpeculativeDecoder:
             loaded.model,
             proposer,
             tokenizer=loaded.tokenizer,
-            sampling=SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p),
+            sampling=SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p),
             max_new_tokens=cfg.generation.max_new_tokens,
             stop=list(cfg.generation.stop),
             seed=s.seed,
@@ -337,6 +341,7 @@ class SpeculativeDecoder:
         stop: list[str] | None = None,
         raw: bool = False,
         stream: Callable[[str], object] | None = None,
+        min_p: float | None = None,
     ) -> GenerationResult:
         """Generate a continuation of `prompt`. `stream`, a function of one string, is handed the text in pieces
         as it is generated (specframe/streaming.py); they add up to the result's text. A decoder runs one call at
@@ -352,7 +357,7 @@ class SpeculativeDecoder:
             self._caller = threading.get_ident()
             try:
                 params, max_new, stop_strings, generator = self._settings(
-                    max_new_tokens, temperature, top_p, top_k, seed, stop
+                    max_new_tokens, temperature, top_p, top_k, seed, stop, min_p
                 )
                 text_stream = self._text_stream(stream, stop_strings)
                 result = self._generate(prompt, raw, params, max_new, stop_strings, generator, text_stream)
@@ -474,17 +479,19 @@ class SpeculativeDecoder:
         top_k: int | None,
         seed: int | None,
         stop: list[str] | None,
+        min_p: float | None = None,
     ) -> tuple[SamplingParams, int, list[str], torch.Generator]:
         """One call's settings, its arguments over the decoder's own, checked: (sampling, max_new_tokens, stop
         strings, the random generator seeded with the call's seed or a fresh one)."""
         top_k, max_new_tokens, seed = (_as_int(v) for v in (top_k, max_new_tokens, seed))
-        temperature, top_p = (_as_float(v) for v in (temperature, top_p))
+        temperature, top_p, min_p = (_as_float(v) for v in (temperature, top_p, min_p))
         sampling = {
             "temperature": self.sampling.temperature if temperature is None else temperature,
             "top_k": self.sampling.top_k if top_k is None else top_k,
             "top_p": self.sampling.top_p if top_p is None else top_p,
+            "min_p": self.sampling.min_p if min_p is None else min_p,
         }
-        if (temperature, top_k, top_p) != (None, None, None):
+        if (temperature, top_k, top_p, min_p) != (None, None, None, None):
             check_sampling(**sampling, prefix="")  # (errors name the argument: top_k, not sampling.top_k)
         params = SamplingParams(**sampling)
         max_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens

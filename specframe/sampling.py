@@ -1,18 +1,26 @@
 """The sampling transform T(logits) -> probabilities, applied identically to target (p) and draft (q).
 
-Order: temperature, then top-k, then top-p, then normalise. Everything is computed in float32 (or float64
-when the logits already are), so bf16/fp16 models share one numerically safe path. Temperature 0 is greedy:
-T returns the one-hot distribution of the argmax (lowest index on ties).
+Order: temperature, then top-k, then top-p, then min-p, then normalise (the order of transformers' warpers).
+Everything is computed in float32 (or float64 when the logits already are), so bf16/fp16 models share one
+numerically safe path. Temperature 0 is greedy: T returns the one-hot distribution of the argmax (lowest index
+on ties).
 
 Ties at a cut: top-k keeps every token tied with the k-th (as transformers' TopKLogitsWarper does). Top-p ranks
 tied tokens by index, lowest first (a stable sort, the same on every device), so where the cut falls inside a
 run of ties the lower ids are kept; transformers' TopPLogitsWarper usually keeps the higher ones. Both are nucleus sets
 of the same mass, and exactness is unaffected (p and q go through this one function); it shows only as a
 different draw than transformers' own sampling, mostly with 16-bit logits, where ties are common.
+
+Min-p (Nguyen et al., 2024; transformers' MinPLogitsWarper, vLLM's min_p) keeps the tokens whose probability is
+at least min_p times the most likely token's. Top-k and top-p never drop the most likely token, and the ratio of
+two kept tokens' probabilities does not depend on what else is kept, so min-p after them is the plain test
+`scaled logit >= top scaled logit + log(min_p)`, here on the logits (transformers compares probabilities: the
+same set up to rounding at the cut). Tokens tied with the top token always stay (min_p = 1 keeps only those).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,9 +33,10 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy; otherwise logits are divided by it
     top_k: int = 0  # keep the k most likely tokens; 0 = off (-1, vLLM's spelling of off, is stored as 0)
     top_p: float = 1.0  # keep the smallest set whose mass reaches top_p; 1.0 = off
+    min_p: float = 0.0  # keep tokens at least min_p x as likely as the most likely one; 0.0 = off
 
     def __post_init__(self) -> None:
-        check_sampling(self.temperature, self.top_k, self.top_p)
+        check_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
         object.__setattr__(self, "top_k", top_k_off_as_zero(self.top_k))
 
     @property
@@ -41,7 +50,7 @@ def check_seed(seed: object, key: str = "sampling.seed", unset: str = " or unset
         raise ConfigError(f"{key} must be an integer in [-2**63, 2**64){unset}, got {seed!r}")
 
 
-def check_sampling(temperature: float, top_k: int, top_p: float, prefix: str = "sampling.") -> None:
+def check_sampling(temperature: float, top_k: int, top_p: float, min_p: float = 0.0, prefix: str = "sampling.") -> None:
     """Raise ConfigError naming the key of the first out-of-range or non-numeric sampling value."""
     if not is_number(temperature) or not 0.0 <= temperature < float("inf"):  # also rejects NaN
         raise ConfigError(f"{prefix}temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
@@ -49,6 +58,8 @@ def check_sampling(temperature: float, top_k: int, top_p: float, prefix: str = "
         raise ConfigError(f"{prefix}top_p must be a number in (0, 1], got {top_p!r}")
     if not is_count(top_k, -1):
         raise ConfigError(f"{prefix}top_k must be an integer >= 1, or 0 or -1 for off, got {top_k!r}")
+    if not is_number(min_p) or not (0.0 <= min_p <= 1.0):
+        raise ConfigError(f"{prefix}min_p must be a number in [0, 1] (0 = off), got {min_p!r}")
 
 
 def top_k_off_as_zero(top_k: int) -> int:
@@ -73,6 +84,8 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if params.top_p < 1.0:
         drop = _nucleus_drop_among_candidates(x, params.top_p)
         x = x.masked_fill(_nucleus_drop(x, params.top_p) if drop is None else drop, float("-inf"))
+    if params.min_p > 0.0:  # (the top scaled logit is 0 after the shift, and no cut above dropped it)
+        x = x.masked_fill(x < math.log(params.min_p), float("-inf"))
     return x.softmax(-1).to(dtype)
 
 

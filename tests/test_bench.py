@@ -440,6 +440,29 @@ def test_sampling_reports_speed_not_identity(tiny_dirs, questions, tmp_path):
     assert "Sampled outputs are not compared with `hf`'s" in report and "`specframe check` tests" in report
 
 
+def test_min_p_reaches_specframe_and_transformers(tiny_dirs, questions, tmp_path):
+    # min_p 1 keeps only the top token: sampled at temperature 1.5, every method then gives the greedy tokens,
+    # which it would not if the flag were dropped on the way to either
+    common = ["--subtasks", "translation", "--limit", "1", "--max-new-tokens", "12", "--threads", "1"]
+    common += ["--baselines", "hf,hf-assisted,hf-pld", f"draft.model={tiny_dirs['draft']}"]
+    runs = {}
+    for name, extra in (("greedy", []), ("min_p", ["--temperature", "1.5", "--min-p", "1"])):
+        out = tmp_path / name
+        code, _, err = run_cli(*bench_args(tiny_dirs, questions, out, "--proposers", "none,draft", *common, *extra))
+        assert code == 0, err
+        doc = json.loads((out / "bench.json").read_text())
+        runs[name] = {(r["method"], r["turn"]): r["token_ids"] for r in doc["records"]}
+    assert runs["min_p"] == runs["greedy"] and {m for m, _ in runs["greedy"]} == {
+        "none",
+        "draft",
+        "hf",
+        "hf-assisted",
+        "hf-pld",
+    }
+    assert doc["settings"]["min_p"] == 1.0 and "--min-p 1.0" in doc["command"]
+    assert "sampling (temperature 1.5, top-p 1.0, top-k 0, min-p 1.0)" in (tmp_path / "min_p" / "bench.md").read_text()
+
+
 def test_a_config_file_sets_options_and_flags_win(tiny_dirs, questions, tmp_path):
     import yaml
 
@@ -854,6 +877,8 @@ def test_top_k_minus_one_is_off_and_reaches_transformers_as_0():
     assert options.top_k == 0
     with pytest.raises(BadInputError, match=r"^--top-k must be an integer >= 1, or 0 or -1 for off, got -3"):
         bench.BenchOptions(proposers=["none"], temperature=0.5, top_k=-3).validate()
+    with pytest.raises(BadInputError, match=r"^--min-p must be a number in \[0, 1\] \(0 = off\), got 1.5"):
+        bench.BenchOptions(proposers=["none"], temperature=0.5, min_p=1.5).validate()
 
 
 def test_outputs_that_cannot_be_written_are_refused_before_the_run(tiny_dirs, questions, tmp_path):
@@ -1057,11 +1082,11 @@ def test_sampling_flags_at_temperature_0_are_said_to_do_nothing(tmp_path):
     # (before: `bench --top-p 0.5` ran greedily without a word, and the record held top_p 0.5 beside greedy)
     said = []
     options = bench.BenchOptions(
-        proposers=["none"], baselines=[], top_p=0.5, top_k=4, questions=str(tmp_path / "no.jsonl")
+        proposers=["none"], baselines=[], top_p=0.5, top_k=4, min_p=0.1, questions=str(tmp_path / "no.jsonl")
     )
     with pytest.raises(BadInputError, match="does not exist"):  # (stopped right after the note: no model loads)
         bench.run_bench(options, log=said.append)
-    assert said == ["note: --top-p and --top-k have no effect at temperature 0 (greedy decoding)"]
+    assert said == ["note: --top-p, --top-k and --min-p have no effect at temperature 0 (greedy decoding)"]
     said.clear()
     with pytest.raises(BadInputError, match="does not exist"):
         bench.run_bench(replace(options, temperature=1.0), log=said.append)

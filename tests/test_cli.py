@@ -110,6 +110,25 @@ def test_sampling_options_at_temperature_0_are_said_to_do_nothing(capsys, tiny_d
     assert code == 0 and "note:" not in err, err
 
 
+def test_min_p_reaches_the_sampler(capsys, tiny_dirs):
+    # min_p 1 keeps only the top token: sampling at temperature 2 then gives the greedy tokens (and does not
+    # without it), whether the flag or the config key sets it
+    outs = {}
+    for name, extra in {
+        "greedy": [],
+        "hot": ["--temperature", "2", "--seed", "1"],
+        "flag": ["--temperature", "2", "--seed", "1", "--min-p", "1"],
+        "key": ["--temperature", "2", "--seed", "1", "sampling.min_p=1.0"],
+    }.items():
+        args = gen_args(tiny_dirs, "--proposer", "draft", f"proposer.model={tiny_dirs['draft']}", "--json", *extra)
+        code, out, err = run(capsys, *args, "--prompt", "a b c", "--raw")
+        assert code == 0 and "note:" not in err, err
+        outs[name] = json.loads(out)["token_ids"]
+    assert outs["flag"] == outs["key"] == outs["greedy"] != outs["hot"]
+    code, _, err = run(capsys, *gen_args(tiny_dirs, "--proposer", "none", "--prompt", "a", "--raw", "--min-p", "0.2"))
+    assert code == 0 and "note: sampling.min_p has no effect at temperature 0 (greedy decoding)" in err, err
+
+
 def test_greedy_output_identical_across_proposers(capsys, tiny_dirs):
     outs = []
     for extra in (["--proposer", "none"], ["--proposer", "draft", f"proposer.model={tiny_dirs['draft']}"]):
@@ -130,6 +149,8 @@ def test_greedy_output_identical_across_proposers(capsys, tiny_dirs):
         (["--proposer", "none", "--top-p", "1.5"], "sampling.top_p"),
         (["--proposer", "none", "--top-p", "0"], "sampling.top_p"),
         (["--proposer", "none", "--top-k", "-2"], "sampling.top_k"),
+        (["--proposer", "none", "--min-p", "1.5"], "sampling.min_p must be a number in [0, 1]"),
+        (["--proposer", "none", "sampling.min_p=-0.1"], "sampling.min_p"),
         (["--proposer", "none", "--max-new-tokens", "0"], "generation.max_new_tokens"),
         (["--proposer", "none", "--prompt", ""], "prompt is empty"),
         (["--proposer", "none", "--prompt", "hi \udcff"], "the argument 'hi \\xff' is not UTF-8 text"),

@@ -179,6 +179,22 @@ def test_a_top_p_cut_that_rounding_can_move_is_moved_in_16_bit_dtypes_only():
     assert conformance.enumerate_continuations(FixedLogits(row, torch.bfloat16), [0], 2, edge.params)[1] > 0
 
 
+def test_a_min_p_cut_that_rounding_can_move_is_moved_in_16_bit_dtypes_only():
+    import math
+
+    from specframe.sampling import SamplingParams
+
+    # the second token is 0.2 times as likely as the top one: at min_p=0.2 whether it is kept depends on rounding
+    row = [0.0, math.log(0.2), -3.0]
+    case = conformance.SamplingCase(SamplingParams(1.0, 0, 1.0, 0.2), prompt=(0,), lead=1)
+    moved, at, nominal = conformance.settled_case(case, FixedLogits(row, torch.bfloat16))
+    assert nominal == pytest.approx(4.0) and at <= conformance.UNSETTLED_MASS
+    assert moved.params == SamplingParams(1.0, 0, 1.0, moved.params.min_p) and moved.params.min_p != 0.2
+    assert conformance.settled_case(case, FixedLogits(row, torch.float32)) == (case, 0.0, 0.0)
+    far = conformance.SamplingCase(SamplingParams(1.0, 0, 1.0, 0.5), prompt=(0,), lead=1)
+    assert conformance.settled_case(far, FixedLogits(row, torch.bfloat16)) == (far, 0.0, 0.0)
+
+
 @pytest.mark.parametrize(
     ("draws", "confirm", "passed"),
     [("good", True, True), ("bad,good", True, True), ("bad,bad", True, False), ("bad", False, False)],

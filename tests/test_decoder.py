@@ -687,7 +687,9 @@ def test_numpy_integers_are_integers_and_stop_strings_need_a_tokenizer(target):
     want = dec.generate([1, 2, 3], max_new_tokens=4, temperature=0.5, top_p=0.9, seed=5).token_ids
     assert dec.generate([1, 2, 3], max_new_tokens=4, temperature=torch.tensor(0.5), top_p=np.float32(0.9),
                         seed=5).token_ids == want  # fmt: skip
-    for bad in ({"temperature": "0.5"}, {"temperature": True}, {"top_p": "0.9"}, {"top_p": True}):
+    with pytest.raises(BadInputError, match=r"^min_p must be a number in \[0, 1\] \(0 = off\), got -0.5"):
+        dec.generate([1, 2, 3], max_new_tokens=4, min_p=-0.5)
+    for bad in ({"temperature": "0.5"}, {"temperature": True}, {"top_p": "0.9"}, {"top_p": True}, {"min_p": "0.1"}):
         ((key, value),) = bad.items()
         with pytest.raises(BadInputError, match=rf"^{key} must be a .*number.*, got {value!r}"):
             dec.generate([1, 2, 3], max_new_tokens=4, **bad)
@@ -801,6 +803,12 @@ def test_sampling_set_on_the_decoder_applies_to_its_calls(target, info):
     assert dec.generate([1, 2], max_new_tokens=8, seed=3).token_ids == fresh.generate([1, 2], 8, seed=3).token_ids
     with pytest.raises(ConfigError, match="temperature must be a finite number >= 0"):
         dec.temperature = -1
+    # min_p 1 keeps only the top token: sampling then follows greedy decoding
+    greedy = SpeculativeDecoder(target, NoneProposer(NoneConfig(), info)).generate([1, 2], 8).token_ids
+    dec.temperature, dec.top_k, dec.top_p, dec.min_p = 2.0, 0, 1.0, np.float32(1.0)
+    assert dec.sampling == SamplingParams(2.0, 0, 1.0, 1.0) and dec.min_p == 1.0
+    assert dec.generate([1, 2], max_new_tokens=8, seed=3).token_ids == greedy
+    assert dec.generate([1, 2], max_new_tokens=8, seed=3, min_p=0.0).token_ids != greedy  # (the call's own wins)
 
 
 def test_a_proposer_built_for_another_target_is_refused_where_its_drafts_depend_on_it(target):

@@ -85,6 +85,11 @@ def test_transform_applies_row_wise_to_batches():
         ({"top_k": -2}, "top_k"),
         ({"temperature": float("nan")}, "temperature"),
         ({"temperature": float("inf")}, "temperature"),  # (inf / inf is nan where a draft's logit is -inf)
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": float("nan")}, "min_p"),
+        ({"min_p": "0.1"}, "min_p"),
+        ({"min_p": True}, "min_p"),
     ],
 )
 def test_bad_values_name_the_key(kwargs, key):
@@ -112,6 +117,35 @@ def test_top_p_is_taken_over_what_top_k_kept():
     assert p.tolist() == [1.0, 0.0, 0.0]
 
 
+def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_top_one():
+    # [.5, .3, .15, .05]: min_p 0.3 keeps p >= 0.15 (the third at the cut, kept), drops 0.05; renormalised.
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64).log()
+    p = sampling_probs(logits, SamplingParams(1.0, min_p=0.3))
+    assert (p > 0).tolist() == [True, True, True, False]
+    torch.testing.assert_close(p[:3], torch.tensor([0.5, 0.3, 0.15], dtype=torch.float64) / 0.95)
+    # after the temperature: at T = 0.5 the ratios square ([.25, .09, .0225, .0025] before normalising): 0.3 of the
+    # top's keeps only the first two
+    assert (sampling_probs(logits, SamplingParams(0.5, min_p=0.3)) > 0).tolist() == [True, True, False, False]
+    # 0 is off; 1 keeps the top token and those tied with it
+    assert (sampling_probs(logits, SamplingParams(1.0, min_p=0.0)) > 0).all()
+    tied = torch.tensor([1.0, 3.0, 3.0, 2.999])
+    assert sampling_probs(tied, SamplingParams(1.0, min_p=1.0)).tolist() == [0.0, 0.5, 0.5, 0.0]
+
+
+def test_min_p_is_taken_relative_to_the_top_token_after_top_k_and_top_p():
+    # top-k and top-p never drop the top token and renormalising keeps ratios, so min-p after them is their
+    # intersection with min-p alone, in any batch shape and in 16-bit logits
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(1)) * 2
+    both = sampling_probs(logits, SamplingParams(0.9, top_k=10, top_p=0.9, min_p=0.2))
+    cuts = sampling_probs(logits, SamplingParams(0.9, top_k=10, top_p=0.9))
+    alone = sampling_probs(logits, SamplingParams(0.9, min_p=0.2))
+    assert torch.equal(both > 0, (cuts > 0) & (alone > 0))
+    half = sampling_probs(logits.bfloat16(), SamplingParams(0.9, min_p=0.2))
+    assert half.dtype == torch.float32 and torch.equal(
+        half > 0, sampling_probs(logits.bfloat16().float(), SamplingParams(0.9, min_p=0.2)) > 0
+    )
+
+
 def test_top_p_stops_at_the_token_whose_mass_before_reaches_it_exactly():
     # Four equal tokens: the mass before the third is exactly 0.5, which reaches top_p 0.5: two are kept (a
     # strict comparison kept three). Ties are common with 16-bit logits.
@@ -119,12 +153,25 @@ def test_top_p_stops_at_the_token_whose_mass_before_reaches_it_exactly():
     assert p.tolist() == [0.5, 0.5, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.6, 20, 0.9)])
-def test_the_distribution_is_transformers_warpers(temperature, top_k, top_p):
-    """Against an implementation of its own: transformers' temperature, top-k and top-p warpers in that order
-    (the conformance suite's reference distribution is `sampling_probs` itself, so a fault in it would move the
-    engine and the reference together). Random logits: no ties, where the two may keep different tokens."""
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, min_p",
+    [
+        (0.7, 0, 1.0, 0.0),
+        (1.0, 5, 1.0, 0.0),
+        (1.3, 0, 0.8, 0.0),
+        (0.6, 20, 0.9, 0.0),
+        (1.0, 0, 1.0, 0.05),
+        (1.5, 0, 1.0, 0.3),
+        (1.2, 30, 0.95, 0.02),  # (all four: min-p after top-k and top-p, transformers' order)
+        (0.8, 0, 0.97, 0.1),
+    ],
+)
+def test_the_distribution_is_transformers_warpers(temperature, top_k, top_p, min_p):
+    """Against an implementation of its own: transformers' temperature, top-k, top-p and min-p warpers in that
+    order (the conformance suite's reference distribution is `sampling_probs` itself, so a fault in it would move
+    the engine and the reference together). Random logits: no ties, where the two may keep different tokens."""
     from transformers.generation.logits_process import (
+        MinPLogitsWarper,
         TemperatureLogitsWarper,
         TopKLogitsWarper,
         TopPLogitsWarper,
@@ -136,7 +183,12 @@ def test_the_distribution_is_transformers_warpers(temperature, top_k, top_p):
         warped = TopKLogitsWarper(top_k)(None, warped)
     if top_p < 1.0:
         warped = TopPLogitsWarper(top_p)(None, warped)
-    ours = sampling_probs(logits, SamplingParams(temperature, top_k=top_k, top_p=top_p))
+    if min_p:
+        warped = MinPLogitsWarper(min_p)(None, warped)
+    ours = sampling_probs(logits, SamplingParams(temperature, top_k=top_k, top_p=top_p, min_p=min_p))
+    if min_p:  # (the cut falls inside the rows: some tokens kept and some dropped by min-p itself)
+        before = sampling_probs(logits, SamplingParams(temperature, top_k=top_k, top_p=top_p))
+        assert ((before > 0) & (ours == 0)).any(-1).float().mean() > 0.5
     assert torch.equal(ours > 0, warped.softmax(-1) > 0)  # (the same tokens kept)
     torch.testing.assert_close(ours, warped.softmax(-1), rtol=1e-5, atol=1e-6)
 

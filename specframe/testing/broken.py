@@ -71,6 +71,16 @@ class OneCutQDraft(DraftProposer):
         return x, sampling_probs(logits, params)
 
 
+class MinPIgnoredQDraft(DraftProposer):
+    """Draws from T(logits) but reports q without the min-p cut, as a transform written before min-p was would."""
+
+    def draw(
+        self, logits: torch.Tensor, state: DecodeState, q: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, _ = super().draw(logits, state, q)
+        return x, sampling_probs(logits, replace(state.sampling, min_p=0.0))
+
+
 class StaleQDraft(DraftProposer):
     """Reports the first drafted position's q for every position of its chain: right at depth 1, wrong past
     it, so only a statistical check that drafts two deep can catch it."""

@@ -14,7 +14,7 @@ Checks, on tiny random-weight Llama models (no downloads), per device and dtype:
 - sampling: chi-square goodness of fit of sampled 3-token continuations against the target distribution
   enumerated exactly on an 8-token vocabulary, for several sampling settings, one of them after a 12-token
   prompt with budget left for deep drafts (the counted tokens can then be drafts at depths 2-4 of one step);
-  in 16-bit dtypes a top-p/top-k cut that rounding can move is moved to the nearest settled one
+  in 16-bit dtypes a top-p/top-k/min-p cut that rounding can move is moved to the nearest settled one
   (`settled_case`); a setting whose p-value falls below ALPHA is sampled again on fresh seeds and fails
   only if that confirms it (an exact proposer then fails one setting in 10^6, not one in 1,000: with
   dozens of settings, the seeded draws of some machine's rounding would otherwise fail an exact proposer
@@ -80,6 +80,9 @@ SETTINGS: dict[str, SamplingCase] = {
     # Temperature above 1 with top-k and top-p together: a transform that applies only one of the two cuts, or
     # that caps the temperature, reports another q than the one drawn from.
     "temperature=1.5,top_k=5,top_p=0.8": SamplingCase(SamplingParams(1.5, 5, 0.8)),
+    # Min-p (after top-k and top-p, relative to the top token): it keeps about 3 of the 8 tokens here, dropping a
+    # fifth of the mass, so a q reported without it is caught (p ~ 1e-12; with min_p 0.1, 7% dropped, p ~ 1e-3).
+    "temperature=1.5,min_p=0.25": SamplingCase(SamplingParams(1.5, 0, 1.0, 0.25)),
     # A longer context, and budget for drafts up to depth 4 in the first speculative step (it starts after one
     # token and may emit 4 drafts and a bonus): counted tokens 2-4 can be its drafts at depths 2-4. Longer
     # samples, so fewer of them (CI time; a q reported wrong from depth 3 on gave p ~ 1e-68 with 4,000).
@@ -255,19 +258,20 @@ SETTLE_ROUNDINGS = 0.25
 
 
 def cut_can_move(params: SamplingParams, dtype: torch.dtype) -> bool:
-    """Whether rounding can move the sampling's top-k/top-p cut: it samples, cuts, and the dtype is 16-bit."""
-    cuts = params.top_k > 0 or params.top_p < 1.0
+    """Whether rounding can move the sampling's top-k/top-p/min-p cut: it samples, cuts, and the dtype is 16-bit."""
+    cuts = params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
     return cuts and not params.greedy and dtype not in (torch.float32, torch.float64)
 
 
-# In 16-bit dtypes a truncating setting is moved (top_p by 0.01 steps, top_k by 1) when a sampled continuation
+# In 16-bit dtypes a truncating setting is moved (top_p or min_p by 0.01 steps, top_k by 1) when a sampled continuation
 # passes more unsettled prefixes than this, on average, at the nominal value (see `enumerate_continuations`).
 UNSETTLED_MASS = 0.03
 
 
 def settled_case(case: SamplingCase, model: torch.nn.Module) -> tuple[SamplingCase, float, float]:
-    """The sampling case itself, or, in a 16-bit dtype where its top-p/top-k cut is not settled by the model's
-    rounding, the nearest cut that is (else the least unsettled within 0.05 of top_p or 2 of top_k). Returns
+    """The sampling case itself, or, in a 16-bit dtype where its top-p/top-k/min-p cut is not settled by the
+    model's rounding, the nearest cut that is (else the least unsettled within 0.05 of top_p or min_p, or 2 of
+    top_k; a case with several cuts moves top_p, else min_p). Returns
     the case used and the unsettled prefixes a continuation passes at its cut and at the nominal one."""
     if not cut_can_move(case.params, model.dtype):
         return case, 0.0, 0.0
@@ -276,12 +280,13 @@ def settled_case(case: SamplingCase, model: torch.nn.Module) -> tuple[SamplingCa
     if nominal <= UNSETTLED_MASS:
         return case, nominal, nominal
     p = case.params
+    steps = (0.01, -0.01, 0.02, -0.02, 0.03, -0.03, 0.04, -0.04, 0.05, -0.05)
     if p.top_p < 1.0:
-        moves = [
-            replace(p, top_p=round(p.top_p + d, 2))
-            for d in (0.01, -0.01, 0.02, -0.02, 0.03, -0.03, 0.04, -0.04, 0.05, -0.05)
-        ]
+        moves = [replace(p, top_p=round(p.top_p + d, 2)) for d in steps]
         moves = [m for m in moves if 0.0 < m.top_p < 1.0]
+    elif p.min_p > 0.0:  # (not to 0, which cuts nothing, nor to 1, which keeps only the top token)
+        moves = [replace(p, min_p=round(p.min_p + d, 2)) for d in steps]
+        moves = [m for m in moves if 0.0 < m.min_p < 1.0]
     else:
         # (not to the whole vocabulary, which cuts nothing, nor to 1, which leaves one continuation to count)
         vocab = model.get_output_embeddings().weight.shape[0]
@@ -328,6 +333,7 @@ def sample_counts(
             temperature=params.temperature,
             top_k=params.top_k,
             top_p=params.top_p,
+            min_p=params.min_p,
             seed=seed + i,
         )
         if len(res.token_ids) != length:
@@ -597,7 +603,13 @@ def check_sampling(
     stat, df, p = chi_square(sample_counts(decoder, case, samples, drafts=drafts), probs)
     detail = f"{setting}: chi2={stat:.1f} df={df}, {samples} samples ({drafts[0]} draft nodes, {drafts[1]} accepted)"
     if case.params != nominal:  # (said, never silent: which cut ran, and why)
-        moved = f"top_p={case.params.top_p:g}" if nominal.top_p < 1.0 else f"top_k={case.params.top_k}"
+        moved = (
+            f"top_p={case.params.top_p:g}"
+            if nominal.top_p < 1.0
+            else f"min_p={case.params.min_p:g}"
+            if nominal.min_p > 0.0
+            else f"top_k={case.params.top_k}"
+        )
         detail += (
             f" at {moved} (in {dtype} a continuation passes {unsettled_nominal:.2f} prefixes, on average, whose "
             f"kept tokens change within rounding at the nominal cut; {unsettled:.3f} at this one)"
@@ -622,6 +634,7 @@ def power_cases() -> list[tuple[str, type[Proposer], Any, TreeAcceptance | None,
         BonusFromParent,
         InvertedRatio,
         KeepIfLikelyDraft,
+        MinPIgnoredQDraft,
         OneCutQDraft,
         ResampleFromTarget,
         ResidualNotNormalised,
@@ -657,6 +670,7 @@ def power_cases() -> list[tuple[str, type[Proposer], Any, TreeAcceptance | None,
         ),
         ("q_not_transformed", UntransformedQDraft, chain, None, "temperature=0.7,top_p=0.9"),
         ("q_one_cut_only", OneCutQDraft, chain, None, "temperature=1.5,top_k=5,top_p=0.8"),
+        ("q_without_min_p", MinPIgnoredQDraft, chain, None, "temperature=1.5,min_p=0.25"),
         ("stale_q_past_depth_1", StaleQDraft, chain, None, "temperature=1"),
         (
             "stale_q_past_depth_2",
