@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype(s) of the tiny target: float32, bfloat16, float16, auto (= float32); repeat for several; "
         "default float32",
     )
+    c.add_argument(
+        "--arch",
+        action="append",
+        help="model type of the tiny target, as in a config.json's model_type (llama, mistral, qwen2, qwen3, "
+        "gemma2, gemma3_text, phi3, gpt2, ...; sliding-window types get a 4-token window); repeat for several; "
+        "default llama",
+    )
     c.add_argument("--quick", action="store_true", help="greedy, rollback and isolation checks only (no statistics)")
     c.add_argument(
         "--no-power",
@@ -373,7 +380,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     from specframe.config import load_yaml, models_named, split_override, structured, with_defaults, with_overrides
     from specframe.plugins import get_registry
-    from specframe.testing.conformance import run_suite, suite_devices_and_dtypes
+    from specframe.testing.conformance import run_suite, suite_archs, suite_devices_and_dtypes
 
     options = OmegaConf.create()
     name = args.proposer
@@ -427,6 +434,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             "`generate --json` outputs with proposer none's)"
         )
     suite_devices_and_dtypes(args.device, args.dtype)  # (bad names refused before the header)
+    suite_archs(args.arch)
     if not args.json:  # (then each check's line as it finishes, then the totals)
         print(f"conformance of proposer '{entry.name}':", flush=True)
     report = run_suite(
@@ -438,6 +446,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         dtypes=args.dtype,
         power=False if args.no_power else None,
         debug=getattr(args, "debug", False),
+        archs=args.arch,
     )
     print(json.dumps(report.as_dict(traces=getattr(args, "debug", False))) if args.json else report.totals())
     return 0 if report.passed else 1

@@ -340,6 +340,20 @@ def test_check_in_several_dtypes(capsys):
         assert code == 2 and bad[1] in err and out == ""
 
 
+def test_check_on_tiny_targets_of_other_model_types(capsys):
+    code, out, _ = run(
+        capsys, "check", "--proposer", "medusa", "--quick", "--device", "cpu", "--arch", "qwen2", "--arch", "gpt2"
+    )
+    assert code == 0 and "PASS  greedy [cpu, qwen2]" in out and "PASS  isolation [cpu, gpt2]" in out, out
+    assert "6 passed, 0 failed" in out and "[cpu]" not in out  # (llama only when no --arch is given)
+    code, out, _ = run(
+        capsys, "check", "--proposer", "none", "--quick", "--device", "cpu", "--arch", "mistral", "--json"
+    )
+    assert code == 0 and {r["arch"] for r in json.loads(out)["results"]} == {"mistral"}
+    code, out, err = run(capsys, "check", "--proposer", "none", "--quick", "--arch", "mistrall")  # (before the header)
+    assert code == 2 and out == "" and "knows no model type 'mistrall'" in err, err
+
+
 def test_python_dash_m_entry_point():
     r = subprocess.run(
         [sys.executable, "-m", "specframe", "generate", "--proposer", "zzz", "--prompt", "x"],

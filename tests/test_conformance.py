@@ -331,7 +331,7 @@ def test_a_proposer_that_drafts_nothing_fails_a_drafts_line_and_none_does_not():
     assert conformance.run_suite(NoneProposer, devices=["cpu"], quick=True, power=False).passed
     with pytest.raises(AssertionError, match="drafted no token"):
         ProposerConformance.test_greedy_identical_to_target(types.SimpleNamespace(
-            proposer_class=NeverDrafts, proposer_config=None), "cpu")  # fmt: skip
+            proposer_class=NeverDrafts, proposer_config=None, target_arch="llama"), "cpu")  # fmt: skip
 
 
 def test_debug_gives_the_traceback_of_what_a_check_raised():

@@ -1,6 +1,7 @@
 """The exactness conformance suite: every proposer must leave the output distribution exactly the target's.
 
-Checks, on tiny random-weight Llama models (no downloads), per device and dtype:
+Checks, on tiny random-weight models (no downloads; Llama unless another model type is asked for: `tiny_target`),
+per device and dtype:
 - greedy: token-identical to the target's own greedy decoding (recomputed from scratch, no cache). In
   bfloat16/float16 a from-scratch forward and a cached multi-token one round differently, so there each
   emitted token must be the argmax of the from-scratch logits on its own prefix or within twice the
@@ -48,7 +49,7 @@ from specframe.kv_cache import new_cache
 from specframe.models import resolve_device, resolve_dtype
 from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, built_proposer
 from specframe.sampling import SamplingParams, sampling_probs
-from specframe.testing.tiny import available_devices, one_thread, tiny_llama
+from specframe.testing.tiny import available_devices, one_thread, tiny_target
 
 ALPHA = 1e-3  # a check fails when its p-value is below this
 SAMPLES = 4000  # generate calls per chi-square test
@@ -103,10 +104,12 @@ class CheckResult:
     dtype: str = "float32"  # the tiny target's (and the random-weight proposer's default) dtype
     drafted: int | None = None  # draft nodes the proposer proposed in this check (None: not counted)
     trace: str | None = None  # the traceback of what the check raised (`specframe check --debug` prints it)
+    arch: str = "llama"  # the tiny target's model type
 
     @property
     def where(self) -> str:
-        return self.device if self.dtype == "float32" else f"{self.device} {self.dtype}"
+        where = self.device if self.dtype == "float32" else f"{self.device} {self.dtype}"
+        return where if self.arch == "llama" else f"{where}, {self.arch}"
 
     def line(self, seconds: bool = False) -> str:
         """One report line: PASS/FAIL, the check, where it ran, its p-value and detail (and time)."""
@@ -153,9 +156,10 @@ def make_decoder(
     acceptance: TreeAcceptance | None = None,
     seed: int = 0,
     dtype: str = "float32",
+    arch: str = "llama",
 ) -> SpeculativeDecoder:
     """A tiny random target (`reference_target`) and the proposer's random-weight build for it."""
-    target = reference_target(vocab_size, device, dtype, seed)
+    target = reference_target(vocab_size, device, dtype, seed, arch)
     plugin = plugin_of(proposer_cls)
     try:
         built = proposer_cls.random(target_info(target), config, seed=seed + 1)
@@ -177,10 +181,12 @@ def plugin_of(proposer_cls: type[Proposer]) -> str:
     return next((e.plugin for e in get_registry().proposers.values() if e.cls is proposer_cls), "")
 
 
-def reference_target(vocab_size: int, device: str, dtype: str = "float32", seed: int = 0) -> torch.nn.Module:
-    """The tiny target `make_decoder` builds, built afresh: references are computed on this copy, so that a
-    proposer that changes the decoder's target cannot change them too."""
-    return tiny_llama(vocab_size, seed=seed, device=device, dtype=resolve_dtype(dtype, torch.device(device)))
+def reference_target(
+    vocab_size: int, device: str, dtype: str = "float32", seed: int = 0, arch: str = "llama"
+) -> torch.nn.Module:
+    """The tiny target `make_decoder` builds (of model type `arch`), built afresh: references are computed on this
+    copy, so that a proposer that changes the decoder's target cannot change them too."""
+    return tiny_target(arch, vocab_size, seed=seed, device=device, dtype=resolve_dtype(dtype, torch.device(device)))
 
 
 # In 16-bit dtypes the rollback check allows this many rounding tolerances per logit: on an AMD EPYC machine
@@ -221,7 +227,7 @@ def enumerate_continuations(
     model: torch.nn.Module, prompt: list[int], length: int, params: SamplingParams
 ) -> tuple[torch.Tensor, float]:
     """`exact_distribution`, and how many prefixes a sampled continuation passes, on average, whose kept tokens
-    (after top-k and top-p) are not settled in the model's dtype: ones that a change of its logits within
+    (after top-k, top-p and min-p) are not settled in the model's dtype: ones that a change of its logits within
     SETTLE_ROUNDINGS x `rounding_tolerance` alters (16-bit dtypes only; 0.0 in float32 or without a cut).
     There a forward that rounds differently, as a cached verification does, keeps or drops a token's whole
     mass, so the "exact" distribution is not defined."""
@@ -375,10 +381,12 @@ def greedy_mismatch(model: torch.nn.Module, prompt: list[int], out: list[int]) -
     return None, near, ""
 
 
-def check_greedy(proposer_cls: type[Proposer], device: str, config: Any = None, dtype: str = "float32") -> CheckResult:
+def check_greedy(
+    proposer_cls: type[Proposer], device: str, config: Any = None, dtype: str = "float32", arch: str = "llama"
+) -> CheckResult:
     t0 = time.perf_counter()
-    decoder = make_decoder(proposer_cls, device, vocab_size=SAMPLING_VOCAB, config=config, dtype=dtype)
-    reference = reference_target(SAMPLING_VOCAB, device, dtype)
+    decoder = make_decoder(proposer_cls, device, vocab_size=SAMPLING_VOCAB, config=config, dtype=dtype, arch=arch)
+    reference = reference_target(SAMPLING_VOCAB, device, dtype, arch=arch)
     prompts = [[1, 2, 3], [7], [(5 * i + 3) % SAMPLING_VOCAB for i in range(40)]]
     accepted = near_ties = drafted = 0
 
@@ -386,7 +394,7 @@ def check_greedy(proposer_cls: type[Proposer], device: str, config: Any = None, 
         # (on CUDA the decoder verifies through CUDA graphs where it can: the line says whether these checks did)
         graphs = f"; {decoder.graphs_status()}" if decoder.graphs_status() else ""
         took = time.perf_counter() - t0
-        return CheckResult("greedy", device, passed, detail + graphs, None, took, dtype, drafted=drafted)
+        return CheckResult("greedy", device, passed, detail + graphs, None, took, dtype, drafted=drafted, arch=arch)
 
     for prompt in prompts:
         res = decoder.generate(prompt, max_new_tokens=32, temperature=0.0)
@@ -460,10 +468,10 @@ class RollbackProbe(Proposer):
 
 
 def check_rollback(
-    proposer_cls: type[Proposer], device: str, config: Any = None, dtype: str = "float32"
+    proposer_cls: type[Proposer], device: str, config: Any = None, dtype: str = "float32", arch: str = "llama"
 ) -> CheckResult:
     t0 = time.perf_counter()
-    decoder = make_decoder(proposer_cls, device, vocab_size=SAMPLING_VOCAB, config=config, dtype=dtype)
+    decoder = make_decoder(proposer_cls, device, vocab_size=SAMPLING_VOCAB, config=config, dtype=dtype, arch=arch)
     probe = RollbackProbe(decoder.proposer)
     probe.decoder = decoder
     decoder.proposer = probe
@@ -477,14 +485,14 @@ def check_rollback(
         f"{probe.checks} steps ({accepted} draft tokens accepted), max |logit diff| {probe.max_diff:.2e}"
         f" (at most {probe.worst:.2f}x {bound})"
     )
-    return CheckResult("rollback", device, ok, detail, seconds=time.perf_counter() - t0, dtype=dtype)
+    return CheckResult("rollback", device, ok, detail, seconds=time.perf_counter() - t0, dtype=dtype, arch=arch)
 
 
 COUNTED_STATS = ("target_forwards", "proposed_tokens", "proposed_nodes", "accepted_tokens", "accepted_by_position")
 
 
 def check_isolation(
-    proposer_cls: type[Proposer], device: str, config: Any = None, dtype: str = "float32"
+    proposer_cls: type[Proposer], device: str, config: Any = None, dtype: str = "float32", arch: str = "llama"
 ) -> CheckResult:
     """Two contract rules no statistic can see (docs/plugins.md): every random choice comes from the engine's
     generator, so one seed gives one output whatever torch's, Python's and NumPy's global generators hold
@@ -494,10 +502,10 @@ def check_isolation(
     import random
 
     t0 = time.perf_counter()
-    decoder = make_decoder(proposer_cls, device, vocab_size=SAMPLING_VOCAB, config=config, dtype=dtype)
+    decoder = make_decoder(proposer_cls, device, vocab_size=SAMPLING_VOCAB, config=config, dtype=dtype, arch=arch)
 
     def result(passed: bool, detail: str) -> CheckResult:
-        return CheckResult("isolation", device, passed, detail, None, time.perf_counter() - t0, dtype)
+        return CheckResult("isolation", device, passed, detail, None, time.perf_counter() - t0, dtype, arch=arch)
 
     try:
         import numpy
@@ -547,7 +555,7 @@ def check_isolation(
                         for _ in range(2):  # since a random draft can repeat it once by chance)
                             scramble(0)
                             res = make_decoder(
-                                proposer_cls, device, vocab_size=SAMPLING_VOCAB, config=config, dtype=dtype
+                                proposer_cls, device, vocab_size=SAMPLING_VOCAB, config=config, dtype=dtype, arch=arch
                             ).generate(prompt, max_new_tokens=24, temperature=1.0, seed=seed)
                             fresh.append((res.token_ids, [res.stats[k] for k in COUNTED_STATS]))
                         if all(run == runs[0] for run in fresh):
@@ -560,7 +568,7 @@ def check_isolation(
             random.setstate(python_state)
             if numpy is not None:
                 numpy.random.set_state(numpy_state)
-    own, fresh = decoder.model.state_dict(), reference_target(SAMPLING_VOCAB, device, dtype).state_dict()
+    own, fresh = decoder.model.state_dict(), reference_target(SAMPLING_VOCAB, device, dtype, arch=arch).state_dict()
     changed = [
         k
         for k in [*own, *(k for k in fresh if k not in own)]
@@ -583,18 +591,21 @@ def check_sampling(
     name: str = "sampling",
     dtype: str = "float32",
     confirm: bool = True,
+    arch: str = "llama",
 ) -> CheckResult:
     """Chi-square of sampled continuations against the exact distribution, both from the tiny target in `dtype`
     (in 16-bit dtypes the decoder's own forwards round slightly differently from the enumerating one: far
-    below what 4,000 samples can detect, except at a top-p/top-k cut that it moves, which `settled_case`
+    below what 4,000 samples can detect, except at a top-p/top-k/min-p cut that it moves, which `settled_case`
     avoids). With `confirm`, a p-value below ALPHA is checked again on fresh seeds and the check fails only
     if that one is below ALPHA too."""
     t0 = time.perf_counter()
     case = SETTINGS[setting]
     samples = case.samples if samples is None else samples
-    decoder = make_decoder(proposer_cls, device, SAMPLING_VOCAB, config=config, acceptance=acceptance, dtype=dtype)
+    decoder = make_decoder(
+        proposer_cls, device, SAMPLING_VOCAB, config=config, acceptance=acceptance, dtype=dtype, arch=arch
+    )
     vocab = decoder.info.vocab_size
-    reference = reference_target(SAMPLING_VOCAB, device, dtype)
+    reference = reference_target(SAMPLING_VOCAB, device, dtype, arch=arch)
     nominal = case.params
     case, unsettled, unsettled_nominal = settled_case(case, reference)
     probs = exact_distribution(reference, list(case.prompt), case.lead + CONTINUATION, case.params)
@@ -624,7 +635,7 @@ def check_sampling(
         detail += f" (p={p:.2g}); again on {samples} fresh seeds: chi2={stat2:.1f} (p={p2:.2g})"
         p = max(p, p2)
     took = time.perf_counter() - t0
-    return CheckResult(f"{name} {setting}", device, p >= ALPHA, detail, p, took, dtype, drafted=drafts[0])
+    return CheckResult(f"{name} {setting}", device, p >= ALPHA, detail, p, took, dtype, drafted=drafts[0], arch=arch)
 
 
 def power_cases() -> list[tuple[str, type[Proposer], Any, TreeAcceptance | None, str]]:
@@ -720,7 +731,7 @@ def check_power(
     return results
 
 
-def run_check(name: str, check: Callable[[], CheckResult], device: str, dtype: str) -> CheckResult:
+def run_check(name: str, check: Callable[[], CheckResult], device: str, dtype: str, arch: str = "llama") -> CheckResult:
     """Run one check; a proposer that raises or returns a malformed proposal fails it (with what it raised),
     and the suite goes on. A bad option (BadInputError: e.g. one the random build refuses) stops the suite."""
     t0 = time.perf_counter()
@@ -731,7 +742,7 @@ def run_check(name: str, check: Callable[[], CheckResult], device: str, dtype: s
     except Exception as e:
         detail = f"raised {brief(e, 300, typed=True)}"
         trace = "".join(traceback.format_exception(e)).rstrip()
-        return CheckResult(name, device, False, detail, None, time.perf_counter() - t0, dtype, trace=trace)
+        return CheckResult(name, device, False, detail, None, time.perf_counter() - t0, dtype, trace=trace, arch=arch)
 
 
 def drafted_nothing(proposer_cls: type[Proposer], results: list[CheckResult]) -> CheckResult | None:
@@ -751,7 +762,63 @@ def drafted_nothing(proposer_cls: type[Proposer], results: list[CheckResult]) ->
         "verified, so these checks prove nothing about them (the tiny targets have an 8-token vocabulary and no "
         "tokenizer; a proposer must draft on them to be checked)",
         dtype=counted[0].dtype,
+        arch=counted[0].arch,
     )
+
+
+def run_checks(
+    proposer_cls: type[Proposer],
+    device: str,
+    dtype: str,
+    arch: str,
+    config: Any,
+    quick: bool,
+    log: Callable[[str], None] | None,
+    debug: bool,
+) -> list[CheckResult]:
+    """`run_suite`'s checks on one device, in one dtype, on one model type (the power checks aside)."""
+    checks: list[tuple[str, Callable[[], CheckResult]]] = [
+        ("greedy", lambda: check_greedy(proposer_cls, device, config, dtype, arch)),
+        ("rollback", lambda: check_rollback(proposer_cls, device, config, dtype, arch)),
+        ("isolation", lambda: check_isolation(proposer_cls, device, config, dtype, arch)),
+    ]
+    if not quick:
+        checks += [
+            (
+                f"sampling {setting}",
+                lambda s=setting: check_sampling(proposer_cls, device, s, config, dtype=dtype, arch=arch),
+            )
+            for setting in SETTINGS
+        ]
+    ran = []
+    for name, check in checks:
+        r = run_check(name, check, device, dtype, arch)
+        ran.append(r)
+        if log:
+            log(r.line(seconds=True))
+            if debug and r.trace:
+                log(r.trace)
+    unexercised = drafted_nothing(proposer_cls, ran)
+    if unexercised is not None:
+        ran.append(unexercised)
+        if log:
+            log(unexercised.line())
+    return ran
+
+
+def suite_archs(archs: list[str] | None) -> list[str]:
+    """The model types a suite's tiny targets take (default llama), each once; a type transformers does not know
+    fails here, before anything runs."""
+    from transformers import CONFIG_MAPPING, __version__
+
+    archs = list(dict.fromkeys(archs or ["llama"]))
+    unknown = [a for a in archs if a not in CONFIG_MAPPING]
+    if unknown:
+        raise BadInputError(
+            f"transformers {__version__} knows no model type {', '.join(repr(a) for a in unknown)} (model types as "
+            "in a config.json's model_type: llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3, gpt2, ...)"
+        )
+    return archs
 
 
 def suite_devices_and_dtypes(devices: list[str] | None, dtypes: list[str] | None) -> tuple[list[str], list[str]]:
@@ -774,40 +841,19 @@ def run_suite(
     log: Callable[[str], None] | None = None,
     dtypes: list[str] | None = None,
     debug: bool = False,
+    archs: list[str] | None = None,
 ) -> Report:
     """Run every check for one proposer class (built with random weights) on each device, in each dtype
-    (default float32). With `debug`, `log` also gets the traceback of what a failing check raised."""
+    (default float32), on tiny targets of each model type in `archs` (default llama; the power checks, which
+    test the suite itself, once per device and dtype, on llama). With `debug`, `log` also gets the traceback of
+    what a failing check raised."""
     devices, dtypes = suite_devices_and_dtypes(devices, dtypes)
+    archs = suite_archs(archs)
     report = Report(proposer_cls.name, quick=quick)
     with one_thread():
         for device, dtype in itertools.product(devices, dtypes):
-            checks: list[tuple[str, Callable[[], CheckResult]]] = [
-                ("greedy", lambda d=device, t=dtype: check_greedy(proposer_cls, d, config, t)),
-                ("rollback", lambda d=device, t=dtype: check_rollback(proposer_cls, d, config, t)),
-                ("isolation", lambda d=device, t=dtype: check_isolation(proposer_cls, d, config, t)),
-            ]
-            if not quick:
-                checks += [
-                    (
-                        f"sampling {setting}",
-                        lambda d=device, s=setting, t=dtype: check_sampling(proposer_cls, d, s, config, dtype=t),
-                    )
-                    for setting in SETTINGS
-                ]
-            ran = []
-            for name, check in checks:
-                r = run_check(name, check, device, dtype)
-                ran.append(r)
-                if log:
-                    log(r.line(seconds=True))
-                    if debug and r.trace:
-                        log(r.trace)
-            report.results += ran
-            unexercised = drafted_nothing(proposer_cls, ran)
-            if unexercised is not None:
-                report.results.append(unexercised)
-                if log:
-                    log(unexercised.line())
+            for arch in archs:
+                report.results += run_checks(proposer_cls, device, dtype, arch, config, quick, log, debug)
             if power if power is not None else not quick:
                 report.results += check_power(device, log=log, dtype=dtype)
     return report

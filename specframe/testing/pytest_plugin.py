@@ -27,12 +27,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture
 def specframe_conformance():
-    """A function (proposer class, config=None, *, quick=False, devices=None, dtypes=None) -> Report that runs
-    the conformance suite on tiny random targets and fails the test, with the report, unless every check passed."""
+    """A function (proposer class, config=None, *, quick=False, devices=None, dtypes=None, archs=None) -> Report
+    that runs the conformance suite on tiny random targets (of the model types in `archs`, default llama) and
+    fails the test, with the report, unless every check passed."""
     from specframe.testing.conformance import run_suite
 
-    def check(proposer_class: type, config: Any = None, *, quick: bool = False, devices=None, dtypes=None):
-        report = run_suite(proposer_class, devices=devices, config=config, quick=quick, dtypes=dtypes)
+    def check(proposer_class: type, config: Any = None, *, quick=False, devices=None, dtypes=None, archs=None):
+        report = run_suite(proposer_class, devices=devices, config=config, quick=quick, dtypes=dtypes, archs=archs)
         assert report.passed, report.summary()
         return report
 

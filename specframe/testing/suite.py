@@ -5,6 +5,7 @@
     class TestMyProposer(ProposerConformance):
         proposer_class = MyProposer      # built with MyProposer.random(target_info, proposer_config)
         proposer_config = None           # optional: a config_class instance
+        target_arch = "llama"            # optional: the tiny target's model type (e.g. "qwen2", "gemma3_text")
 
 The statistical tests are marked `slow`. They run every sampling setting (`conformance.SETTINGS`) unless the
 class names fewer in `sampling_settings`: for variants of a proposer whose every setting is tested elsewhere.
@@ -48,6 +49,8 @@ def _assert(result: conformance.CheckResult, drafts_of: type[Proposer] | None = 
 class ProposerConformance:
     proposer_class: ClassVar[type[Proposer]]
     proposer_config: ClassVar[Any] = None
+    # The tiny target's model type (`specframe.testing.tiny.tiny_target`): llama, or another transformers type.
+    target_arch: ClassVar[str] = "llama"
     # Which of conformance.SETTINGS the sampling test runs (default: all of them). Fewer only for a variant of a
     # proposer that is run in every setting elsewhere: each setting costs thousands of generate calls.
     sampling_settings: ClassVar[tuple[str, ...]] = tuple(conformance.SETTINGS)
@@ -70,14 +73,16 @@ class ProposerConformance:
             yield
 
     def test_greedy_identical_to_target(self, device: str) -> None:
-        _assert(conformance.check_greedy(self.proposer_class, device, self.proposer_config), self.proposer_class)
+        check = conformance.check_greedy(self.proposer_class, device, self.proposer_config, arch=self.target_arch)
+        _assert(check, self.proposer_class)
 
     def test_rollback_matches_recompute(self, device: str) -> None:
-        _assert(conformance.check_rollback(self.proposer_class, device, self.proposer_config))
+        _assert(conformance.check_rollback(self.proposer_class, device, self.proposer_config, arch=self.target_arch))
 
     def test_isolation_one_seed_one_output_and_target_untouched(self, device: str) -> None:
-        _assert(conformance.check_isolation(self.proposer_class, device, self.proposer_config))
+        _assert(conformance.check_isolation(self.proposer_class, device, self.proposer_config, arch=self.target_arch))
 
     @pytest.mark.slow
     def test_sampling_matches_target_distribution(self, device: str, setting: str) -> None:
-        _assert(conformance.check_sampling(self.proposer_class, device, setting, self.proposer_config))
+        config, arch = self.proposer_config, self.target_arch
+        _assert(conformance.check_sampling(self.proposer_class, device, setting, config, arch=arch))

@@ -55,6 +55,80 @@ def tiny_llama(
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
+# The window of the tiny targets' sliding-window layers: shorter than the conformance checks' sequences, so
+# their drafts and trees are verified past it.
+TINY_WINDOW = 4
+_HYBRID = ["sliding_attention", "full_attention"]
+_MOE = {"num_experts_per_tok": 1}
+# What a tiny target of a model type needs besides the shared shape (`tiny_target`): sliding windows where the
+# type has them, small experts, head sizes and rotary dimensions that fit the 16-wide hidden state.
+TINY_CONFIGS: dict[str, dict] = {
+    "mistral": {"sliding_window": TINY_WINDOW},
+    "mixtral": {"sliding_window": TINY_WINDOW, "num_local_experts": 2, **_MOE},
+    "qwen2": {"use_sliding_window": True, "sliding_window": TINY_WINDOW, "max_window_layers": 1},
+    "qwen2_moe": {
+        "use_sliding_window": True, "sliding_window": TINY_WINDOW, "max_window_layers": 1, "num_experts": 2, **_MOE,
+        "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
+    },
+    "qwen3": {"head_dim": 8, "use_sliding_window": True, "sliding_window": TINY_WINDOW, "max_window_layers": 1},
+    "qwen3_moe": {"head_dim": 8, "num_experts": 2, **_MOE, "moe_intermediate_size": 16},
+    # (Gemma: untied embeddings, with which a tiny one does not just repeat the prompt's last token; Gemma 2 has no
+    # SDPA attention in transformers: eager, as specframe.models loads it)
+    "gemma": {"head_dim": 8, "tie_word_embeddings": False},
+    "gemma2": {
+        "head_dim": 8, "sliding_window": TINY_WINDOW, "attn_implementation": "eager", "tie_word_embeddings": False,
+    },
+    "gemma3_text": {"head_dim": 8, "sliding_window": TINY_WINDOW, "layer_types": _HYBRID, "tie_word_embeddings": False},
+    "starcoder2": {"sliding_window": TINY_WINDOW},
+    "phi3": {"sliding_window": TINY_WINDOW},
+    "olmo3": {"sliding_window": TINY_WINDOW, "layer_types": _HYBRID},
+    "smollm3": {"use_sliding_window": True, "sliding_window": TINY_WINDOW, "layer_types": _HYBRID},
+    "gpt_oss": {"head_dim": 8, "sliding_window": TINY_WINDOW, "num_local_experts": 2, **_MOE, "layer_types": _HYBRID},
+    "gptj": {"rotary_dim": 4},
+    "codegen": {"rotary_dim": 4},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": TINY_WINDOW},
+}  # fmt: skip
+
+
+def tiny_target(
+    model_type: str = "llama",
+    vocab_size: int = 8,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> torch.nn.Module:
+    """A tiny random-weight causal LM of any transformers model type (`llama`: `tiny_llama`): 2 layers, hidden
+    size 16, 2 attention heads sharing 1 key-value head where the type has the notion, weights as large as
+    `tiny_llama`'s, plus what TINY_CONFIGS gives the type (a 4-token sliding window where it has one). A type
+    transformers does not know, or cannot build as a causal LM this small, is a BadInputError."""
+    from transformers import AutoConfig, AutoModelForCausalLM, __version__
+
+    from specframe.errors import BadInputError
+
+    if model_type == "llama":
+        return tiny_llama(vocab_size, seed=seed, device=device, dtype=dtype)
+    shape = dict(
+        vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=256, initializer_range=0.5, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    try:
+        config = AutoConfig.for_model(model_type, **shape, **TINY_CONFIGS.get(model_type, {}))
+    except ValueError:
+        raise BadInputError(f"transformers {__version__} knows no model type '{model_type}'") from None
+    except Exception as e:
+        raise BadInputError(f"a tiny '{model_type}' config could not be made: {type(e).__name__}: {e}") from None
+    try:
+        with seeded(seed):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as e:
+        raise BadInputError(
+            f"a tiny random '{model_type}' causal LM could not be built: {type(e).__name__}: {str(e)[:300]}"
+        ) from None
+    model.generation_config.eos_token_id = None
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
 def available_devices() -> list[str]:
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
