@@ -19,6 +19,8 @@
 #
 # Settings (environment): GPU_CHECK_DEVICE (cuda), GPU_CHECK_LIMIT (2 questions per subtask),
 # GPU_CHECK_SUBTASKS (all six), GPU_CHECK_MAX_NEW_TOKENS (128), GPU_CHECK_DTYPES ("float32 bfloat16"),
+# GPU_CHECK_ARCHS ("llama"; e.g. "llama qwen2 gemma3_text": the model types of the quick checks' tiny targets,
+# each about as long as llama's, so give GPU_CHECK_CONFORMANCE_S room),
 # GPU_CHECK_TESTS (set: also the fast test suite), GPU_CHECK_S (480: the call's budget from its start; each phase
 # ends at its own limit or at what the budget leaves it, and one left too little, under 100 s for a bench and 30 s
 # for the others, is skipped and said),
@@ -45,6 +47,7 @@ LIMIT=${GPU_CHECK_LIMIT:-2}
 MAX_NEW=${GPU_CHECK_MAX_NEW_TOKENS:-128}
 SUBTASKS=${GPU_CHECK_SUBTASKS:-mt_bench,translation,summarization,qa,math_reasoning,rag}
 DTYPES=${GPU_CHECK_DTYPES:-float32 bfloat16}
+ARCHS=${GPU_CHECK_ARCHS:-llama}  # the quick checks' tiny target types (specframe check --arch)
 
 # --- 1. install, 2. the default target (the suite needs none: its targets are tiny random models)
 install_specframe || exit 1
@@ -69,14 +72,15 @@ archive
 # writes a line per check as it finishes, so one cut off by its time limit still reports the checks it ran.
 proposers=$("${SF[@]}" plugins --json | "$PY" -c "import json,sys; print(' '.join(r['name'] for r in json.load(sys.stdin)['proposers']))")
 conformance() {  # conformance <folder in $WORK> <seconds> <what, for the summary> <--quick, or "" for the whole suite>
-    local dir=$WORK/$1 seconds=$2 what=$3 quick=$4 p t i mode pids=() runs=()
+    local dir=$WORK/$1 seconds=$2 what=$3 quick=$4 p t i a mode pids=() runs=() archs=()
     mkdir -p "$dir"
+    if [ -n "$quick" ]; then for a in $ARCHS; do archs+=(--arch "$a"); done; fi  # (the whole suite: llama)
     for p in $proposers; do
         for t in $DTYPES; do
             mode=$quick
             [ -z "$quick" ] && [ "$p" != none ] && mode=--no-power  # (the power checks test the suite itself: once)
             OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 timeout -k 10 "$seconds" "${SF[@]}" check --proposer "$p" \
-                --device "$DEVICE" --dtype "$t" $mode > "$dir/$p-$t.txt" 2> "$dir/$p-$t.err" &
+                --device "$DEVICE" --dtype "$t" $mode ${archs[@]+"${archs[@]}"} > "$dir/$p-$t.txt" 2> "$dir/$p-$t.err" &
             pids+=($!)
             runs+=("$p-$t")
         done
