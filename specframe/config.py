@@ -19,7 +19,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from specframe.errors import BadInputError, ConfigError, brief, check_field_types, user_path
+from specframe.errors import BadInputError, ConfigError, brief, check_field_types, is_integer, user_path
 from specframe.sampling import check_sampling, check_seed, top_k_off_as_zero
 
 
@@ -75,12 +75,18 @@ class GenerationConfig:
     max_new_tokens: int = 128
     # Stop when the generated text contains any of these; the text is cut before it (one string: one stop string).
     stop: list[str] = field(default_factory=list, metadata={"one_or_many": True})
+    # Also stop at these token ids, kept as the last token as an EOS is (vLLM's stop_token_ids; one id: one id).
+    stop_token_ids: list[int] = field(default_factory=list, metadata={"one_or_many": True})
+    # Do not stop at the model's EOS tokens: go on to max_new_tokens (vLLM's ignore_eos; stop_token_ids and stop
+    # strings still stop). For benchmarks of a fixed length; the text after an EOS is the model's, unended.
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         check_field_types(self, "generation.")
         if self.max_new_tokens < 1:
             raise ConfigError(f"generation.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         self.stop = stop_strings(self.stop, key="generation.stop")
+        self.stop_token_ids = stop_token_ids(self.stop_token_ids, key="generation.stop_token_ids")
 
 
 def stop_strings(stop: str | list[str] | None, key: str = "stop") -> list[str]:
@@ -93,6 +99,20 @@ def stop_strings(stop: str | list[str] | None, key: str = "stop") -> list[str]:
         if not isinstance(s, str) or not s:
             raise ConfigError(f"{key} must hold non-empty strings, got {s!r}")
     return stop
+
+
+def stop_token_ids(ids: int | list[int] | None, key: str = "stop_token_ids") -> list[int]:
+    """Stop token ids as a list (one id is a list of one); each must be an integer >= 0 (the decoder checks them
+    against its target's vocabulary). The error names `key`."""
+    if ids is None:
+        return []
+    listed = [ids] if is_integer(ids) else list(ids) if isinstance(ids, list | tuple | ListConfig) else None
+    if listed is None:
+        raise ConfigError(f"{key} must be a token id or a list of token ids, got {ids!r}")
+    for i in listed:
+        if not is_integer(i) or i < 0:
+            raise ConfigError(f"{key} must hold token ids (integers >= 0), got {i!r}")
+    return [int(i) for i in listed]
 
 
 def greedy_note(unused: list[str]) -> str | None:

@@ -20,6 +20,7 @@ from specframe.architectures import (
     longrope_switch,
 )
 from specframe.config import stop_strings
+from specframe.config import stop_token_ids as stop_token_ids_list
 from specframe.cpu_kernels import fast_kernels_on
 from specframe.cuda_graphs import graphed_target
 from specframe.errors import (
@@ -50,6 +51,19 @@ from specframe.sampling import SamplingParams, check_sampling, check_seed
 from specframe.streaming import TextStream
 
 Prompt = str | list[int] | list[dict[str, str]] | torch.Tensor
+
+
+@dataclass(frozen=True)
+class Ends:
+    """The token ids that end one call's generation: the model's EOS ids (none with ignore_eos), and its
+    stop_token_ids."""
+
+    eos: frozenset[int]
+    stop: frozenset[int]
+
+    @property
+    def ids(self) -> frozenset[int]:
+        return self.eos | self.stop
 
 
 @dataclass
@@ -94,6 +108,8 @@ class SpeculativeDecoder:
         acceptance: TreeAcceptance | None = None,
         plugin: str = "",
         cuda_graphs: bool = True,
+        stop_token_ids: list[int] | None = None,
+        ignore_eos: bool = False,
     ) -> None:
         if not isinstance(proposer, Proposer):
             raise BadInputError(
@@ -106,6 +122,8 @@ class SpeculativeDecoder:
         self.sampling = sampling or SamplingParams()  # defaults: greedy
         self.max_new_tokens = max_new_tokens
         self.stop = stop_strings(stop)
+        self.stop_token_ids = stop_token_ids  # (checked per call: `dec.stop_token_ids = 7` is set the same way)
+        self.ignore_eos = ignore_eos
         check_seed(seed, key="seed")
         self.seed = seed
         self.acceptance = acceptance or TreeAcceptance()
@@ -238,6 +256,8 @@ class SpeculativeDecoder:
             sampling=SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p),
             max_new_tokens=cfg.generation.max_new_tokens,
             stop=list(cfg.generation.stop),
+            stop_token_ids=list(cfg.generation.stop_token_ids),
+            ignore_eos=cfg.generation.ignore_eos,
             seed=s.seed,
             plugin=entry.plugin,
             cuda_graphs=t.cuda_graphs,
@@ -342,11 +362,15 @@ class SpeculativeDecoder:
         raw: bool = False,
         stream: Callable[[str], object] | None = None,
         min_p: float | None = None,
+        stop_token_ids: list[int] | None = None,
+        ignore_eos: bool | None = None,
     ) -> GenerationResult:
         """Generate a continuation of `prompt`. `stream`, a function of one string, is handed the text in pieces
-        as it is generated (specframe/streaming.py); they add up to the result's text. A decoder runs one call at
-        a time (the target's cache and the proposer's state are the call's): calls from several threads wait
-        their turn; for parallel requests, build one decoder per thread (they may share the target model)."""
+        as it is generated (specframe/streaming.py); they add up to the result's text. `stop_token_ids` also end
+        it (the id kept as the last token, as an EOS is); `ignore_eos` goes on past the model's EOS tokens. A
+        decoder runs one call at a time (the target's cache and the proposer's state are the call's): calls from
+        several threads wait their turn; for parallel requests, build one decoder per thread (they may share the
+        target model)."""
         if self._caller == threading.get_ident():
             raise SpecframeError(
                 "SpeculativeDecoder.generate was called from inside a generate call of the same decoder (by its "
@@ -359,8 +383,9 @@ class SpeculativeDecoder:
                 params, max_new, stop_strings, generator = self._settings(
                     max_new_tokens, temperature, top_p, top_k, seed, stop, min_p
                 )
+                ends = self._ends(stop_token_ids, ignore_eos)
                 text_stream = self._text_stream(stream, stop_strings)
-                result = self._generate(prompt, raw, params, max_new, stop_strings, generator, text_stream)
+                result = self._generate(prompt, raw, params, max_new, stop_strings, generator, text_stream, ends)
             except BaseException:
                 with contextlib.suppress(Exception):  # (the call's own error is the one to report)
                     self.proposer.end()
@@ -381,8 +406,10 @@ class SpeculativeDecoder:
         stop: list[str],
         generator: torch.Generator,
         text_stream: TextStream | None = None,
+        ends: Ends | None = None,
     ) -> GenerationResult:
-        """One call's generation, with its settings as `_settings` checked them."""
+        """One call's generation, with its settings as `_settings` and `_ends` checked them."""
+        ends = ends or self._ends(None, None)
         start = time.perf_counter()
         prompt_ids = self.encode(prompt, raw=raw)
         model, proposer, layers = self.model, self.proposer, tuple(self.proposer.hidden_state_layers)
@@ -405,7 +432,7 @@ class SpeculativeDecoder:
         self._call(proposer.begin, prompt_ids.clone(), pick_hidden(out, layers, slice(None)))
         generated = [first]
         new = 1  # tokens the last step emitted
-        done = self._finished(generated, limit, stop, new)
+        done = self._finished(generated, limit, stop, new, ends)
         # The sequence on the device, extended by each step's tokens right after its acceptance (the GPU has just
         # been waited for: the upload does not stall it); each proposal gets a copy of its own.
         sequence = torch.cat([prompt_ids, torch.tensor(generated, device=self.device)])
@@ -446,13 +473,13 @@ class SpeculativeDecoder:
             generated += accepted_tokens + [nxt]
             stats.record(structure.depths, len(path), t1 - t0, time.perf_counter() - t1)
             new = len(path) + 1
-            done = self._finished(generated, limit, stop, new)
+            done = self._finished(generated, limit, stop, new, ends)
             if not done:
                 sequence = torch.cat([sequence, torch.tensor(accepted_tokens + [nxt], device=self.device)])
                 hidden = pick_hidden(out, layers, rows_before + torch.tensor(keep, device=self.device))
                 self._call(proposer.accepted, Acceptance(path, accepted_tokens, nxt, hidden))
 
-        token_ids, text, finish_reason = self._truncate(generated, limit, max_new, stop, new)
+        token_ids, text, finish_reason = self._truncate(generated, limit, max_new, stop, new, ends)
         # Only the last step's block can be cut (every step checks EOS and stop strings): count as proposed and
         # accepted only the depths it kept, so that accepted_tokens never counts tokens the caller does not get.
         stats.keep_only(len(token_ids) - (len(generated) - stats.last_accepted - 1))
@@ -571,9 +598,20 @@ class SpeculativeDecoder:
 
     # ---------------------------------------------------------------- stopping
 
-    def _finished(self, generated: list[int], limit: int, stop: list[str], new: int) -> bool:
+    def _ends(self, stop_token_ids: list[int] | None, ignore_eos: bool | None) -> Ends:
+        """One call's token ids that end generation (its arguments over the decoder's own), checked."""
+        ids = stop_token_ids_list(self.stop_token_ids if stop_token_ids is None else stop_token_ids)
+        vocab = self.info.vocab_size
+        if any(i >= vocab for i in ids):
+            raise BadInputError(f"stop_token_ids holds {max(ids)}: not a token id of this target (vocabulary {vocab})")
+        ignore = self.ignore_eos if ignore_eos is None else ignore_eos
+        if not isinstance(ignore, bool):
+            raise BadInputError(f"ignore_eos must be True or False, got {ignore!r}")
+        return Ends(frozenset() if ignore else frozenset(self.eos_ids), frozenset(ids))
+
+    def _finished(self, generated: list[int], limit: int, stop: list[str], new: int, ends: Ends) -> bool:
         """Whether to stop, given that the last `new` tokens of `generated` were just emitted."""
-        if len(generated) >= limit or any(t in self.eos_ids for t in generated[-new:]):
+        if len(generated) >= limit or any(t in ends.ids for t in generated[-new:]):
             return True
         return self._stop_prefix(generated, stop, len(generated) - new + 1) is not None
 
@@ -621,15 +659,16 @@ class SpeculativeDecoder:
         return any(s in self._in_context(ids[:n]) for s in stop)
 
     def _truncate(
-        self, generated: list[int], limit: int, max_new: int, stop: list[str], new: int
+        self, generated: list[int], limit: int, max_new: int, stop: list[str], new: int, ends: Ends
     ) -> tuple[list[int], str | None, str]:
-        """Cut at `limit` (max_new_tokens, or fewer where the context window ends first), after the first EOS, and
-        before the first stop string to be completed; the last step emitted `new` tokens (every earlier prefix was
-        checked for stop strings by `_finished`). Returns the tokens, their text and why generation ended."""
+        """Cut at `limit` (max_new_tokens, or fewer where the context window ends first), after the first EOS or
+        stop token id, and before the first stop string to be completed; the last step emitted `new` tokens (every
+        earlier prefix was checked for stop strings by `_finished`). Returns the tokens, their text and why
+        generation ended."""
         ids = generated[:limit]
-        eos_at = next((i for i, t in enumerate(ids) if t in self.eos_ids), None)
-        if eos_at is not None:
-            ids = ids[: eos_at + 1]
+        end_at = next((i for i, t in enumerate(ids) if t in ends.ids), None)
+        if end_at is not None:
+            ids = ids[: end_at + 1]
         n = self._stop_prefix(ids, stop, len(generated) - new + 1) if self.tokenizer is not None else None
         if n is not None:
             # (a step that accepts several tokens may complete two stop strings, and the one that starts first in
@@ -641,7 +680,10 @@ class SpeculativeDecoder:
             else:  # (a clean-up that joins text across the anchor, "a ' s" to "a's": no mapping of places)
                 at = min((text.index(s) for s in stop if s in text), default=len(text))
             return ids, text[: max(0, at)], "stop"
-        reason = "eos" if eos_at is not None else "length" if len(ids) >= max_new else "context"
+        if end_at is not None:  # (an id that is both an EOS and a stop token id: "eos", unless EOS is ignored)
+            text = self._decode(ids) if self.tokenizer is not None else None
+            return ids, text, "eos" if ids[-1] in ends.eos else "stop"
+        reason = "length" if len(ids) >= max_new else "context"
         return ids, self._decode(ids) if self.tokenizer is not None else None, reason
 
 

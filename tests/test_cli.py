@@ -129,6 +129,25 @@ def test_min_p_reaches_the_sampler(capsys, tiny_dirs):
     assert code == 0 and "note: sampling.min_p has no effect at temperature 0 (greedy decoding)" in err, err
 
 
+def test_stop_token_ids_and_ignore_eos_from_the_command_line(capsys, tiny_dirs):
+    args = gen_args(tiny_dirs, "--proposer", "none", "--json", "--prompt", "a b c", "--raw")
+    code, out, err = run(capsys, *args)
+    ids = json.loads(out)["token_ids"]
+    assert code == 0 and len(ids) == 6, err
+    code, out, err = run(capsys, *args, f"generation.stop_token_ids={ids[2]}", "generation.ignore_eos=true")
+    res = json.loads(out)
+    assert code == 0 and res["token_ids"] == ids[: ids.index(ids[2]) + 1], err
+    assert res["stats"]["finish_reason"] == "stop"
+    for bad, message in (
+        ("generation.stop_token_ids=[abc]", "generation.stop_token_ids"),
+        ("generation.stop_token_ids=[-3]", "generation.stop_token_ids must hold token ids (integers >= 0), got -3"),
+        ("generation.stop_token_ids=[100000]", "stop_token_ids holds 100000: not a token id of this target"),
+        ("generation.ignore_eos=maybe", "generation.ignore_eos"),
+    ):
+        code, _, err = run(capsys, *args, bad)
+        assert code == 2 and message in err, (bad, err)
+
+
 def test_greedy_output_identical_across_proposers(capsys, tiny_dirs):
     outs = []
     for extra in (["--proposer", "none"], ["--proposer", "draft", f"proposer.model={tiny_dirs['draft']}"]):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specframe import Proposal, Proposer, SamplingParams, SpeculativeDecoder
-from specframe.decoder import target_info
+from specframe.decoder import Ends, target_info
 from specframe.errors import BadInputError, ConfigError, ProposerError, SpecframeError
 from specframe.proposers.draft import DraftConfig, DraftProposer
 from specframe.proposers.none import NoneConfig, NoneProposer
@@ -181,6 +181,39 @@ def test_eos_ends_generation_and_is_kept(target):
     finally:
         target.generation_config.eos_token_id = None
     assert res.token_ids == ref[: ref.index(ref[4]) + 1] and res.stats["finish_reason"] == "eos"
+
+
+def test_stop_token_ids_end_generation_inside_an_accepted_block_and_ignore_eos_goes_past_eos():
+    # (vLLM's stop_token_ids and ignore_eos): greedy[2] sits inside the first step's accepted block
+    target = tiny_llama(vocab_size=64, seed=3)
+    greedy = reference_greedy(target, [1, 2, 3], 40)
+    cut = greedy.index(greedy[2]) + 1
+    dec = self_draft_decoder(target, gamma=3)
+    res = dec.generate([1, 2, 3], max_new_tokens=40, stop_token_ids=[greedy[2], 63])
+    assert res.token_ids == greedy[:cut] and res.stats["finish_reason"] == "stop"
+    assert res.stats["target_forwards"] == 2 and res.stats["accepted_tokens"] == cut - 1
+    # the decoder's own setting holds for every call; one id is a list of one; the call's argument wins
+    dec.stop_token_ids = greedy[2]
+    assert dec.generate([1, 2, 3], max_new_tokens=40).token_ids == greedy[:cut]
+    assert dec.generate([1, 2, 3], max_new_tokens=40, stop_token_ids=[]).token_ids == greedy
+    # an EOS: "eos", unless ignored; ignored, generation runs on to max_new_tokens, or to a stop token id
+    dec.stop_token_ids, dec.eos_ids = [], {greedy[2]}
+    assert dec.generate([1, 2, 3], max_new_tokens=40).stats["finish_reason"] == "eos"
+    past = dec.generate([1, 2, 3], max_new_tokens=40, ignore_eos=True)
+    assert past.token_ids == greedy and past.stats["finish_reason"] == "length"
+    both = dec.generate([1, 2, 3], max_new_tokens=40, ignore_eos=True, stop_token_ids=[greedy[2]])
+    assert both.token_ids == greedy[:cut] and both.stats["finish_reason"] == "stop"
+    dec.ignore_eos = True
+    assert dec.generate([1, 2, 3], max_new_tokens=40).token_ids == greedy
+    for bad, message in (
+        ({"stop_token_ids": [64]}, r"stop_token_ids holds 64: not a token id of this target \(vocabulary 64\)"),
+        ({"stop_token_ids": [-1]}, r"stop_token_ids must hold token ids \(integers >= 0\), got -1"),
+        ({"stop_token_ids": [True]}, r"stop_token_ids must hold token ids \(integers >= 0\), got True"),
+        ({"stop_token_ids": "7"}, r"stop_token_ids must be a token id or a list of token ids, got '7'"),
+        ({"ignore_eos": 1}, r"ignore_eos must be True or False, got 1"),
+    ):
+        with pytest.raises(BadInputError, match=message):
+            dec.generate([1, 2, 3], max_new_tokens=4, **bad)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -756,10 +789,14 @@ def test_a_stop_string_cut_where_a_clean_up_joins_text_across_the_anchor_cuts_no
     checker.tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>", clean_up_tokenization_spaces=True
     )
-    checker.eos_ids = set()
+    checker.eos_ids = set()  # (and `Ends`, the call's ending ids: none)
     assert checker._decode([2, 3, 4]) == "' s France" and checker._in_context([2, 3, 4]) == "'s France"
     for stop, text in ((" France", "' s"), ("France", "' s "), ("s Fr", "' ")):
-        assert checker._truncate([2, 3, 4], 9, 9, [stop], 3) == ([2, 3, 4], text, "stop"), stop
+        assert checker._truncate([2, 3, 4], 9, 9, [stop], 3, Ends(frozenset(), frozenset())) == (
+            [2, 3, 4],
+            text,
+            "stop",
+        ), stop
 
 
 def test_a_last_assistant_message_is_continued(target):
