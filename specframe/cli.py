@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--config", help="YAML config file (or the name of a packaged one, e.g. draft.yaml)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats, shapes")
+    g.add_argument(
+        "--logprobs",
+        action="store_const",
+        const=True,
+        help="generation.logprobs: --json also gives each new token's log-probability under the target",
+    )
     g.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides (OmegaConf dotlist)")
     g.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     g.set_defaults(run=cmd_generate)
@@ -252,6 +258,7 @@ GENERATE_FLAGS = {  # the config key each `generate` flag sets, and the flag
     "sampling.top_k": "--top-k",
     "sampling.min_p": "--min-p",
     "sampling.seed": "--seed",
+    "generation.logprobs": "--logprobs",
 }
 
 
@@ -299,7 +306,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     result = decoder.generate(prompt, raw=args.raw, stream=None if args.json else write_now)
     if args.json:
         shapes = measured_shapes(decoder.proposer)  # (they decide which random numbers a sampled run draws)
-        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats, "shapes": shapes}))
+        shown = {"text": result.text, "token_ids": result.token_ids, "stats": result.stats, "shapes": shapes}
+        if result.logprobs is not None:
+            shown["logprobs"] = result.logprobs
+        print(json.dumps(shown))
     else:
         print(flush=True)  # (the text itself was streamed: its pieces add up to result.text)
         s = result.stats

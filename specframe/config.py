@@ -80,6 +80,8 @@ class GenerationConfig:
     # Do not stop at the model's EOS tokens: go on to max_new_tokens (vLLM's ignore_eos; stop_token_ids and stop
     # strings still stop). For benchmarks of a fixed length; the text after an EOS is the model's, unended.
     ignore_eos: bool = False
+    # Return each new token's log-probability under the target (raw logits): `logprobs` in the result and --json.
+    logprobs: bool = False
 
     def __post_init__(self) -> None:
         check_field_types(self, "generation.")

@@ -71,6 +71,9 @@ class GenerationResult:
     token_ids: list[int]  # new tokens only
     text: str | None  # decoded new tokens (special tokens skipped), None without a tokenizer
     stats: dict[str, Any] = field(default_factory=dict)  # see docs/architecture.md "Stats"
+    # With logprobs: each new token's log-probability under the target's raw logits (before temperature, top-k,
+    # top-p, min-p), as vLLM's logprobs report it by default; the same whichever proposer drafted it.
+    logprobs: list[float] | None = None
 
 
 def target_info(model: torch.nn.Module, tokenizer: Any = None, name: str = "") -> TargetInfo:
@@ -110,6 +113,7 @@ class SpeculativeDecoder:
         cuda_graphs: bool = True,
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
+        logprobs: bool = False,
     ) -> None:
         if not isinstance(proposer, Proposer):
             raise BadInputError(
@@ -124,6 +128,7 @@ class SpeculativeDecoder:
         self.stop = stop_strings(stop)
         self.stop_token_ids = stop_token_ids  # (checked per call: `dec.stop_token_ids = 7` is set the same way)
         self.ignore_eos = ignore_eos
+        self.logprobs = logprobs
         check_seed(seed, key="seed")
         self.seed = seed
         self.acceptance = acceptance or TreeAcceptance()
@@ -258,6 +263,7 @@ class SpeculativeDecoder:
             stop=list(cfg.generation.stop),
             stop_token_ids=list(cfg.generation.stop_token_ids),
             ignore_eos=cfg.generation.ignore_eos,
+            logprobs=cfg.generation.logprobs,
             seed=s.seed,
             plugin=entry.plugin,
             cuda_graphs=t.cuda_graphs,
@@ -364,10 +370,12 @@ class SpeculativeDecoder:
         min_p: float | None = None,
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool | None = None,
+        logprobs: bool | None = None,
     ) -> GenerationResult:
         """Generate a continuation of `prompt`. `stream`, a function of one string, is handed the text in pieces
         as it is generated (specframe/streaming.py); they add up to the result's text. `stop_token_ids` also end
-        it (the id kept as the last token, as an EOS is); `ignore_eos` goes on past the model's EOS tokens. A
+        it (the id kept as the last token, as an EOS is); `ignore_eos` goes on past the model's EOS tokens;
+        `logprobs` fills the result's `logprobs` (each new token's log-probability under the target). A
         decoder runs one call at a time (the target's cache and the proposer's state are the call's): calls from
         several threads wait their turn; for parallel requests, build one decoder per thread (they may share the
         target model)."""
@@ -384,8 +392,11 @@ class SpeculativeDecoder:
                     max_new_tokens, temperature, top_p, top_k, seed, stop, min_p
                 )
                 ends = self._ends(stop_token_ids, ignore_eos)
+                want = self.logprobs if logprobs is None else logprobs
+                if not isinstance(want, bool):
+                    raise BadInputError(f"logprobs must be True or False, got {want!r}")
                 text_stream = self._text_stream(stream, stop_strings)
-                result = self._generate(prompt, raw, params, max_new, stop_strings, generator, text_stream, ends)
+                result = self._generate(prompt, raw, params, max_new, stop_strings, generator, text_stream, ends, want)
             except BaseException:
                 with contextlib.suppress(Exception):  # (the call's own error is the one to report)
                     self.proposer.end()
@@ -407,6 +418,7 @@ class SpeculativeDecoder:
         generator: torch.Generator,
         text_stream: TextStream | None = None,
         ends: Ends | None = None,
+        logprobs: bool = False,
     ) -> GenerationResult:
         """One call's generation, with its settings as `_settings` and `_ends` checked them."""
         ends = ends or self._ends(None, None)
@@ -427,6 +439,8 @@ class SpeculativeDecoder:
         out = self._prefill(forward, prompt_ids, cache, layers)
         stats.target_forwards += 1
         _, first = self.acceptance(out.logits[0, -1:], Proposal.empty(self.device), params, generator)
+        # (each step's, on the device until the end: no wait for the GPU beyond the acceptance's own)
+        chosen_logprobs = [token_logprobs(out.logits[0, -1:], [first])] if logprobs else []
         # The proposer gets its own copies of the engine's token tensors: an in-place edit of them (a contract
         # breach) must not reach what the target is fed.
         self._call(proposer.begin, prompt_ids.clone(), pick_hidden(out, layers, slice(None)))
@@ -470,6 +484,8 @@ class SpeculativeDecoder:
             keep = [0] + [c + 1 for c in path]
             keep_positions(cache, past, keep, n + 1)
             accepted_tokens = [structure.tokens[c] for c in path]
+            if logprobs:  # (the rows that predicted the emitted tokens: the root's, then each accepted node's)
+                chosen_logprobs.append(token_logprobs(out.logits[0, keep], accepted_tokens + [nxt]))
             generated += accepted_tokens + [nxt]
             stats.record(structure.depths, len(path), t1 - t0, time.perf_counter() - t1)
             new = len(path) + 1
@@ -486,7 +502,8 @@ class SpeculativeDecoder:
         if text_stream is not None:
             text_stream.finish(text)
         wall = time.perf_counter() - start
-        return GenerationResult(token_ids, text, stats.as_dict(len(token_ids), wall, finish_reason))
+        chosen = torch.cat(chosen_logprobs)[: len(token_ids)].tolist() if logprobs else None
+        return GenerationResult(token_ids, text, stats.as_dict(len(token_ids), wall, finish_reason), chosen)
 
     def _text_stream(self, stream: Any, stop: list[str]) -> TextStream | None:
         """The call's TextStream for a `stream` function, checked (None without one)."""
@@ -693,6 +710,13 @@ class SpeculativeDecoder:
 STOP_TAIL_CHARS = 16
 
 GRAPHS_NOT_COPIED = "a copied or unpickled decoder runs eager forwards (CUDA graphs are tied to their static cache)"
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    """log softmax(logits[i])[tokens[i]] for each row ([rows, V] raw logits), in float32 (float64 if they are)."""
+    x = logits.float() if logits.dtype not in (torch.float32, torch.float64) else logits
+    index = torch.tensor(tokens, device=x.device)[:, None]
+    return (x.gather(-1, index) - torch.logsumexp(x, -1, keepdim=True))[:, 0]
 
 
 def proposer_who(name: str, plugin: str = "") -> str:

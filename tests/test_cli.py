@@ -138,6 +138,10 @@ def test_stop_token_ids_and_ignore_eos_from_the_command_line(capsys, tiny_dirs):
     res = json.loads(out)
     assert code == 0 and res["token_ids"] == ids[: ids.index(ids[2]) + 1], err
     assert res["stats"]["finish_reason"] == "stop"
+    code, out, err = run(capsys, *args, "--logprobs")
+    res = json.loads(out)
+    assert code == 0 and res["token_ids"] == ids and len(res["logprobs"]) == 6, err
+    assert all(lp <= 0 for lp in res["logprobs"]) and "logprobs" not in json.loads(run(capsys, *args)[1])
     for bad, message in (
         ("generation.stop_token_ids=[abc]", "generation.stop_token_ids"),
         ("generation.stop_token_ids=[-3]", "generation.stop_token_ids must hold token ids (integers >= 0), got -3"),

@@ -183,6 +183,28 @@ def test_eos_ends_generation_and_is_kept(target):
     assert res.token_ids == ref[: ref.index(ref[4]) + 1] and res.stats["finish_reason"] == "eos"
 
 
+@pytest.mark.parametrize("name", ["none", "draft", "medusa", "eagle", "ngram", "union"])
+def test_logprobs_are_the_targets_own_for_each_new_token(name):
+    # (each token's log-probability under the target's raw logits, as one forward over the whole sequence gives
+    # it: whichever rows of which verifications predicted it, accepted drafts and bonus tokens alike)
+    from specframe.plugins import get_registry
+    from specframe.testing.conformance import make_decoder
+
+    dec = make_decoder(get_registry().get(name).cls, "cpu", 8)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # (repeats: n-gram drafts too)
+    for temperature, stop in ((0.0, None), (1.0, None), (1.0, [5])):
+        res = dec.generate(prompt, 30, temperature, seed=1, stop_token_ids=stop, logprobs=True, top_k=4)
+        full = dec.model(input_ids=torch.tensor([prompt + res.token_ids])).logits[0].log_softmax(-1)
+        want = full[len(prompt) - 1 : -1].gather(-1, torch.tensor(res.token_ids)[:, None])[:, 0]
+        assert len(res.logprobs) == len(res.token_ids) and (res.stats["accepted_tokens"] > 0 or name == "none")
+        torch.testing.assert_close(torch.tensor(res.logprobs), want, rtol=0, atol=1e-4)
+    assert dec.generate(prompt, 4).logprobs is None  # (off by default)
+    dec.logprobs = True
+    assert len(dec.generate(prompt, 4).logprobs) == 4
+    with pytest.raises(BadInputError, match="logprobs must be True or False, got 'yes'"):
+        dec.generate(prompt, 4, logprobs="yes")
+
+
 def test_stop_token_ids_end_generation_inside_an_accepted_block_and_ignore_eos_goes_past_eos():
     # (vLLM's stop_token_ids and ignore_eos): greedy[2] sits inside the first step's accepted block
     target = tiny_llama(vocab_size=64, seed=3)
