@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, help="sampling.top_p (default 1 = off)")
     g.add_argument("--top-k", type=int, help="sampling.top_k (default 0 = off; -1 = off too)")
     g.add_argument("--min-p", type=float, help="sampling.min_p (default 0 = off)")
+    g.add_argument("--repetition-penalty", type=float, help="sampling.repetition_penalty (default 1 = off)")
+    g.add_argument("--presence-penalty", type=float, help="sampling.presence_penalty (default 0 = off)")
+    g.add_argument("--frequency-penalty", type=float, help="sampling.frequency_penalty (default 0 = off)")
     g.add_argument("--seed", type=int, help="sampling.seed (default: unset, a fresh seed per run)")
     g.add_argument("--config", help="YAML config file (or the name of a packaged one, e.g. draft.yaml)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -257,6 +260,9 @@ GENERATE_FLAGS = {  # the config key each `generate` flag sets, and the flag
     "sampling.top_p": "--top-p",
     "sampling.top_k": "--top-k",
     "sampling.min_p": "--min-p",
+    "sampling.repetition_penalty": "--repetition-penalty",
+    "sampling.presence_penalty": "--presence-penalty",
+    "sampling.frequency_penalty": "--frequency-penalty",
     "sampling.seed": "--seed",
     "generation.logprobs": "--logprobs",
 }

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from specframe.errors import BadInputError, ConfigError, brief, check_field_types, is_integer, user_path
-from specframe.sampling import check_sampling, check_seed, top_k_off_as_zero
+from specframe.sampling import check_penalties, check_sampling, check_seed, top_k_off_as_zero
 
 
 @dataclass
@@ -59,12 +59,20 @@ class SamplingConfig:
     top_k: int = 0
     # Keep only tokens at least min_p times as likely as the most likely one, in [0, 1]; 0 = off (after top-p).
     min_p: float = 0.0
+    # > 0; 1 = off. Tokens in the prompt or the output so far: a positive logit divided by it, a negative one
+    # multiplied (transformers' and vLLM's repetition_penalty; before the temperature, in greedy decoding too).
+    repetition_penalty: float = 1.0
+    # In [-2, 2]; 0 = off. Subtracted from the logit of each token the output holds (vLLM's presence_penalty).
+    presence_penalty: float = 0.0
+    # In [-2, 2]; 0 = off. Times how often the output holds a token, subtracted from its logit (vLLM's).
+    frequency_penalty: float = 0.0
     # Seed for every random draw (target and proposer); None = a fresh random seed per call.
     seed: int | None = None
 
     def __post_init__(self) -> None:
         check_field_types(self, "sampling.")
         check_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
+        check_penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
         self.top_k = top_k_off_as_zero(self.top_k)
         check_seed(self.seed)
 

@@ -47,7 +47,7 @@ from specframe.proposer import (
     given_in_words,
     validate_proposal,
 )
-from specframe.sampling import SamplingParams, check_sampling, check_seed
+from specframe.sampling import SamplingParams, apply_penalties, check_penalties, check_sampling, check_seed
 from specframe.streaming import TextStream
 
 Prompt = str | list[int] | list[dict[str, str]] | torch.Tensor
@@ -204,6 +204,18 @@ class SpeculativeDecoder:
         lambda self: self.sampling.min_p,
         lambda self, value: setattr(self, "sampling", replace(self.sampling, min_p=_as_float(value))),
     )
+    repetition_penalty = property(
+        lambda self: self.sampling.repetition_penalty,
+        lambda self, value: setattr(self, "sampling", replace(self.sampling, repetition_penalty=_as_float(value))),
+    )
+    presence_penalty = property(
+        lambda self: self.sampling.presence_penalty,
+        lambda self, value: setattr(self, "sampling", replace(self.sampling, presence_penalty=_as_float(value))),
+    )
+    frequency_penalty = property(
+        lambda self: self.sampling.frequency_penalty,
+        lambda self, value: setattr(self, "sampling", replace(self.sampling, frequency_penalty=_as_float(value))),
+    )
 
     def graphs_status(self) -> str:
         """Whether the verification forwards run as CUDA graphs, in words for reports: "verification forwards as
@@ -258,7 +270,9 @@ class SpeculativeDecoder:
             loaded.model,
             proposer,
             tokenizer=loaded.tokenizer,
-            sampling=SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p),
+            sampling=SamplingParams(
+                s.temperature, s.top_k, s.top_p, s.min_p, s.repetition_penalty, s.presence_penalty, s.frequency_penalty
+            ),
             max_new_tokens=cfg.generation.max_new_tokens,
             stop=list(cfg.generation.stop),
             stop_token_ids=list(cfg.generation.stop_token_ids),
@@ -371,6 +385,9 @@ class SpeculativeDecoder:
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool | None = None,
         logprobs: bool | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
     ) -> GenerationResult:
         """Generate a continuation of `prompt`. `stream`, a function of one string, is handed the text in pieces
         as it is generated (specframe/streaming.py); they add up to the result's text. `stop_token_ids` also end
@@ -391,6 +408,7 @@ class SpeculativeDecoder:
                 params, max_new, stop_strings, generator = self._settings(
                     max_new_tokens, temperature, top_p, top_k, seed, stop, min_p
                 )
+                params = self._penalties(params, repetition_penalty, presence_penalty, frequency_penalty)
                 ends = self._ends(stop_token_ids, ignore_eos)
                 want = self.logprobs if logprobs is None else logprobs
                 if not isinstance(want, bool):
@@ -438,13 +456,17 @@ class SpeculativeDecoder:
 
         out = self._prefill(forward, prompt_ids, cache, layers)
         stats.target_forwards += 1
-        _, first = self.acceptance(out.logits[0, -1:], Proposal.empty(self.device), params, generator)
+        history = History(prompt_ids, self.info.vocab_size) if params.penalised else None
+        scored = out.logits[0, -1:] if history is None else history.penalised(out.logits[0, -1:], params)
+        _, first = self.acceptance(scored, Proposal.empty(self.device), params, generator)
         # (each step's, on the device until the end: no wait for the GPU beyond the acceptance's own)
         chosen_logprobs = [token_logprobs(out.logits[0, -1:], [first])] if logprobs else []
         # The proposer gets its own copies of the engine's token tensors: an in-place edit of them (a contract
         # breach) must not reach what the target is fed.
         self._call(proposer.begin, prompt_ids.clone(), pick_hidden(out, layers, slice(None)))
         generated = [first]
+        if history is not None:
+            history.add([first])
         new = 1  # tokens the last step emitted
         done = self._finished(generated, limit, stop, new, ends)
         # The sequence on the device, extended by each step's tokens right after its acceptance (the GPU has just
@@ -480,13 +502,16 @@ class SpeculativeDecoder:
                 )
                 rows_before = 0
             stats.target_forwards += 1
-            path, nxt = self.acceptance(out.logits[0], proposal, params, generator, structure)
+            scored = out.logits[0] if history is None else history.penalised(out.logits[0], params, structure)
+            path, nxt = self.acceptance(scored, proposal, params, generator, structure)
             keep = [0] + [c + 1 for c in path]
             keep_positions(cache, past, keep, n + 1)
             accepted_tokens = [structure.tokens[c] for c in path]
             if logprobs:  # (the rows that predicted the emitted tokens: the root's, then each accepted node's)
                 chosen_logprobs.append(token_logprobs(out.logits[0, keep], accepted_tokens + [nxt]))
             generated += accepted_tokens + [nxt]
+            if history is not None:
+                history.add(accepted_tokens + [nxt])
             stats.record(structure.depths, len(path), t1 - t0, time.perf_counter() - t1)
             new = len(path) + 1
             done = self._finished(generated, limit, stop, new, ends)
@@ -615,6 +640,19 @@ class SpeculativeDecoder:
 
     # ---------------------------------------------------------------- stopping
 
+    def _penalties(
+        self, params: SamplingParams, repetition: float | None, presence: float | None, frequency: float | None
+    ) -> SamplingParams:
+        """One call's penalties (its arguments over the decoder's own), checked, on its sampling settings."""
+        repetition, presence, frequency = (_as_float(v) for v in (repetition, presence, frequency))
+        given = {
+            "repetition_penalty": self.sampling.repetition_penalty if repetition is None else repetition,
+            "presence_penalty": self.sampling.presence_penalty if presence is None else presence,
+            "frequency_penalty": self.sampling.frequency_penalty if frequency is None else frequency,
+        }
+        check_penalties(*given.values(), prefix="")  # (errors name the argument, not sampling.*)
+        return replace(params, **given)
+
     def _ends(self, stop_token_ids: list[int] | None, ignore_eos: bool | None) -> Ends:
         """One call's token ids that end generation (its arguments over the decoder's own), checked."""
         ids = stop_token_ids_list(self.stop_token_ids if stop_token_ids is None else stop_token_ids)
@@ -710,6 +748,40 @@ class SpeculativeDecoder:
 STOP_TAIL_CHARS = 16
 
 GRAPHS_NOT_COPIED = "a copied or unpickled decoder runs eager forwards (CUDA graphs are tied to their static cache)"
+
+
+class History:
+    """What the penalties read of the tokens before a position: which tokens the prompt holds, and how often the
+    output so far holds each, on the target's device."""
+
+    def __init__(self, prompt_ids: torch.Tensor, vocab_size: int) -> None:
+        self.prompt_seen = torch.zeros(vocab_size, dtype=torch.bool, device=prompt_ids.device)
+        self.prompt_seen[prompt_ids] = True
+        self.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=prompt_ids.device)
+
+    def add(self, tokens: list[int]) -> None:
+        """The output gained `tokens`."""
+        index = torch.tensor(tokens, device=self.output_counts.device)
+        self.output_counts.index_add_(0, index, torch.ones(len(tokens), device=index.device))
+
+    def penalised(
+        self, logits: torch.Tensor, params: SamplingParams, structure: ProposalStructure | None = None
+    ) -> torch.Tensor:
+        """A verification's rows ([n + 1, V]: the root's, then node i's at row i + 1) penalised, each with its own
+        output: the output so far, and for a node the tokens on its tree path, the node's own included (one row
+        without `structure`, or a verification with no nodes: the root's)."""
+        counts = self.output_counts.expand(logits.shape[0], -1).clone()
+        if structure is not None and structure.tokens:
+            rows, tokens = [], []
+            for node in range(len(structure.tokens)):
+                at = node
+                while at >= 0:  # (the node and its ancestors, each once)
+                    rows.append(node + 1)
+                    tokens.append(structure.tokens[at])
+                    at = structure.parents[at]
+            index = (torch.tensor(rows, device=counts.device), torch.tensor(tokens, device=counts.device))
+            counts.index_put_(index, torch.ones(len(rows), device=counts.device), accumulate=True)
+        return apply_penalties(logits, self.prompt_seen, counts, params)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:

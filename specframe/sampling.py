@@ -16,6 +16,13 @@ at least min_p times the most likely token's. Top-k and top-p never drop the mos
 two kept tokens' probabilities does not depend on what else is kept, so min-p after them is the plain test
 `scaled logit >= top scaled logit + log(min_p)`, here on the logits (transformers compares probabilities: the
 same set up to rounding at the cut). Tokens tied with the top token always stay (min_p = 1 keeps only those).
+
+Penalties (`apply_penalties`) come before all of it, on the raw logits, and depend on the tokens before the
+position: vLLM's repetition penalty (a token in the prompt or the output so far: a positive logit divided by it, a
+negative one multiplied, as transformers' RepetitionPenaltyLogitsProcessor does), presence penalty (subtracted from
+each token the output holds) and frequency penalty (times how often the output holds it). They apply in greedy
+decoding too. The engine applies them to each verified row with that row's own history (the output so far and the
+tree path to the row's node), so the target's distribution is the penalised one, exactly.
 """
 
 from __future__ import annotations
@@ -34,14 +41,50 @@ class SamplingParams:
     top_k: int = 0  # keep the k most likely tokens; 0 = off (-1, vLLM's spelling of off, is stored as 0)
     top_p: float = 1.0  # keep the smallest set whose mass reaches top_p; 1.0 = off
     min_p: float = 0.0  # keep tokens at least min_p x as likely as the most likely one; 0.0 = off
+    repetition_penalty: float = 1.0  # > 0: logits of tokens in the prompt or output divided (if > 0) or multiplied
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted from the logit of each token the output holds
+    frequency_penalty: float = 0.0  # in [-2, 2]: times each token's count in the output, subtracted from its logit
 
     def __post_init__(self) -> None:
         check_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
+        check_penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
         object.__setattr__(self, "top_k", top_k_off_as_zero(self.top_k))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any penalty is on (then the target's logits depend on the tokens before each position)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def check_penalties(repetition: float, presence: float, frequency: float, prefix: str = "sampling.") -> None:
+    """Raise ConfigError naming the key of the first out-of-range or non-numeric penalty."""
+    if not is_number(repetition) or not 0.0 < repetition < float("inf"):
+        raise ConfigError(f"{prefix}repetition_penalty must be a finite number > 0 (1 = off), got {repetition!r}")
+    for key, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if not is_number(value) or not -2.0 <= value <= 2.0:
+            raise ConfigError(f"{prefix}{key} must be a number in [-2, 2] (0 = off), got {value!r}")
+
+
+def apply_penalties(
+    logits: torch.Tensor, prompt_seen: torch.Tensor, output_counts: torch.Tensor, params: SamplingParams
+) -> torch.Tensor:
+    """The penalised logits ([R, V], float32 or float64) of rows whose prompt holds the tokens `prompt_seen` marks
+    ([V] bool) and whose output so far holds each token `output_counts[r]` times ([R, V])."""
+    x = logits.float() if logits.dtype not in (torch.float32, torch.float64) else logits
+    counts = output_counts.to(x.dtype)
+    if params.repetition_penalty != 1.0:
+        seen = prompt_seen | (counts > 0)
+        r = params.repetition_penalty
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    if params.frequency_penalty != 0.0:
+        x = x - params.frequency_penalty * counts
+    if params.presence_penalty != 0.0:
+        x = x - params.presence_penalty * (counts > 0).to(x.dtype)
+    return x
 
 
 def check_seed(seed: object, key: str = "sampling.seed", unset: str = " or unset (a fresh seed)") -> None:

@@ -173,6 +173,14 @@ def test_greedy_output_identical_across_proposers(capsys, tiny_dirs):
         (["--proposer", "none", "--top-p", "0"], "sampling.top_p"),
         (["--proposer", "none", "--top-k", "-2"], "sampling.top_k"),
         (["--proposer", "none", "--min-p", "1.5"], "sampling.min_p must be a number in [0, 1]"),
+        (
+            ["--proposer", "none", "--repetition-penalty", "0"],
+            "sampling.repetition_penalty must be a finite number > 0",
+        ),
+        (
+            ["--proposer", "none", "sampling.presence_penalty=9"],
+            "sampling.presence_penalty must be a number in [-2, 2]",
+        ),
         (["--proposer", "none", "sampling.min_p=-0.1"], "sampling.min_p"),
         (["--proposer", "none", "--max-new-tokens", "0"], "generation.max_new_tokens"),
         (["--proposer", "none", "--prompt", ""], "prompt is empty"),

@@ -598,3 +598,14 @@ def test_the_exact_distribution_is_taken_at_the_cut_the_samples_were_drawn_at(mo
     monkeypatch.setattr(conformance, "sample_counts", counts)
     r = conformance.check_sampling(DraftProposer, "cpu", setting, samples=10, confirm=False)
     assert drawn_at == taken_at == [moved.params] and "at top_p=0.85" in r.detail, r.detail
+
+
+@pytest.mark.slow
+def test_the_penalties_setting_catches_rows_penalised_with_the_roots_history(monkeypatch):
+    # (a tree node's logits are penalised with its path's tokens: the root's history for every row moves p)
+    real = decoder_module.History.penalised
+    monkeypatch.setattr(
+        decoder_module.History, "penalised", lambda self, logits, params, structure=None: real(self, logits, params)
+    )
+    r = conformance.check_sampling(EagleProposer, "cpu", "temperature=1,penalties", confirm=False)
+    assert not r.passed and r.p_value < 1e-20, r.detail

@@ -183,6 +183,77 @@ def test_eos_ends_generation_and_is_kept(target):
     assert res.token_ids == ref[: ref.index(ref[4]) + 1] and res.stats["finish_reason"] == "eos"
 
 
+def penalised_greedy(target, prompt, n, repetition=1.0, presence=0.0, frequency=0.0):
+    """Greedy decoding with the penalties, from scratch (no cache), by their definitions."""
+    ids = list(prompt)
+    for _ in range(n):
+        row = target(input_ids=torch.tensor([ids])).logits[0, -1].double()
+        output = ids[len(prompt) :]
+        for t in set(ids):
+            row[t] = row[t] / repetition if row[t] > 0 else row[t] * repetition
+        for t in set(output):
+            row[t] -= presence + frequency * output.count(t)
+        ids.append(int(row.argmax()))
+    return ids[len(prompt) :]
+
+
+@pytest.mark.parametrize("name", ["none", "draft", "medusa", "eagle", "ngram", "union"])
+def test_penalties_in_greedy_decoding_are_the_targets_for_every_proposer(name):
+    # (each verified row penalised with its own history: the output so far and its node's tree path)
+    from specframe.plugins import get_registry
+
+    target = tiny_llama(vocab_size=32, seed=3)
+    dec = SpeculativeDecoder(target, get_registry().get(name).cls.random(target_info(target), None, seed=1))
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3]  # (repeats: n-gram drafts too)
+    hf = target.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, repetition_penalty=1.3)
+    res = dec.generate(prompt, 40, repetition_penalty=1.3)
+    assert res.token_ids == hf[0, len(prompt) :].tolist() == penalised_greedy(target, prompt, 40, repetition=1.3)
+    assert res.token_ids != dec.generate(prompt, 40).token_ids  # (the penalty changed the output)
+    assert res.stats["accepted_tokens"] > 0 or name in ("none", "ngram")
+    dec.presence_penalty, dec.frequency_penalty = 0.4, np.float32(0.7)  # (the decoder's own, for every call)
+    assert dec.sampling.presence_penalty == 0.4 and dec.frequency_penalty == pytest.approx(0.7)
+    want = penalised_greedy(target, prompt, 30, presence=0.4, frequency=0.7)
+    assert dec.generate(prompt, 30).token_ids == want
+    with pytest.raises(BadInputError, match=r"^frequency_penalty must be a number in \[-2, 2\] \(0 = off\), got 3"):
+        dec.generate(prompt, 4, frequency_penalty=3)
+
+
+@pytest.mark.parametrize(
+    "penalties", [{"repetition": 3.0}, {"presence": 1.0, "frequency": 1.5}, {"presence": -1.0, "frequency": 2.0}]
+)
+def test_penalties_see_each_tree_node_s_own_path_and_not_its_siblings(penalties):
+    # A proposer that knows the penalised greedy output proposes, at each depth, a wrong token and then the right
+    # one (siblings): every right node is accepted only if its row was penalised with exactly its own path.
+    target = tiny_llama(vocab_size=32, seed=3)
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3]
+    want = penalised_greedy(target, prompt, 30, **penalties)
+    names = {"repetition": "repetition_penalty", "presence": "presence_penalty", "frequency": "frequency_penalty"}
+
+    class Oracle(Proposer):
+        name = "oracle"
+
+        def begin(self, prompt, hidden_states):
+            pass
+
+        def accepted(self, result):
+            pass
+
+        def propose(self, state):
+            done = len(state.tokens) - state.prompt_length
+            right = want[done : done + min(4, state.max_depth)]
+            tokens, parents = [], []
+            for depth, token in enumerate(right):
+                parent = -1 if depth == 0 else 2 * depth - 1
+                tokens += [(token + 7) % 32, token]
+                parents += [parent, parent]
+            n = len(tokens)
+            return Proposal(torch.tensor(tokens), torch.tensor(parents), torch.ones(n, dtype=torch.bool))
+
+    dec = SpeculativeDecoder(target, Oracle(None, target_info(target)))
+    res = dec.generate(prompt, 30, **{names[k]: v for k, v in penalties.items()})
+    assert res.token_ids == want and res.stats["target_forwards"] == 7  # (1 prefill + 6 steps of 4 drafts + 1)
+
+
 @pytest.mark.parametrize("name", ["none", "draft", "medusa", "eagle", "ngram", "union"])
 def test_logprobs_are_the_targets_own_for_each_new_token(name):
     # (each token's log-probability under the target's raw logits, as one forward over the whole sequence gives

@@ -86,6 +86,11 @@ def test_transform_applies_row_wise_to_batches():
         ({"temperature": float("nan")}, "temperature"),
         ({"temperature": float("inf")}, "temperature"),  # (inf / inf is nan where a draft's logit is -inf)
         ({"min_p": -0.1}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"frequency_penalty": "0.5"}, "frequency_penalty"),
         ({"min_p": 1.5}, "min_p"),
         ({"min_p": float("nan")}, "min_p"),
         ({"min_p": "0.1"}, "min_p"),
@@ -215,3 +220,24 @@ def test_top_p_over_the_largest_logits_cuts_where_the_full_sort_does():
     flat = torch.zeros(4096)  # (the nucleus reaches past the candidates: the full sort decides)
     assert _nucleus_drop_among_candidates(flat, 0.9) is None
     assert _nucleus_drop_among_candidates(torch.randn(2, 4096), 0.9) is None  # (rows: the full sort)
+
+
+def test_penalties_are_transformers_repetition_penalty_and_vllm_presence_and_frequency():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from specframe.sampling import apply_penalties
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 20, generator=gen) * 3
+    prompt, outputs = [1, 2, 2], [[3, 3, 4], [], [1, 5, 5, 5]]
+    seen = torch.zeros(20, dtype=torch.bool)
+    seen[prompt] = True
+    counts = torch.stack([torch.bincount(torch.tensor(o, dtype=torch.long), minlength=20) for o in outputs])
+    rep = apply_penalties(logits, seen, counts, SamplingParams(repetition_penalty=1.7))
+    for row, output in enumerate(outputs):  # (transformers' penalty over the prompt and the output together)
+        want = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output]), logits[row : row + 1].clone())
+        torch.testing.assert_close(rep[row], want[0])
+    both = apply_penalties(logits, seen, counts, SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25))
+    torch.testing.assert_close(both, logits - 0.5 * (counts > 0) + 0.25 * counts)  # (the output only, not the prompt)
+    assert torch.equal(apply_penalties(logits, seen, counts, SamplingParams()), logits)  # (all off)
+    assert not SamplingParams().penalised and SamplingParams(frequency_penalty=0.1).penalised

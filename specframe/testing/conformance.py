@@ -48,7 +48,7 @@ from specframe.errors import BadInputError, ProposerError, SpecframeError, brief
 from specframe.kv_cache import new_cache
 from specframe.models import resolve_device, resolve_dtype
 from specframe.proposer import Acceptance, DecodeState, Proposal, Proposer, built_proposer
-from specframe.sampling import SamplingParams, sampling_probs
+from specframe.sampling import SamplingParams, apply_penalties, sampling_probs
 from specframe.testing.tiny import available_devices, one_thread, tiny_target
 
 ALPHA = 1e-3  # a check fails when its p-value is below this
@@ -84,6 +84,9 @@ SETTINGS: dict[str, SamplingCase] = {
     # Min-p (after top-k and top-p, relative to the top token): it keeps about 3 of the 8 tokens here, dropping a
     # fifth of the mass, so a q reported without it is caught (p ~ 1e-12; with min_p 0.1, 7% dropped, p ~ 1e-3).
     "temperature=1.5,min_p=0.25": SamplingCase(SamplingParams(1.5, 0, 1.0, 0.25)),
+    # Penalties: the target's logits at a tree node depend on the tokens on its path, so an engine that penalised
+    # every row with the root's history (or the prompt's alone) would move p.
+    "temperature=1,penalties": SamplingCase(SamplingParams(1.0, 0, 1.0, 0.0, 1.5, 0.3, 0.5)),
     # A longer context, and budget for drafts up to depth 4 in the first speculative step (it starts after one
     # token and may emit 4 drafts and a bonus): counted tokens 2-4 can be its drafts at depths 2-4. Longer
     # samples, so fewer of them (CI time; a q reported wrong from depth 3 on gave p ~ 1e-68 with 4,000).
@@ -239,6 +242,12 @@ def enumerate_continuations(
     for _ in range(length):
         batch = torch.tensor(seqs, device=model.device)
         logits = model(input_ids=batch).logits[:, -1].double().cpu()
+        if params.penalised:  # (each continuation's own output so far: the tokens after the prompt)
+            seen = torch.zeros(vocab, dtype=torch.bool)
+            seen[list(prompt)] = True
+            counts = torch.stack([torch.bincount(torch.tensor(s[len(prompt) :], dtype=torch.long), minlength=vocab)
+                                  for s in seqs])  # fmt: skip
+            logits = apply_penalties(logits, seen, counts, params)
         rows = sampling_probs(logits, params)  # [len(seqs), V]
         if check:
             kept = rows > 0
@@ -340,6 +349,9 @@ def sample_counts(
             top_k=params.top_k,
             top_p=params.top_p,
             min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
             seed=seed + i,
         )
         if len(res.token_ids) != length:
