@@ -91,6 +91,17 @@ def target_info(model: torch.nn.Module, tokenizer: Any = None, name: str = "") -
     )
 
 
+def _sampling_field(key: str, integer: bool = False) -> property:
+    """A decoder attribute that reads one field of its `sampling` and sets it (checked as SamplingParams checks
+    it; a number of any library read as Python's)."""
+
+    def set_field(self: SpeculativeDecoder, value: object) -> None:
+        value = _as_int(value) if integer else _as_float(value)
+        self.sampling = replace(self.sampling, **{key: value})
+
+    return property(lambda self: getattr(self.sampling, key), set_field)
+
+
 class SpeculativeDecoder:
     """Speculative decoding of one target model with one proposer (batch 1). Building one also prepares the
     target's forward (`specframe.lean_forward.engine_forward`: its first-use check, on a few tokens, and on
@@ -186,36 +197,16 @@ class SpeculativeDecoder:
         self._one_call = threading.Lock()  # held by the running generate call
         self._caller: int | None = None  # that call's thread
 
-    # `dec.temperature = 0.7` (and top_k, top_p, min_p) sets the decoder's sampling, as the generate arguments of those
-    # names do for one call: without these, the assignment would make an attribute that nothing reads.
-    temperature = property(
-        lambda self: self.sampling.temperature,
-        lambda self, value: setattr(self, "sampling", replace(self.sampling, temperature=_as_float(value))),
-    )
-    top_k = property(
-        lambda self: self.sampling.top_k,
-        lambda self, value: setattr(self, "sampling", replace(self.sampling, top_k=_as_int(value))),
-    )
-    top_p = property(
-        lambda self: self.sampling.top_p,
-        lambda self, value: setattr(self, "sampling", replace(self.sampling, top_p=_as_float(value))),
-    )
-    min_p = property(
-        lambda self: self.sampling.min_p,
-        lambda self, value: setattr(self, "sampling", replace(self.sampling, min_p=_as_float(value))),
-    )
-    repetition_penalty = property(
-        lambda self: self.sampling.repetition_penalty,
-        lambda self, value: setattr(self, "sampling", replace(self.sampling, repetition_penalty=_as_float(value))),
-    )
-    presence_penalty = property(
-        lambda self: self.sampling.presence_penalty,
-        lambda self, value: setattr(self, "sampling", replace(self.sampling, presence_penalty=_as_float(value))),
-    )
-    frequency_penalty = property(
-        lambda self: self.sampling.frequency_penalty,
-        lambda self, value: setattr(self, "sampling", replace(self.sampling, frequency_penalty=_as_float(value))),
-    )
+    # `dec.temperature = 0.7` (and top_k, top_p, min_p, the penalties) sets the decoder's sampling, as the generate
+    # arguments of those names do for one call: without these, the assignment would make an attribute that nothing
+    # reads.
+    temperature = _sampling_field("temperature")
+    top_k = _sampling_field("top_k", integer=True)
+    top_p = _sampling_field("top_p")
+    min_p = _sampling_field("min_p")
+    repetition_penalty = _sampling_field("repetition_penalty")
+    presence_penalty = _sampling_field("presence_penalty")
+    frequency_penalty = _sampling_field("frequency_penalty")
 
     def graphs_status(self) -> str:
         """Whether the verification forwards run as CUDA graphs, in words for reports: "verification forwards as
