@@ -83,7 +83,7 @@ class GenerationConfig:
     max_new_tokens: int = 128
     # Stop when the generated text contains any of these; the text is cut before it (one string: one stop string).
     stop: list[str] = field(default_factory=list, metadata={"one_or_many": True})
-    # Also stop at these token ids, kept as the last token as an EOS is (vLLM's stop_token_ids; one id: one id).
+    # Also stop at these token ids: the last of token_ids, its text left out (vLLM's stop_token_ids; one id: one id).
     stop_token_ids: list[int] = field(default_factory=list, metadata={"one_or_many": True})
     # Do not stop at the model's EOS tokens: go on to max_new_tokens (vLLM's ignore_eos; stop_token_ids and stop
     # strings still stop). For benchmarks of a fixed length; the text after an EOS is the model's, unended.

@@ -447,6 +447,12 @@ class SpeculativeDecoder:
 
         out = self._prefill(forward, prompt_ids, cache, layers)
         stats.target_forwards += 1
+        if cache.get_seq_length() != prompt_ids.numel():  # (GPT-1's forward ignores the cache: every step would
+            raise BadInputError(  # then see its one token alone, silently; checked once, on the prompt)
+                f"the target ({type(model).__name__}) did not fill the KV cache it was given for the prompt "
+                f"({cache.get_seq_length()} of {prompt_ids.numel()} positions): specframe verifies drafts against "
+                "a cache, and cannot serve a model that keeps none"
+            )
         history = History(prompt_ids, self.info.vocab_size) if params.penalised else None
         scored = out.logits[0, -1:] if history is None else history.penalised(out.logits[0, -1:], params)
         _, first = self.acceptance(scored, Proposal.empty(self.device), params, generator)
@@ -727,8 +733,10 @@ class SpeculativeDecoder:
                 at = min((text.index(s) for s in stop if s in text), default=len(text))
             return ids, text[: max(0, at)], "stop"
         if end_at is not None:  # (an id that is both an EOS and a stop token id: "eos", unless EOS is ignored)
-            text = self._decode(ids) if self.tokenizer is not None else None
-            return ids, text, "eos" if ids[-1] in ends.eos else "stop"
+            eos = ids[-1] in ends.eos
+            # (a stop token id's text is left out, as vLLM leaves it out: its id stays in the tokens)
+            text = self._decode(ids if eos else ids[:-1]) if self.tokenizer is not None else None
+            return ids, text, "eos" if eos else "stop"
         reason = "length" if len(ids) >= max_new else "context"
         return ids, self._decode(ids) if self.tokenizer is not None else None, reason
 

@@ -136,8 +136,13 @@ def test_stop_token_ids_and_ignore_eos_from_the_command_line(capsys, tiny_dirs):
     assert code == 0 and len(ids) == 6, err
     code, out, err = run(capsys, *args, f"generation.stop_token_ids={ids[2]}", "generation.ignore_eos=true")
     res = json.loads(out)
-    assert code == 0 and res["token_ids"] == ids[: ids.index(ids[2]) + 1], err
+    cut = ids.index(ids[2])
+    assert code == 0 and res["token_ids"] == ids[: cut + 1], err
     assert res["stats"]["finish_reason"] == "stop"
+    # the stop token's text is left out, as vLLM leaves it out: the text of the tokens before it
+    shorter = json.loads(run(capsys, *gen_args(tiny_dirs, "--proposer", "none", "--json", "--prompt", "a b c", "--raw",
+                                               "--max-new-tokens", str(cut)))[1])  # fmt: skip
+    assert res["text"] == shorter["text"] and res["text"] != json.loads(run(capsys, *args)[1])["text"]
     code, out, err = run(capsys, *args, "--logprobs")
     res = json.loads(out)
     assert code == 0 and res["token_ids"] == ids and len(res["logprobs"]) == 6, err

@@ -37,6 +37,16 @@ def test_tiny_targets_of_each_type_with_their_sliding_windows():
         tiny_target("qwen9")
     with pytest.raises(BadInputError, match="knows no model type 'qwen9'"):
         conformance.run_suite(EagleProposer, devices=["cpu"], quick=True, archs=["qwen2", "qwen9"])
+    # types it cannot check on, refused before anything runs, each saying why
+    for model_type, why in (
+        ("t5", "has no causal LM for model type 't5'"),
+        ("gemma3", "does not take a tiny shape .* give the type of its text decoder"),  # (not a 2.7B model built)
+        ("bert", "a tiny 'bert' model is not a causal decoder"),  # (an encoder: attends to later tokens)
+        ("openai-gpt", "a tiny 'openai-gpt' model returns no KV cache"),
+    ):
+        with pytest.raises(BadInputError, match=why):
+            conformance.suite_archs(["qwen2", model_type])
+    assert conformance.suite_archs("qwen2") == ["qwen2"]  # (one type: not its letters)
 
 
 def test_the_suite_on_other_types_catches_a_tree_mask_without_the_window(monkeypatch):

@@ -1452,3 +1452,14 @@ def test_a_draft_after_steps_drafts_as_a_fresh_draft_on_the_same_tokens(target, 
             assert again.tokens.tolist() == step.proposal.tokens.tolist()
         else:  # (sampled tokens differ by the draws; the q of the first one is the draft's next distribution)
             torch.testing.assert_close(again.draft_probs[:1], step.proposal.draft_probs[:1], rtol=1e-5, atol=1e-6)
+
+
+def test_a_target_that_keeps_no_kv_cache_is_refused_not_served_wrong():
+    # (GPT-1's forward ignores past_key_values: each step saw its one token alone, and the output was wrong)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("openai-gpt", vocab_size=8, n_embd=16, n_layer=2, n_head=2, n_positions=64)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    dec = SpeculativeDecoder(model, NoneProposer(NoneConfig(), target_info(model)))
+    with pytest.raises(BadInputError, match=r"the target \(OpenAIGPTLMHeadModel\) did not fill the KV cache"):
+        dec.generate([1, 2, 3], max_new_tokens=4)

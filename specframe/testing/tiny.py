@@ -99,14 +99,24 @@ def tiny_target(
 ) -> torch.nn.Module:
     """A tiny random-weight causal LM of any transformers model type (`llama`: `tiny_llama`): 2 layers, hidden
     size 16, 2 attention heads sharing 1 key-value head where the type has the notion, weights as large as
-    `tiny_llama`'s, plus what TINY_CONFIGS gives the type (a 4-token sliding window where it has one). A type
-    transformers does not know, or cannot build as a causal LM this small, is a BadInputError."""
-    from transformers import AutoConfig, AutoModelForCausalLM, __version__
+    `tiny_llama`'s, plus what TINY_CONFIGS gives the type (a 4-token sliding window where it has one). It must be
+    a causal decoder with a working cache (`_check_causal_and_cached`). A type transformers does not know, has no
+    causal LM for, keeps its text model's shape in a sub-config (a multimodal type: its text model's type is the
+    one to give), or cannot build or run this small is a BadInputError, said before anything runs."""
+    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, __version__
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from specframe.errors import BadInputError
+    from specframe.errors import BadInputError, brief
 
     if model_type == "llama":
         return tiny_llama(vocab_size, seed=seed, device=device, dtype=dtype)
+    if model_type not in CONFIG_MAPPING:
+        raise BadInputError(f"transformers {__version__} knows no model type '{model_type}'")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise BadInputError(
+            f"transformers {__version__} has no causal LM for model type '{model_type}' (an encoder, an "
+            "encoder-decoder or a multimodal type? give the type of a text decoder, e.g. gemma3_text, not gemma3)"
+        )
     shape = dict(
         vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=256, initializer_range=0.5, bos_token_id=None,
@@ -114,19 +124,50 @@ def tiny_target(
     )  # fmt: skip
     try:
         config = AutoConfig.for_model(model_type, **shape, **TINY_CONFIGS.get(model_type, {}))
-    except ValueError:
-        raise BadInputError(f"transformers {__version__} knows no model type '{model_type}'") from None
     except Exception as e:
-        raise BadInputError(f"a tiny '{model_type}' config could not be made: {type(e).__name__}: {e}") from None
+        raise BadInputError(f"a tiny '{model_type}' config could not be made: {brief(e, 300, typed=True)}") from None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is not config or getattr(config, "hidden_size", None) != 16 or config.vocab_size != vocab_size:
+        raise BadInputError(
+            f"model type '{model_type}' does not take a tiny shape (its text model's sizes are in a sub-config: a "
+            "multimodal type?): give the type of its text decoder (e.g. gemma3_text, not gemma3)"
+        )
     try:
         with seeded(seed):
             model = AutoModelForCausalLM.from_config(config)
+        model.generation_config.eos_token_id = None
+        model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        _check_causal_and_cached(model, vocab_size)
+    except BadInputError:
+        raise
     except Exception as e:
         raise BadInputError(
-            f"a tiny random '{model_type}' causal LM could not be built: {type(e).__name__}: {str(e)[:300]}"
+            f"a tiny random '{model_type}' causal LM could not be built and run: {brief(e, 300, typed=True)}"
         ) from None
-    model.generation_config.eos_token_id = None
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return model
+
+
+@torch.inference_mode()
+def _check_causal_and_cached(model: torch.nn.Module, vocab_size: int) -> None:
+    """Raise BadInputError unless `model` is a causal decoder whose cache gives a one-token step the logits of a
+    forward over the whole sequence (an encoder built as a "causal LM" attends to later tokens; a model that
+    ignores its cache, GPT-1's, forgets the prompt)."""
+    from specframe.errors import BadInputError
+    from specframe.kv_cache import new_cache
+
+    device = next(model.parameters()).device
+    ids = torch.arange(1, 6, device=device)[None] % vocab_size
+    full = model(input_ids=ids).logits.float()
+    cache = new_cache(model)  # (refuses, clearly, a cache specframe cannot roll back)
+    shorter = model(input_ids=ids[:, :-1], cache=cache, use_cache=True).logits.float()
+    kind = model.config.model_type
+    if not torch.allclose(full[:, :-1], shorter, atol=1e-3, rtol=1e-3):
+        raise BadInputError(f"a tiny '{kind}' model is not a causal decoder: its logits depend on later tokens")
+    if cache.get_seq_length() != ids.shape[1] - 1:
+        raise BadInputError(f"a tiny '{kind}' model returns no KV cache: specframe verifies with one")
+    step = model(input_ids=ids[:, -1:], cache=cache, use_cache=True).logits.float()
+    if not torch.allclose(full[:, -1], step[:, -1], atol=1e-3, rtol=1e-3):
+        raise BadInputError(f"a tiny '{kind}' model's cache does not give a step the logits of the whole sequence")
 
 
 def available_devices() -> list[str]:
