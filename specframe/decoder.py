@@ -7,7 +7,7 @@ import operator
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -91,15 +91,20 @@ def target_info(model: torch.nn.Module, tokenizer: Any = None, name: str = "") -
     )
 
 
-def _sampling_field(key: str, integer: bool = False) -> property:
+def _sampling_field(key: str) -> property:
     """A decoder attribute that reads one field of its `sampling` and sets it (checked as SamplingParams checks
     it; a number of any library read as Python's)."""
 
     def set_field(self: SpeculativeDecoder, value: object) -> None:
-        value = _as_int(value) if integer else _as_float(value)
-        self.sampling = replace(self.sampling, **{key: value})
+        self.sampling = replace(self.sampling, **{key: _sampling_value(key, value)})
 
     return property(lambda self: getattr(self.sampling, key), set_field)
+
+
+def _sampling_value(key: str, value: object) -> object:
+    """A value for SamplingParams field `key`, a number of any library read as Python's (top_k an int, the others
+    floats; anything else is left for the checks to name)."""
+    return _as_int(value) if key == "top_k" else _as_float(value)
 
 
 class SpeculativeDecoder:
@@ -201,7 +206,7 @@ class SpeculativeDecoder:
     # arguments of those names do for one call: without these, the assignment would make an attribute that nothing
     # reads.
     temperature = _sampling_field("temperature")
-    top_k = _sampling_field("top_k", integer=True)
+    top_k = _sampling_field("top_k")
     top_p = _sampling_field("top_p")
     min_p = _sampling_field("min_p")
     repetition_penalty = _sampling_field("repetition_penalty")
@@ -382,7 +387,8 @@ class SpeculativeDecoder:
     ) -> GenerationResult:
         """Generate a continuation of `prompt`. `stream`, a function of one string, is handed the text in pieces
         as it is generated (specframe/streaming.py); they add up to the result's text. `stop_token_ids` also end
-        it (the id kept as the last token, as an EOS is); `ignore_eos` goes on past the model's EOS tokens;
+        it (the id kept as the last token, as an EOS is, its text left out as vLLM leaves it out); `ignore_eos`
+        goes on past the model's EOS tokens;
         `logprobs` fills the result's `logprobs` (each new token's log-probability under the target). A
         decoder runs one call at a time (the target's cache and the proposer's state are the call's): calls from
         several threads wait their turn; for parallel requests, build one decoder per thread (they may share the
@@ -396,10 +402,16 @@ class SpeculativeDecoder:
         with self._one_call, proposer_in_use(self.proposer, self.who):
             self._caller = threading.get_ident()
             try:
-                params, max_new, stop_strings, generator = self._settings(
-                    max_new_tokens, temperature, top_p, top_k, seed, stop, min_p
-                )
-                params = self._penalties(params, repetition_penalty, presence_penalty, frequency_penalty)
+                sampling = {
+                    "temperature": temperature,
+                    "top_k": top_k,
+                    "top_p": top_p,
+                    "min_p": min_p,
+                    "repetition_penalty": repetition_penalty,
+                    "presence_penalty": presence_penalty,
+                    "frequency_penalty": frequency_penalty,
+                }
+                params, max_new, stop_strings, generator = self._settings(max_new_tokens, seed, stop, sampling)
                 ends = self._ends(stop_token_ids, ignore_eos)
                 want = self.logprobs if logprobs is None else logprobs
                 if not isinstance(want, bool):
@@ -425,12 +437,11 @@ class SpeculativeDecoder:
         max_new: int,
         stop: list[str],
         generator: torch.Generator,
-        text_stream: TextStream | None = None,
-        ends: Ends | None = None,
-        logprobs: bool = False,
+        text_stream: TextStream | None,
+        ends: Ends,
+        logprobs: bool,
     ) -> GenerationResult:
         """One call's generation, with its settings as `_settings` and `_ends` checked them."""
-        ends = ends or self._ends(None, None)
         start = time.perf_counter()
         prompt_ids = self.encode(prompt, raw=raw)
         model, proposer, layers = self.model, self.proposer, tuple(self.proposer.hidden_state_layers)
@@ -538,28 +549,18 @@ class SpeculativeDecoder:
         return TextStream(stream, self._decode, stop)
 
     def _settings(
-        self,
-        max_new_tokens: int | None,
-        temperature: float | None,
-        top_p: float | None,
-        top_k: int | None,
-        seed: int | None,
-        stop: list[str] | None,
-        min_p: float | None = None,
+        self, max_new_tokens: int | None, seed: int | None, stop: list[str] | None, sampling: dict[str, object]
     ) -> tuple[SamplingParams, int, list[str], torch.Generator]:
         """One call's settings, its arguments over the decoder's own, checked: (sampling, max_new_tokens, stop
-        strings, the random generator seeded with the call's seed or a fresh one)."""
-        top_k, max_new_tokens, seed = (_as_int(v) for v in (top_k, max_new_tokens, seed))
-        temperature, top_p, min_p = (_as_float(v) for v in (temperature, top_p, min_p))
-        sampling = {
-            "temperature": self.sampling.temperature if temperature is None else temperature,
-            "top_k": self.sampling.top_k if top_k is None else top_k,
-            "top_p": self.sampling.top_p if top_p is None else top_p,
-            "min_p": self.sampling.min_p if min_p is None else min_p,
-        }
-        if (temperature, top_k, top_p, min_p) != (None, None, None, None):
-            check_sampling(**sampling, prefix="")  # (errors name the argument: top_k, not sampling.top_k)
-        params = SamplingParams(**sampling)
+        strings, the random generator seeded with the call's seed or a fresh one). `sampling`: the call's
+        sampling arguments by SamplingParams field, None where the decoder's own holds."""
+        max_new_tokens, seed = _as_int(max_new_tokens), _as_int(seed)
+        given = {key: _sampling_value(key, value) for key, value in sampling.items() if value is not None}
+        if given:  # (checked here so that errors name the argument: top_k, not sampling.top_k)
+            s = {**asdict(self.sampling), **given}
+            check_sampling(s["temperature"], s["top_k"], s["top_p"], s["min_p"], prefix="")
+            check_penalties(s["repetition_penalty"], s["presence_penalty"], s["frequency_penalty"], prefix="")
+        params = replace(self.sampling, **given)
         max_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         if not is_count(max_new):
             raise BadInputError(f"max_new_tokens must be an integer >= 1, got {max_new!r}")
@@ -636,19 +637,6 @@ class SpeculativeDecoder:
             raise ProposerError(f"{self.who} raised {type(e).__name__}: {e}") from e
 
     # ---------------------------------------------------------------- stopping
-
-    def _penalties(
-        self, params: SamplingParams, repetition: float | None, presence: float | None, frequency: float | None
-    ) -> SamplingParams:
-        """One call's penalties (its arguments over the decoder's own), checked, on its sampling settings."""
-        repetition, presence, frequency = (_as_float(v) for v in (repetition, presence, frequency))
-        given = {
-            "repetition_penalty": self.sampling.repetition_penalty if repetition is None else repetition,
-            "presence_penalty": self.sampling.presence_penalty if presence is None else presence,
-            "frequency_penalty": self.sampling.frequency_penalty if frequency is None else frequency,
-        }
-        check_penalties(*given.values(), prefix="")  # (errors name the argument, not sampling.*)
-        return replace(params, **given)
 
     def _ends(self, stop_token_ids: list[int] | None, ignore_eos: bool | None) -> Ends:
         """One call's token ids that end generation (its arguments over the decoder's own), checked."""
