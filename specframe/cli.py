@@ -62,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
         const=True,
         help="generation.logprobs: --json also gives each new token's log-probability under the target",
     )
+    g.add_argument(
+        "--top-logprobs",
+        type=int,
+        metavar="N",
+        help="generation.top_logprobs: --json also gives the target's N most likely tokens at each new token's "
+        "position, with their log-probabilities (implies --logprobs)",
+    )
     g.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides (OmegaConf dotlist)")
     g.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     g.set_defaults(run=cmd_generate)
@@ -265,6 +272,7 @@ GENERATE_FLAGS = {  # the config key each `generate` flag sets, and the flag
     "sampling.frequency_penalty": "--frequency-penalty",
     "sampling.seed": "--seed",
     "generation.logprobs": "--logprobs",
+    "generation.top_logprobs": "--top-logprobs",
 }
 
 
@@ -315,6 +323,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         shown = {"text": result.text, "token_ids": result.token_ids, "stats": result.stats, "shapes": shapes}
         if result.logprobs is not None:
             shown["logprobs"] = result.logprobs
+        if result.top_logprobs is not None:  # (a list per token, most likely first: JSON keys would be text)
+            shown["top_logprobs"] = [
+                [{"token_id": i, "text": decoder.tokenizer.decode([i]), "logprob": lp} for i, lp in top.items()]
+                for top in result.top_logprobs
+            ]
         print(json.dumps(shown))
     else:
         print(flush=True)  # (the text itself was streamed: its pieces add up to result.text)

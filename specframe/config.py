@@ -90,6 +90,10 @@ class GenerationConfig:
     ignore_eos: bool = False
     # Return each new token's log-probability under the target (raw logits): `logprobs` in the result and --json.
     logprobs: bool = False
+    # Also return, for each new token, this many of the target's most likely tokens there with their
+    # log-probabilities (OpenAI's top_logprobs, vLLM's logprobs=N): `top_logprobs` in the result and --json. > 0
+    # turns logprobs on too; 0 = none.
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         check_field_types(self, "generation.")
@@ -97,6 +101,8 @@ class GenerationConfig:
             raise ConfigError(f"generation.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         self.stop = stop_strings(self.stop, key="generation.stop")
         self.stop_token_ids = stop_token_ids(self.stop_token_ids, key="generation.stop_token_ids")
+        if self.top_logprobs < 0:
+            raise ConfigError(f"generation.top_logprobs must be >= 0, got {self.top_logprobs}")
 
 
 def stop_strings(stop: str | list[str] | None, key: str = "stop") -> list[str]:

@@ -30,6 +30,7 @@ from specframe.errors import (
     SpecframeError,
     brief,
     is_count,
+    is_flag,
     is_integer,
     is_number,
 )
@@ -47,7 +48,7 @@ from specframe.proposer import (
     given_in_words,
     validate_proposal,
 )
-from specframe.sampling import SamplingParams, apply_penalties, check_penalties, check_sampling, check_seed
+from specframe.sampling import History, SamplingParams, check_penalties, check_sampling, check_seed
 from specframe.streaming import TextStream
 
 Prompt = str | list[int] | list[dict[str, str]] | torch.Tensor
@@ -74,6 +75,10 @@ class GenerationResult:
     # With logprobs: each new token's log-probability under the target's raw logits (before temperature, top-k,
     # top-p, min-p), as vLLM's logprobs report it by default; the same whichever proposer drafted it.
     logprobs: list[float] | None = None
+    # With top_logprobs N: for each new token, the target's N most likely tokens at its position, {token id:
+    # log-probability} from the most likely down (the same raw logits as logprobs; the chosen token need not be
+    # among them).
+    top_logprobs: list[dict[int, float]] | None = None
 
 
 def target_info(model: torch.nn.Module, tokenizer: Any = None, name: str = "") -> TargetInfo:
@@ -130,6 +135,7 @@ class SpeculativeDecoder:
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
         logprobs: bool = False,
+        top_logprobs: int = 0,
     ) -> None:
         if not isinstance(proposer, Proposer):
             raise BadInputError(
@@ -145,6 +151,7 @@ class SpeculativeDecoder:
         self.stop_token_ids = stop_token_ids  # (checked per call: `dec.stop_token_ids = 7` is set the same way)
         self.ignore_eos = ignore_eos
         self.logprobs = logprobs
+        self.top_logprobs = top_logprobs  # (checked per call, as logprobs is)
         check_seed(seed, key="seed")
         self.seed = seed
         self.acceptance = acceptance or TreeAcceptance()
@@ -254,6 +261,8 @@ class SpeculativeDecoder:
         t = cfg.target
         loaded = load_target(t)
         info = target_info(loaded.model, loaded.tokenizer, t.model)
+        # (checked here too, so that a wrong id is named by its config key before the proposer is built)
+        in_vocabulary(cfg.generation.stop_token_ids, info.vocab_size, "generation.stop_token_ids")
         who = proposer_who(entry.name, entry.plugin)
         try:
             proposer = built_proposer(entry.cls.from_config(options, info), who, "from_config")
@@ -274,6 +283,7 @@ class SpeculativeDecoder:
             stop_token_ids=list(cfg.generation.stop_token_ids),
             ignore_eos=cfg.generation.ignore_eos,
             logprobs=cfg.generation.logprobs,
+            top_logprobs=cfg.generation.top_logprobs,
             seed=s.seed,
             plugin=entry.plugin,
             cuda_graphs=t.cuda_graphs,
@@ -384,12 +394,15 @@ class SpeculativeDecoder:
         repetition_penalty: float | None = None,
         presence_penalty: float | None = None,
         frequency_penalty: float | None = None,
+        top_logprobs: int | None = None,
     ) -> GenerationResult:
         """Generate a continuation of `prompt`. `stream`, a function of one string, is handed the text in pieces
         as it is generated (specframe/streaming.py); they add up to the result's text. `stop_token_ids` also end
         it (the id kept as the last token, as an EOS is, its text left out as vLLM leaves it out); `ignore_eos`
         goes on past the model's EOS tokens;
-        `logprobs` fills the result's `logprobs` (each new token's log-probability under the target). A
+        `logprobs` fills the result's `logprobs` (each new token's log-probability under the target);
+        `top_logprobs` N > 0 also its `top_logprobs` (the target's N most likely tokens at each new token's
+        position), and turns `logprobs` on. A
         decoder runs one call at a time (the target's cache and the proposer's state are the call's): calls from
         several threads wait their turn; for parallel requests, build one decoder per thread (they may share the
         target model)."""
@@ -413,11 +426,11 @@ class SpeculativeDecoder:
                 }
                 params, max_new, stop_strings, generator = self._settings(max_new_tokens, seed, stop, sampling)
                 ends = self._ends(stop_token_ids, ignore_eos)
-                want = self.logprobs if logprobs is None else logprobs
-                if not isinstance(want, bool):
-                    raise BadInputError(f"logprobs must be True or False, got {want!r}")
+                want, top = self._logprobs(logprobs, top_logprobs)
                 text_stream = self._text_stream(stream, stop_strings)
-                result = self._generate(prompt, raw, params, max_new, stop_strings, generator, text_stream, ends, want)
+                result = self._generate(
+                    prompt, raw, params, max_new, stop_strings, generator, text_stream, ends, want, top
+                )
             except BaseException:
                 with contextlib.suppress(Exception):  # (the call's own error is the one to report)
                     self.proposer.end()
@@ -440,8 +453,9 @@ class SpeculativeDecoder:
         text_stream: TextStream | None,
         ends: Ends,
         logprobs: bool,
+        top_logprobs: int,
     ) -> GenerationResult:
-        """One call's generation, with its settings as `_settings` and `_ends` checked them."""
+        """One call's generation, with its settings as `_settings`, `_ends` and `_logprobs` checked them."""
         start = time.perf_counter()
         prompt_ids = self.encode(prompt, raw=raw)
         model, proposer, layers = self.model, self.proposer, tuple(self.proposer.hidden_state_layers)
@@ -467,8 +481,9 @@ class SpeculativeDecoder:
         history = History(prompt_ids, self.info.vocab_size) if params.penalised else None
         scored = out.logits[0, -1:] if history is None else history.penalised(out.logits[0, -1:], params)
         _, first = self.acceptance(scored, Proposal.empty(self.device), params, generator)
-        # (each step's, on the device until the end: no wait for the GPU beyond the acceptance's own)
-        chosen_logprobs = [token_logprobs(out.logits[0, -1:], [first])] if logprobs else []
+        # (each step's (chosen, top values, top ids), on the device until the end: no wait for the GPU beyond the
+        # acceptance's own)
+        logged = [token_logprobs(out.logits[0, -1:], [first], top_logprobs)] if logprobs else []
         # The proposer gets its own copies of the engine's token tensors: an in-place edit of them (a contract
         # breach) must not reach what the target is fed.
         self._call(proposer.begin, prompt_ids.clone(), pick_hidden(out, layers, slice(None)))
@@ -510,13 +525,16 @@ class SpeculativeDecoder:
                 )
                 rows_before = 0
             stats.target_forwards += 1
-            scored = out.logits[0] if history is None else history.penalised(out.logits[0], params, structure)
+            if history is None:
+                scored = out.logits[0]
+            else:  # (each row with its own history: the output, and its node's tree path)
+                scored = history.penalised(out.logits[0], params, *path_entries(structure, self.device))
             path, nxt = self.acceptance(scored, proposal, params, generator, structure)
             keep = [0] + [c + 1 for c in path]
             keep_positions(cache, past, keep, n + 1)
             accepted_tokens = [structure.tokens[c] for c in path]
             if logprobs:  # (the rows that predicted the emitted tokens: the root's, then each accepted node's)
-                chosen_logprobs.append(token_logprobs(out.logits[0, keep], accepted_tokens + [nxt]))
+                logged.append(token_logprobs(out.logits[0, keep], accepted_tokens + [nxt], top_logprobs))
             generated += accepted_tokens + [nxt]
             if history is not None:
                 history.add(accepted_tokens + [nxt])
@@ -535,8 +553,25 @@ class SpeculativeDecoder:
         if text_stream is not None:
             text_stream.finish(text)
         wall = time.perf_counter() - start
-        chosen = torch.cat(chosen_logprobs)[: len(token_ids)].tolist() if logprobs else None
-        return GenerationResult(token_ids, text, stats.as_dict(len(token_ids), wall, finish_reason), chosen)
+        chosen = top = None
+        if logprobs:
+            chosen, values, ids = (torch.cat(part)[: len(token_ids)].tolist() for part in zip(*logged, strict=True))
+            top = [dict(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)] if top_logprobs else None
+        return GenerationResult(token_ids, text, stats.as_dict(len(token_ids), wall, finish_reason), chosen, top)
+
+    def _logprobs(self, logprobs: object, top_logprobs: object) -> tuple[bool, int]:
+        """One call's (logprobs, top_logprobs), its arguments over the decoder's own, checked: top_logprobs > 0
+        turns logprobs on, and is refused beside a call's logprobs=False."""
+        want = self.logprobs if logprobs is None else logprobs
+        if not is_flag(want):
+            raise BadInputError(f"logprobs must be True or False, got {want!r}")
+        top = _as_int(self.top_logprobs if top_logprobs is None else top_logprobs)
+        vocab = self.info.vocab_size
+        if not is_integer(top) or not 0 <= top <= vocab:
+            raise BadInputError(f"top_logprobs must be an integer in [0, {vocab}] (the vocabulary), got {top!r}")
+        if top and logprobs is not None and not logprobs:
+            raise BadInputError(f"top_logprobs={top} needs logprobs, and this call gives logprobs=False")
+        return bool(want) or top > 0, int(top)
 
     def _text_stream(self, stream: Any, stop: list[str]) -> TextStream | None:
         """The call's TextStream for a `stream` function, checked (None without one)."""
@@ -640,12 +675,9 @@ class SpeculativeDecoder:
 
     def _ends(self, stop_token_ids: list[int] | None, ignore_eos: bool | None) -> Ends:
         """One call's token ids that end generation (its arguments over the decoder's own), checked."""
-        ids = stop_token_ids_list(self.stop_token_ids if stop_token_ids is None else stop_token_ids)
-        vocab = self.info.vocab_size
-        if any(i >= vocab for i in ids):
-            raise BadInputError(f"stop_token_ids holds {max(ids)}: not a token id of this target (vocabulary {vocab})")
+        ids = in_vocabulary(self.stop_token_ids if stop_token_ids is None else stop_token_ids, self.info.vocab_size)
         ignore = self.ignore_eos if ignore_eos is None else ignore_eos
-        if not isinstance(ignore, bool):
+        if not is_flag(ignore):
             raise BadInputError(f"ignore_eos must be True or False, got {ignore!r}")
         return Ends(frozenset() if ignore else frozenset(self.eos_ids), frozenset(ids))
 
@@ -737,45 +769,40 @@ STOP_TAIL_CHARS = 16
 GRAPHS_NOT_COPIED = "a copied or unpickled decoder runs eager forwards (CUDA graphs are tied to their static cache)"
 
 
-class History:
-    """What the penalties read of the tokens before a position: which tokens the prompt holds, and how often the
-    output so far holds each, on the target's device."""
-
-    def __init__(self, prompt_ids: torch.Tensor, vocab_size: int) -> None:
-        self.prompt_seen = torch.zeros(vocab_size, dtype=torch.bool, device=prompt_ids.device)
-        self.prompt_seen[prompt_ids] = True
-        self.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=prompt_ids.device)
-
-    def add(self, tokens: list[int]) -> None:
-        """The output gained `tokens`."""
-        index = torch.tensor(tokens, device=self.output_counts.device)
-        self.output_counts.index_add_(0, index, torch.ones(len(tokens), device=index.device))
-
-    def penalised(
-        self, logits: torch.Tensor, params: SamplingParams, structure: ProposalStructure | None = None
-    ) -> torch.Tensor:
-        """A verification's rows ([n + 1, V]: the root's, then node i's at row i + 1) penalised, each with its own
-        output: the output so far, and for a node the tokens on its tree path, the node's own included (one row
-        without `structure`, or a verification with no nodes: the root's)."""
-        counts = self.output_counts.expand(logits.shape[0], -1).clone()
-        if structure is not None and structure.tokens:
-            rows, tokens = [], []
-            for node in range(len(structure.tokens)):
-                at = node
-                while at >= 0:  # (the node and its ancestors, each once)
-                    rows.append(node + 1)
-                    tokens.append(structure.tokens[at])
-                    at = structure.parents[at]
-            index = (torch.tensor(rows, device=counts.device), torch.tensor(tokens, device=counts.device))
-            counts.index_put_(index, torch.ones(len(rows), device=counts.device), accumulate=True)
-        return apply_penalties(logits, self.prompt_seen, counts, params)
+def path_entries(structure: ProposalStructure | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a verification's rows (the root's at row 0, node i's at row i + 1), the draft tokens each row's
+    penalties count beyond the output so far, as `History.penalised` takes them: (rows, tokens), every node's own
+    token and its ancestors' once in the node's row (none with no structure or no nodes: the root's row alone)."""
+    rows, tokens = [], []
+    for node in range(len(structure.tokens) if structure is not None else 0):
+        at = node
+        while at >= 0:  # (the node and its ancestors, each once)
+            rows.append(node + 1)
+            tokens.append(structure.tokens[at])
+            at = structure.parents[at]
+    return torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(tokens, dtype=torch.long, device=device)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
-    """log softmax(logits[i])[tokens[i]] for each row ([rows, V] raw logits), in float32 (float64 if they are)."""
+def in_vocabulary(ids: object, vocab_size: int, key: str = "stop_token_ids") -> list[int]:
+    """Stop token ids as a list (`specframe.config.stop_token_ids`), each checked to be a token id of a target with
+    `vocab_size` tokens; errors name `key`."""
+    listed = stop_token_ids_list(ids, key)
+    if any(i >= vocab_size for i in listed):
+        raise BadInputError(f"{key} holds {max(listed)}: not a token id of this target (vocabulary {vocab_size})")
+    return listed
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: list[int], top: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each row of `logits` ([rows, V], raw) with its token `tokens[i]`, in float32 (float64 if they are):
+    (log softmax(row)[token] [rows], the `top` largest log-probabilities of each row [rows, top] and their token
+    ids [rows, top], most likely first; those two are empty with top 0)."""
     x = logits.float() if logits.dtype not in (torch.float32, torch.float64) else logits
     index = torch.tensor(tokens, device=x.device)[:, None]
-    return (x.gather(-1, index) - torch.logsumexp(x, -1, keepdim=True))[:, 0]
+    norm = torch.logsumexp(x, -1, keepdim=True)
+    values, ids = x.topk(top, -1)  # (sorted: most likely first)
+    return (x.gather(-1, index) - norm)[:, 0], values - norm, ids
 
 
 def proposer_who(name: str, plugin: str = "") -> str:

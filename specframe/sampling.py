@@ -22,7 +22,9 @@ position: vLLM's repetition penalty (a token in the prompt or the output so far:
 negative one multiplied, as transformers' RepetitionPenaltyLogitsProcessor does), presence penalty (subtracted from
 each token the output holds) and frequency penalty (times how often the output holds it). They apply in greedy
 decoding too. The engine applies them to each verified row with that row's own history (the output so far and the
-tree path to the row's node), so the target's distribution is the penalised one, exactly.
+tree path to the row's node), so the target's distribution is the penalised one, exactly. Proposers draft under
+them too (`DecodeState.penalised`, the same `History`): not needed for exactness, but then their drafts are what
+the target will choose.
 """
 
 from __future__ import annotations
@@ -85,6 +87,47 @@ def apply_penalties(
     if params.presence_penalty != 0.0:
         x = x - params.presence_penalty * (counts > 0).to(x.dtype)
     return x
+
+
+class History:
+    """What the penalties read of the tokens before a position: which tokens the prompt holds, and how often the
+    output so far holds each (on the prompt's device). The engine keeps one per call for the target's rows;
+    `DecodeState.penalised` makes one per step for a proposer's drafts."""
+
+    def __init__(self, prompt_ids: torch.Tensor, vocab_size: int, output_ids: torch.Tensor | None = None) -> None:
+        self.prompt_seen = torch.zeros(vocab_size, dtype=torch.bool, device=prompt_ids.device)
+        self.prompt_seen[prompt_ids] = True
+        self.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=prompt_ids.device)
+        if output_ids is not None and output_ids.numel():
+            self.output_counts.index_add_(0, output_ids, torch.ones(output_ids.numel(), device=prompt_ids.device))
+
+    def add(self, tokens: list[int]) -> None:
+        """The output gained `tokens`."""
+        index = torch.tensor(tokens, device=self.output_counts.device)
+        self.output_counts.index_add_(0, index, torch.ones(len(tokens), device=index.device))
+
+    def penalised(
+        self,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        rows: torch.Tensor | None = None,
+        tokens: torch.Tensor | None = None,
+        columns: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`logits` ([R, V], or [V] for one row) penalised (float32 or float64), each row with the output so far
+        and, given `rows` and `tokens` (1-D, as long as each other), token tokens[i] once more in row rows[i]: the
+        draft tokens between the output and the row's position. `columns`: the token ids of the logits' columns
+        where they are not the whole vocabulary in order (a reduced draft vocabulary)."""
+        one_row = logits.dim() == 1
+        x = logits[None] if one_row else logits
+        counts = self.output_counts.expand(x.shape[0], -1)
+        if rows is not None and rows.numel():
+            counts = counts.clone().index_put_((rows, tokens), torch.ones(rows.numel(), device=rows.device), True)
+        seen = self.prompt_seen
+        if columns is not None:
+            counts, seen = counts[:, columns], seen[columns]
+        x = apply_penalties(x, seen, counts, params)
+        return x[0] if one_row else x
 
 
 def check_seed(seed: object, key: str = "sampling.seed", unset: str = " or unset (a fresh seed)") -> None:

@@ -147,11 +147,21 @@ def test_stop_token_ids_and_ignore_eos_from_the_command_line(capsys, tiny_dirs):
     res = json.loads(out)
     assert code == 0 and res["token_ids"] == ids and len(res["logprobs"]) == 6, err
     assert all(lp <= 0 for lp in res["logprobs"]) and "logprobs" not in json.loads(run(capsys, *args)[1])
+    code, out, err = run(capsys, *args, "--top-logprobs", "2")  # (turns --logprobs on)
+    top = json.loads(out)
+    assert code == 0 and top["logprobs"] == res["logprobs"] and len(top["top_logprobs"]) == 6, err
+    first = top["top_logprobs"][0]
+    assert [set(t) for t in first] == [{"token_id", "text", "logprob"}] * 2 and first[0]["logprob"] >= first[1][
+        "logprob"
+    ]
+    assert all(isinstance(t["text"], str) for t in first) and "top_logprobs" not in res
     for bad, message in (
         ("generation.stop_token_ids=[abc]", "generation.stop_token_ids"),
         ("generation.stop_token_ids=[-3]", "generation.stop_token_ids must hold token ids (integers >= 0), got -3"),
-        ("generation.stop_token_ids=[100000]", "stop_token_ids holds 100000: not a token id of this target"),
+        ("generation.stop_token_ids=[100000]", "generation.stop_token_ids holds 100000: not a token id of this target"),
         ("generation.ignore_eos=maybe", "generation.ignore_eos"),
+        ("generation.top_logprobs=-2", "generation.top_logprobs must be >= 0, got -2"),
+        ("generation.top_logprobs=1000000", "top_logprobs must be an integer in [0, "),
     ):
         code, _, err = run(capsys, *args, bad)
         assert code == 2 and message in err, (bad, err)
@@ -386,6 +396,11 @@ def test_check_on_tiny_targets_of_other_model_types(capsys):
         capsys, "check", "--proposer", "none", "--quick", "--device", "cpu", "--arch", "mistral", "--json"
     )
     assert code == 0 and {r["arch"] for r in json.loads(out)["results"]} == {"mistral"}
+    code, out, _ = run(
+        capsys, "check", "--proposer", "none", "--quick", "--device", "cpu", "--arch", "llama", "--arch", "gpt2"
+    )
+    assert code == 0 and "PASS  greedy [cpu, llama]" in out and "PASS  greedy [cpu, gpt2]" in out, out
+    assert "[cpu]" not in out  # (llama among other types is named as they are)
     code, out, err = run(capsys, "check", "--proposer", "none", "--quick", "--arch", "mistrall")  # (before the header)
     assert code == 2 and out == "" and "knows no model type 'mistrall'" in err, err
 

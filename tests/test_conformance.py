@@ -285,6 +285,13 @@ def test_a_dtype_named_twice_runs_once():
     assert report.passed and len(report.results) == 3  # greedy, rollback, isolation: once
 
 
+def test_one_device_or_dtype_may_be_given_as_a_string():
+    # (not its letters: "bf16" as ["b", "f", "1", "6"] was refused as an unknown dtype 'b')
+    assert conformance.suite_devices_and_dtypes("cpu", "bf16") == (["cpu"], ["bfloat16"])
+    report = conformance.run_suite(TreeTestProposer, devices="cpu", dtypes="bfloat16", quick=True)
+    assert report.passed and len(report.results) == 3
+
+
 class RaisingDraft(DraftProposer):
     """Raises on its second proposal of a request."""
 
@@ -603,9 +610,7 @@ def test_the_exact_distribution_is_taken_at_the_cut_the_samples_were_drawn_at(mo
 @pytest.mark.slow
 def test_the_penalties_setting_catches_rows_penalised_with_the_roots_history(monkeypatch):
     # (a tree node's logits are penalised with its path's tokens: the root's history for every row moves p)
-    real = decoder_module.History.penalised
-    monkeypatch.setattr(
-        decoder_module.History, "penalised", lambda self, logits, params, structure=None: real(self, logits, params)
-    )
+    real = decoder_module.path_entries
+    monkeypatch.setattr(decoder_module, "path_entries", lambda structure, device: real(None, device))
     r = conformance.check_sampling(EagleProposer, "cpu", "temperature=1,penalties", confirm=False)
     assert not r.passed and r.p_value < 1e-20, r.detail

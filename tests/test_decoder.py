@@ -269,11 +269,33 @@ def test_logprobs_are_the_targets_own_for_each_new_token(name):
         want = full[len(prompt) - 1 : -1].gather(-1, torch.tensor(res.token_ids)[:, None])[:, 0]
         assert len(res.logprobs) == len(res.token_ids) and (res.stats["accepted_tokens"] > 0 or name == "none")
         torch.testing.assert_close(torch.tensor(res.logprobs), want, rtol=0, atol=1e-4)
-    assert dec.generate(prompt, 4).logprobs is None  # (off by default)
+        # the target's most likely tokens at each new token's position, most likely first, from the same rows
+        top = dec.generate(prompt, 30, temperature, seed=1, stop_token_ids=stop, top_logprobs=3, top_k=4)
+        assert top.token_ids == res.token_ids and top.logprobs == res.logprobs  # (top_logprobs turns logprobs on)
+        values, ids = full[len(prompt) - 1 : -1].topk(3, -1)
+        assert [list(t) for t in top.top_logprobs] == ids.tolist()
+        torch.testing.assert_close(
+            torch.tensor([list(t.values()) for t in top.top_logprobs]), values, rtol=0, atol=1e-4
+        )
+    assert dec.generate(prompt, 4).logprobs is None and dec.generate(prompt, 4).top_logprobs is None  # (off by default)
     dec.logprobs = True
-    assert len(dec.generate(prompt, 4).logprobs) == 4
-    with pytest.raises(BadInputError, match="logprobs must be True or False, got 'yes'"):
-        dec.generate(prompt, 4, logprobs="yes")
+    res = dec.generate(prompt, 4)
+    assert len(res.logprobs) == 4 and res.top_logprobs is None
+    dec.logprobs, dec.top_logprobs = np.False_, 8  # (the whole vocabulary; NumPy's bool is a flag too)
+    res = dec.generate(prompt, 4)
+    assert len(res.logprobs) == 4 and all(len(t) == 8 for t in res.top_logprobs)
+    assert sorted(res.top_logprobs[0].values(), reverse=True) == list(res.top_logprobs[0].values())
+    assert torch.tensor(list(res.top_logprobs[0].values())).exp().sum().item() == pytest.approx(1, abs=1e-5)
+    assert dec.generate(prompt, 4, top_logprobs=0).logprobs is None
+    for bad, message in (
+        ({"logprobs": "yes"}, "logprobs must be True or False, got 'yes'"),
+        ({"top_logprobs": 9}, r"top_logprobs must be an integer in \[0, 8\] \(the vocabulary\), got 9"),
+        ({"top_logprobs": -1}, r"top_logprobs must be an integer in \[0, 8\]"),
+        ({"top_logprobs": True}, r"top_logprobs must be an integer in \[0, 8\] \(the vocabulary\), got True"),
+        ({"top_logprobs": 2, "logprobs": False}, "top_logprobs=2 needs logprobs, and this call gives logprobs=False"),
+    ):
+        with pytest.raises(BadInputError, match=message):
+            dec.generate(prompt, 4, **bad)
 
 
 def test_stop_token_ids_end_generation_inside_an_accepted_block_and_ignore_eos_goes_past_eos():
@@ -298,6 +320,9 @@ def test_stop_token_ids_end_generation_inside_an_accepted_block_and_ignore_eos_g
     assert both.token_ids == greedy[:cut] and both.stats["finish_reason"] == "stop"
     dec.ignore_eos = True
     assert dec.generate([1, 2, 3], max_new_tokens=40).token_ids == greedy
+    dec.ignore_eos = False  # NumPy's booleans are flags too (the config's checks take them)
+    assert dec.generate([1, 2, 3], max_new_tokens=40, ignore_eos=np.True_).token_ids == greedy
+    assert dec.generate([1, 2, 3], max_new_tokens=40, ignore_eos=np.False_).token_ids == greedy[:cut]
     for bad, message in (
         ({"stop_token_ids": [64]}, r"stop_token_ids holds 64: not a token id of this target \(vocabulary 64\)"),
         ({"stop_token_ids": [-1]}, r"stop_token_ids must hold token ids \(integers >= 0\), got -1"),

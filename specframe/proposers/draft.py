@@ -249,7 +249,7 @@ class DraftProposer(Proposer):
         if gamma == 0:
             return Proposal.empty(state.tokens.device)
         greedy = self.config.greedy or state.sampling.greedy
-        logits = self._next_logits(state.tokens[self.cached :])
+        logits = state.penalised(self._next_logits(state.tokens[self.cached :]))  # (penalties: as the target's)
         tokens, qs = [], []
         confidence = 1.0  # the chain's cumulative draft probability
         for i in range(gamma):
@@ -273,7 +273,7 @@ class DraftProposer(Proposer):
             tokens.append(x)
             if i == gamma - 1 or confidence < self.threshold:  # no next token could reach the threshold
                 break
-            logits = self._next_logits(x)
+            logits = state.penalised(self._next_logits(x), torch.cat(tokens))
             self.fed_drafts += 1
         drafted = torch.cat(tokens)
         return Proposal.chain(drafted, None if greedy else torch.stack(qs), deterministic=greedy)

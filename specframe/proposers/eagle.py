@@ -677,7 +677,7 @@ class EagleProposer(Proposer):
             self.root_feat = out[-1]
             self.pending_feats = self.pending_feats[:0]
         try:
-            tokens, parents, scores = self._tree(self.root_feat, depth)
+            tokens, parents, scores = self._tree(self.root_feat, depth, state)
         finally:  # drafted nodes never stay in the cache
             extra = self.cache.get_seq_length() - self.committed
             if extra > 0:
@@ -687,19 +687,24 @@ class EagleProposer(Proposer):
             tokens.to(device), parents.to(device), torch.ones(tokens.numel(), dtype=torch.bool, device=device)
         )
 
-    def _tree(self, root_feat: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _tree(
+        self, root_feat: torch.Tensor, depth: int, state: DecodeState
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """EAGLE-2's tree, built on the drafter's device: (tokens, parents, cumulative log-probabilities) of the
         kept nodes in topological order (by level, then score). Nothing reaches the host until the end unless a
         confidence threshold is set (then the number of nodes that reach it, once per level, to stop early and
         to feed only those). Nodes are numbered as they are made, level by level; ties in score go to the lower
-        number, so a parent (never scored below its children: log-probabilities are <= 0) always comes first."""
+        number, so a parent (never scored below its children: log-probabilities are <= 0) always comes first.
+        With penalties (`state.sampling`), each node's children are scored on logits penalised as the target's
+        will be at that node: with the output and the node's path (`DecodeState.penalised`)."""
         # (no more than total_tokens children a node, nor nodes a frontier: a node below a level's best
         # total_tokens is never kept, nor is any of its descendants, which score no higher)
         k = min(self.top_k if self.config.tree else 1, self.vocab_ids.numel(), self.total_tokens)
         threshold = self.min_score > -math.inf  # (compared in double, as a Python float: not rounded to float32)
         device = root_feat.device
         base = self.committed  # position of the root; a node at depth d sits at base + d
-        vals, idx = torch.log_softmax(self.drafter.logits(root_feat), -1).topk(k)
+        vocab_ids, penalised = self.vocab_ids, state.sampling.penalised
+        vals, idx = torch.log_softmax(state.penalised(self.drafter.logits(root_feat), columns=vocab_ids), -1).topk(k)
         scores, tokens = [vals.float()], [self.vocab_ids[idx]]  # per level: every node made, numbered in order
         parents, levels = [torch.full((k,), -1, device=device)], [torch.ones(k, dtype=torch.long, device=device)]
         # The best first token is always a node; the others only when they reach the threshold.
@@ -713,10 +718,12 @@ class EagleProposer(Proposer):
         frontier = torch.arange(k, device=device)
         f_scores, f_tokens = scores[0], tokens[0]
         f_feats = root_feat.expand(k, -1)
+        f_paths = tokens[0][:, None] if penalised else None  # (each frontier node's path of tokens, with penalties)
         if threshold:
             live = int(reach.sum())
             valid_count = max(live, 1)  # nodes made that reach the threshold, and the forced first one
             frontier, f_scores, f_tokens, f_feats = frontier[:live], f_scores[:live], f_tokens[:live], f_feats[:live]
+            f_paths = f_paths[:live] if penalised else None
         allowed = torch.eye(frontier.numel(), dtype=torch.bool, device=device)
         made = k
         for d in range(2, depth + 1):
@@ -726,7 +733,7 @@ class EagleProposer(Proposer):
             # Feed each frontier node x as the pair (f̂ at its parent, x) at position base + d - 2.
             positions = torch.full((f,), base + d - 2, device=device)
             out = self._feed(f_feats, f_tokens, positions, allowed)
-            logp = torch.log_softmax(self.drafter.logits(out), -1)  # [F, K]
+            logp = torch.log_softmax(state.penalised(self.drafter.logits(out), f_paths, vocab_ids), -1)  # [F, K]
             vals, idx = (logp + f_scores[:, None]).topk(k, dim=-1)  # each frontier node's k best children
             scores.append(vals.flatten())
             tokens.append(self.vocab_ids[idx].flatten())
@@ -744,6 +751,8 @@ class EagleProposer(Proposer):
                 best = best[:level_valid]
             row = best // k  # each child's parent, as a row of this level's frontier
             frontier, f_scores, f_tokens, f_feats = made + best, scores[-1][best], tokens[-1][best], out[row]
+            if penalised:
+                f_paths = torch.cat([f_paths[row], f_tokens[:, None]], 1)
             allowed = torch.cat([allowed[row], torch.eye(best.numel(), dtype=torch.bool, device=device)], 1)
             made += f * k
         score, token, parent, level = (torch.cat(x) for x in (scores, tokens, parents, levels))

@@ -627,6 +627,9 @@ class MedusaProposer(Proposer):
             logits = few_rows_linear(feats, self.lm_rows)
         else:
             logits = feats @ self.lm_rows.T
+        # (with penalties, every head's as the target's row after the root has them: its history, not the tree's
+        # paths, as the tree is one shape for all heads' candidates)
+        logits = state.penalised(logits, columns=self.vocab_ids)
         top = logits.topk(self.top, dim=-1).indices  # [depth, top] positions in the reduced vocabulary
         cand = self.vocab_ids[top]
         tokens = cand[self.node_head[:n], self.node_rank[:n]]

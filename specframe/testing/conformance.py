@@ -108,11 +108,14 @@ class CheckResult:
     drafted: int | None = None  # draft nodes the proposer proposed in this check (None: not counted)
     trace: str | None = None  # the traceback of what the check raised (`specframe check --debug` prints it)
     arch: str = "llama"  # the tiny target's model type
+    # Whether report lines name the model type even when it is llama (the default, otherwise left unsaid): in a
+    # suite over several types
+    arch_named: bool = False
 
     @property
     def where(self) -> str:
         where = self.device if self.dtype == "float32" else f"{self.device} {self.dtype}"
-        return where if self.arch == "llama" else f"{where}, {self.arch}"
+        return where if self.arch == "llama" and not self.arch_named else f"{where}, {self.arch}"
 
     def line(self, seconds: bool = False) -> str:
         """One report line: PASS/FAIL, the check, where it ran, its p-value and detail (and time)."""
@@ -144,7 +147,8 @@ class Report:
 
     def as_dict(self, traces: bool = False) -> dict[str, Any]:
         """The report as JSON data (`traces`: with the traceback of what each failing check raised)."""
-        results = [{k: v for k, v in asdict(r).items() if traces or k != "trace"} for r in self.results]
+        hidden = {"arch_named"} if traces else {"trace", "arch_named"}  # (JSON always has the type: "arch")
+        results = [{k: v for k, v in asdict(r).items() if k not in hidden} for r in self.results]
         return {"proposer": self.proposer, "passed": self.passed, "quick": self.quick, "results": results}
 
 
@@ -787,8 +791,10 @@ def run_checks(
     quick: bool,
     log: Callable[[str], None] | None,
     debug: bool,
+    arch_named: bool = False,
 ) -> list[CheckResult]:
-    """`run_suite`'s checks on one device, in one dtype, on one model type (the power checks aside)."""
+    """`run_suite`'s checks on one device, in one dtype, on one model type (the power checks aside); with
+    `arch_named` their lines name the type even when it is llama (a suite over several types)."""
     checks: list[tuple[str, Callable[[], CheckResult]]] = [
         ("greedy", lambda: check_greedy(proposer_cls, device, config, dtype, arch)),
         ("rollback", lambda: check_rollback(proposer_cls, device, config, dtype, arch)),
@@ -804,7 +810,7 @@ def run_checks(
         ]
     ran = []
     for name, check in checks:
-        r = run_check(name, check, device, dtype, arch)
+        r = replace(run_check(name, check, device, dtype, arch), arch_named=arch_named)
         ran.append(r)
         if log:
             log(r.line(seconds=True))
@@ -812,6 +818,7 @@ def run_checks(
                 log(r.trace)
     unexercised = drafted_nothing(proposer_cls, ran)
     if unexercised is not None:
+        unexercised.arch_named = arch_named
         ran.append(unexercised)
         if log:
             log(unexercised.line())
@@ -827,9 +834,14 @@ def suite_archs(archs: list[str] | str | None) -> list[str]:
     return archs
 
 
-def suite_devices_and_dtypes(devices: list[str] | None, dtypes: list[str] | None) -> tuple[list[str], list[str]]:
+def suite_devices_and_dtypes(
+    devices: list[str] | str | None, dtypes: list[str] | str | None
+) -> tuple[list[str], list[str]]:
     """The devices (default: cpu, and cuda if present) and dtypes (default float32) a suite runs on, by canonical
-    name, each once; bad names fail here, before anything runs, with the model loader's errors."""
+    name, each once (one name may be given as a string); bad names fail here, before anything runs, with the model
+    loader's errors."""
+    devices = [devices] if isinstance(devices, str) else devices
+    dtypes = [dtypes] if isinstance(dtypes, str) else dtypes
     names = []
     for device in devices or available_devices():
         resolved = resolve_device(device)  # (bad names fail here)
@@ -840,14 +852,14 @@ def suite_devices_and_dtypes(devices: list[str] | None, dtypes: list[str] | None
 
 def run_suite(
     proposer_cls: type[Proposer],
-    devices: list[str] | None = None,
+    devices: list[str] | str | None = None,
     config: Any = None,
     quick: bool = False,
     power: bool | None = None,
     log: Callable[[str], None] | None = None,
-    dtypes: list[str] | None = None,
+    dtypes: list[str] | str | None = None,
     debug: bool = False,
-    archs: list[str] | None = None,
+    archs: list[str] | str | None = None,
 ) -> Report:
     """Run every check for one proposer class (built with random weights) on each device, in each dtype
     (default float32), on tiny targets of each model type in `archs` (default llama; the power checks, which
@@ -859,7 +871,8 @@ def run_suite(
     with one_thread():
         for device, dtype in itertools.product(devices, dtypes):
             for arch in archs:
-                report.results += run_checks(proposer_cls, device, dtype, arch, config, quick, log, debug)
+                ran = run_checks(proposer_cls, device, dtype, arch, config, quick, log, debug, len(archs) > 1)
+                report.results += ran
             if power if power is not None else not quick:
                 report.results += check_power(device, log=log, dtype=dtype)
     return report
