@@ -48,6 +48,7 @@ import torch
 from specframe.config import greedy_note, literal, split_override
 from specframe.data import read_jsonl, shared_data_file
 from specframe.errors import BadInputError, brief, check_output_path, is_count, user_path
+from specframe.sampling import History, SamplingParams
 
 # Spec-Bench's six subtasks and the `category` values of question.jsonl that make them up.
 SUBTASKS: dict[str, tuple[str, ...]] = {
@@ -111,6 +112,14 @@ class BenchOptions:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    # Penalties (vLLM's three; in greedy decoding too): every method applies them, transformers' baselines
+    # repetition_penalty as their own and presence/frequency through `OutputPenalties`.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Every method generates max_new_tokens, past the target's EOS tokens (vLLM's benchmarks' ignore_eos): turns of
+    # one length for every method.
+    ignore_eos: bool = False
     seed: int = 0  # each (question, turn) gets seed + 10 * question_id + turn, the same for every method
     # KEY=VALUE: `target.*` for the target, `<proposer>.<key>` for one proposer (e.g. draft.num_speculative_tokens=5).
     overrides: list[str] = field(default_factory=list)
@@ -187,14 +196,17 @@ class BenchOptions:
         number = isinstance(tie, (int, float)) and not isinstance(tie, bool)
         if not (number and 0 <= tie < math.inf):
             raise BadInputError(f"--tie-threshold must be a finite number >= 0, got {tie!r}")
-        from specframe.errors import ConfigError
-        from specframe.sampling import check_sampling, top_k_off_as_zero
+        from specframe.errors import ConfigError, is_flag
+        from specframe.sampling import check_penalties, check_sampling, top_k_off_as_zero
 
         try:
             check_sampling(self.temperature, self.top_k, self.top_p, self.min_p, prefix="--")
+            check_penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty, prefix="--")
         except ConfigError as e:  # name the flag as typed: --top-p, not --top_p
-            flag = str(e).replace("top_p", "top-p").replace("top_k", "top-k").replace("min_p", "min-p")
-            raise BadInputError(flag) from None
+            flag = str(e).split()[0]
+            raise BadInputError(flag.replace("_", "-") + str(e)[len(flag) :]) from None
+        if not is_flag(self.ignore_eos):
+            raise BadInputError(f"--ignore-eos must be true or false, got {self.ignore_eos!r}")
         self.top_k = top_k_off_as_zero(self.top_k)  # (transformers' generate takes 0 for off, not -1)
         split_overrides(self.overrides, self.override_heads())
 
@@ -211,6 +223,15 @@ class BenchOptions:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalties(self) -> SamplingParams:
+        """The penalties as SamplingParams (the rest at their defaults): what the tie check penalises with."""
+        return SamplingParams(
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+        )
 
     def command(self) -> str:
         """The `specframe bench` command that reproduces this run (every setting spelt out)."""
@@ -240,6 +261,11 @@ class BenchOptions:
             if self.min_p:
                 argv += ["--min-p", str(self.min_p)]
         default = {f.name: f.default for f in fields(self)}
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != default[name]:
+                argv += [f"--{name.replace('_', '-')}", str(getattr(self, name))]
+        if self.ignore_eos:
+            argv += ["--ignore-eos"]
         for flag, name in (("--seed", "seed"), ("--pld-tokens", "pld_tokens"), ("--tie-threshold", "tie_threshold")):
             if getattr(self, name) != default[name]:
                 argv += [flag, str(getattr(self, name))]
@@ -420,6 +446,10 @@ def specframe_method(name: str, decoder: Any, options: BenchOptions, description
             top_p=options.top_p,
             top_k=options.top_k,
             min_p=options.min_p,
+            repetition_penalty=options.repetition_penalty,
+            presence_penalty=options.presence_penalty,
+            frequency_penalty=options.frequency_penalty,
+            ignore_eos=options.ignore_eos,
             seed=seed,
         )
         seconds = time.perf_counter() - t0
@@ -439,6 +469,8 @@ def hf_method(
 ) -> Method:
     """transformers `generate` on the shared target, on PyTorch's and transformers' own kernels; `extra` selects
     assisted or prompt-lookup decoding."""
+    from transformers import LogitsProcessorList
+
     from specframe.cpu_kernels import stock_kernels
     from specframe.kv_cache import context_limit
     from specframe.models import neutral_generation_config
@@ -458,7 +490,13 @@ def hf_method(
             )
         max_new = min(max_new, window - len(ids))
         x = torch.tensor([ids], device=model.device)
-        kwargs: dict[str, Any] = {"max_new_tokens": max_new, "eos_token_id": eos_ids or None, "pad_token_id": pad}
+        ends = None if options.ignore_eos else eos_ids or None  # (no EOS token id: transformers goes on to max_new)
+        kwargs: dict[str, Any] = {"max_new_tokens": max_new, "eos_token_id": ends, "pad_token_id": pad}
+        if options.repetition_penalty != 1.0:
+            kwargs["repetition_penalty"] = options.repetition_penalty
+        if options.presence_penalty or options.frequency_penalty:  # (transformers has neither)
+            penalties = OutputPenalties(len(ids), options.presence_penalty, options.frequency_penalty)
+            kwargs["logits_processor"] = LogitsProcessorList([penalties])
         if options.greedy:
             kwargs["do_sample"] = False
         else:
@@ -474,10 +512,30 @@ def hf_method(
             t0 = time.perf_counter()
             out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kwargs, **extra)
             seconds = time.perf_counter() - t0
-        new = cut_at_eos(out[0, len(ids) :].tolist(), eos_ids)
-        return Output(new, counter.calls, seconds, None)
+        new = out[0, len(ids) :].tolist()
+        return Output(new if options.ignore_eos else cut_at_eos(new, eos_ids), counter.calls, seconds, None)
 
     return Method(name, "transformers", description, run)
+
+
+class OutputPenalties:
+    """vLLM's presence and frequency penalties as a transformers logits processor (transformers has neither),
+    for the baselines: each token the output (the ids after the first `prompt_length`) holds loses
+    `presence` from its logit, and `frequency` times its count, as specframe.sampling.apply_penalties takes
+    them (after the repetition penalty, before the temperature: transformers runs a given processor after its
+    own penalties and before its warpers)."""
+
+    def __init__(self, prompt_length: int, presence: float, frequency: float) -> None:
+        self.prompt_length, self.presence, self.frequency = prompt_length, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        output = input_ids[:, self.prompt_length :]
+        counts = torch.zeros_like(scores).scatter_add_(1, output, torch.ones_like(output, dtype=scores.dtype))
+        if self.frequency:
+            scores = scores - self.frequency * counts
+        if self.presence:
+            scores = scores - self.presence * (counts > 0).to(scores.dtype)
+        return scores
 
 
 def cut_at_eos(ids: list[int], eos_ids: Iterable[int]) -> list[int]:
@@ -646,10 +704,17 @@ def first_difference(reference: list[int], output: list[int]) -> int | None:
 
 
 @torch.no_grad()
-def top2_logits(model: torch.nn.Module, context: list[int]) -> tuple[tuple[int, float], tuple[int, float]]:
-    """The target's two largest next-token logits after `context`: one from-scratch forward (no cache), float32."""
+def top2_logits(
+    model: torch.nn.Module, context: list[int], prompt_length: int = 0, penalties: SamplingParams | None = None
+) -> tuple[tuple[int, float], tuple[int, float]]:
+    """The target's two largest next-token logits after `context`: one from-scratch forward (no cache), float32;
+    with `penalties` (a SamplingParams whose penalties are on), penalised as greedy decoding chooses on them, the
+    first `prompt_length` tokens of `context` being the prompt."""
     x = torch.tensor([context], device=next(model.parameters()).device)
     logits = model(input_ids=x, use_cache=False).logits[0, -1].float()
+    if penalties is not None and penalties.penalised:
+        history = History(x[0, :prompt_length], logits.shape[-1], x[0, prompt_length:])
+        logits = history.penalised(logits, penalties)
     values, ids = logits.topk(2)
     return (int(ids[0]), float(values[0])), (int(ids[1]), float(values[1]))
 
@@ -660,10 +725,17 @@ def is_near_tie(top1: float, top2: float, threshold: float) -> bool:
 
 
 def explain_difference(
-    model32: torch.nn.Module, prompt: list[int], reference: list[int], output: list[int], at: int, threshold: float
+    model32: torch.nn.Module,
+    prompt: list[int],
+    reference: list[int],
+    output: list[int],
+    at: int,
+    threshold: float,
+    penalties: SamplingParams | None = None,
 ) -> dict[str, Any]:
-    """Why `output` leaves `reference` at position `at`: the float32 top-2 of the target there."""
-    (t1, l1), (t2, l2) = top2_logits(model32, prompt + reference[:at])
+    """Why `output` leaves `reference` at position `at`: the float32 top-2 of the target there (penalised with
+    `penalties`' penalties, where on)."""
+    (t1, l1), (t2, l2) = top2_logits(model32, prompt + reference[:at], len(prompt), penalties)
     return {
         "position": at,
         "reference_token": reference[at] if at < len(reference) else None,
@@ -718,7 +790,7 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
                         f"--max-new-tokens {options.max_new_tokens} (tokens/s count the tokens made)"
                     )
                 if options.greedy and any(m.name == REFERENCE for m in setup.methods) and REFERENCE not in failed:
-                    check_identity(records, setup, tie)
+                    check_identity(records, setup, tie, options.penalties)
             run_threads = torch.get_num_threads()
         finally:
             torch.set_num_threads(threads)
@@ -1060,9 +1132,11 @@ def tie_threshold(model: torch.nn.Module, options: BenchOptions) -> float:
     return max(options.tie_threshold, torch.finfo(dtype).eps) if torch.finfo(dtype).bits < 32 else options.tie_threshold
 
 
-def check_identity(records: list[dict[str, Any]], setup: Setup, threshold: float) -> None:
+def check_identity(
+    records: list[dict[str, Any]], setup: Setup, threshold: float, penalties: SamplingParams | None = None
+) -> None:
     """Mark each record identical or not to hf's turn; explain every first difference by the target's top-2
-    (a near-tie within `threshold`, `tie_threshold`)."""
+    (a near-tie within `threshold`, `tie_threshold`; penalised with `penalties`, where on)."""
     model32 = None
     ref = {(r["question_id"], r["turn"]): r for r in records if r["method"] == REFERENCE}
     by_conversation: dict[tuple[str, int], list[dict[str, Any]]] = {}
@@ -1084,7 +1158,7 @@ def check_identity(records: list[dict[str, Any]], setup: Setup, threshold: float
                 if model32 is None:
                     model32 = float32_copy(setup.model)
                 r["difference"] = explain_difference(
-                    model32, r["prompt_ids"], base["token_ids"], r["token_ids"], at, threshold
+                    model32, r["prompt_ids"], base["token_ids"], r["token_ids"], at, threshold, penalties
                 )
 
 
@@ -1378,6 +1452,11 @@ def markdown(doc: dict[str, Any], plots: bool = True) -> str:
         else f"sampling (temperature {s['temperature']}, top-p {s['top_p']}, top-k {s['top_k']}"
         + (f", min-p {s['min_p']})" if s.get("min_p") else ")")  # (no min_p in a bench.json before 2026-12-07)
     )
+    for key, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+        if s.get(key, off) != off:  # (no penalties in a bench.json before 2026-12-07, nor ignore_eos)
+            mode += f", {key.replace('_', ' ')} {s[key]}"
+    if s.get("ignore_eos"):
+        mode += ", past EOS tokens (ignore_eos)"
     categories: dict[str, dict[int, str]] = {}  # subtask -> question id -> category (mt_bench has eight)
     for r in doc["records"]:
         categories.setdefault(r["subtask"], {})[r["question_id"]] = r.get("category", r["subtask"])

@@ -194,6 +194,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--top-p", type=float, help="nucleus sampling, with --temperature > 0 (default 1 = off)")
     b.add_argument("--top-k", type=int, help="top-k sampling, with --temperature > 0 (default 0 = off; -1 = off too)")
     b.add_argument("--min-p", type=float, help="min-p sampling, with --temperature > 0 (default 0 = off)")
+    b.add_argument(
+        "--repetition-penalty", type=float, help="every method's, greedy too (default 1 = off; transformers' own)"
+    )
+    b.add_argument(
+        "--presence-penalty",
+        type=float,
+        help="vLLM's, every method's (default 0 = off; for transformers' baselines a logits processor)",
+    )
+    b.add_argument("--frequency-penalty", type=float, help="vLLM's, as --presence-penalty (default 0 = off)")
+    b.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every method generates --max-new-tokens, past the target's EOS tokens (turns of one length)",
+    )
     b.add_argument("--seed", type=int, help="base seed; each (question, turn) derives its own (default 0)")
     b.add_argument("--pld-tokens", type=int, help="hf-pld's prompt_lookup_num_tokens (default 10)")
     b.add_argument(

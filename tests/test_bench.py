@@ -463,6 +463,52 @@ def test_min_p_reaches_specframe_and_transformers(tiny_dirs, questions, tmp_path
     assert "sampling (temperature 1.5, top-p 1.0, top-k 0, min-p 1.0)" in (tmp_path / "min_p" / "bench.md").read_text()
 
 
+def test_penalties_reach_every_method_and_greedy_output_stays_transformers(tiny_dirs, questions, tmp_path):
+    # (transformers' baselines: its own repetition penalty, presence and frequency through OutputPenalties)
+    common = ["--subtasks", "translation", "--limit", "2", "--max-new-tokens", "12", "--threads", "1"]
+    common += ["--proposers", "none,draft", "--baselines", "hf,hf-assisted,hf-pld", f"draft.model={tiny_dirs['draft']}"]
+    runs = {}
+    for name, extra in (
+        ("plain", []),
+        ("penalised", ["--repetition-penalty", "1.5", "--presence-penalty", "0.5", "--frequency-penalty", "1"]),
+    ):
+        out = tmp_path / name
+        code, _, err = run_cli(*bench_args(tiny_dirs, questions, out, *common, *extra))
+        assert code == 0, err
+        doc = json.loads((out / "bench.json").read_text())
+        runs[name] = {(r["method"], r["question_id"]): r["token_ids"] for r in doc["records"]}
+        overall = doc["summary"]["overall"]  # (exact methods: identical to hf's, or differing at a near-tie only)
+        assert overall["none"]["identity"]["identical"] == 2 and overall["none"]["identity"]["differ"] == 0, name
+        assert all(overall[m]["identity"]["differ_not_tie"] == 0 for m in ("draft", "hf-assisted", "hf-pld")), name
+    assert runs["penalised"] != runs["plain"] and len(runs["penalised"]) == 10
+    assert doc["settings"]["presence_penalty"] == 0.5 and "--repetition-penalty 1.5" in doc["command"]
+    report = (tmp_path / "penalised" / "bench.md").read_text()
+    assert "greedy, repetition penalty 1.5, presence penalty 0.5, frequency penalty 1.0;" in report
+
+
+def test_baselines_apply_presence_and_frequency_penalties_and_go_past_eos_with_ignore_eos():
+    from specframe.decoder import SpeculativeDecoder, target_info
+    from specframe.proposers.none import NoneConfig, NoneProposer
+
+    model = tiny_llama(vocab_size=32, seed=3)
+    plain = SpeculativeDecoder(model, NoneProposer(NoneConfig(), target_info(model)))
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3]
+    options = bench.BenchOptions(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.7)
+    hf = bench.hf_method("hf", model, bench.ForwardCounter(model), [], options, "plain")
+    want = plain.generate(prompt, 20, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.7)
+    assert hf.run(prompt, 20, 0).token_ids == want.token_ids != plain.generate(prompt, 20).token_ids
+    # an EOS the output reaches: both stop there, unless --ignore-eos
+    eos = want.token_ids[4]
+    plain.eos_ids = {eos}
+    for ignore in (False, True):
+        options = bench.BenchOptions(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.7)
+        options.ignore_eos = ignore
+        hf = bench.hf_method("hf", model, bench.ForwardCounter(model), [eos], options, "plain")
+        ours = bench.specframe_method("none", plain, options, "plain")
+        expected = want.token_ids if ignore else want.token_ids[: want.token_ids.index(eos) + 1]
+        assert hf.run(prompt, 20, 0).token_ids == ours.run(prompt, 20, 0).token_ids == expected, ignore
+
+
 def test_a_config_file_sets_options_and_flags_win(tiny_dirs, questions, tmp_path):
     import yaml
 
@@ -856,6 +902,16 @@ def test_near_tie_from_the_targets_logits():
         model.lm_head.weight[t2] = model.lm_head.weight[t1]
     tie = bench.explain_difference(model, context, [t1], [t2], 0, 1e-3)
     assert tie["gap"] == 0.0 and tie["near_tie"]
+    # with penalties, the top-2 greedy decoding chose between: penalised (t1 in the output loses 2 of its logit)
+    from specframe import SamplingParams
+
+    with torch.no_grad():
+        raw = model(input_ids=torch.tensor([context + [t1]])).logits[0, -1]
+    raw[t1] -= 2.0
+    (w1, v1), (w2, v2) = [(int(i), float(v)) for v, i in zip(*raw.topk(2), strict=True)]
+    pen = bench.explain_difference(model, context, [t1, w1], [t1, w2], 1, 1e-3, SamplingParams(presence_penalty=2.0))
+    far = bench.explain_difference(model, context, [t1, w1], [t1, w2], 1, 1e-3, SamplingParams(frequency_penalty=2.0))
+    assert pen["top1"]["token"] == far["top1"]["token"] == w1 and pen["gap"] == pytest.approx(v1 - v2, abs=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -879,6 +935,12 @@ def test_top_k_minus_one_is_off_and_reaches_transformers_as_0():
         bench.BenchOptions(proposers=["none"], temperature=0.5, top_k=-3).validate()
     with pytest.raises(BadInputError, match=r"^--min-p must be a number in \[0, 1\] \(0 = off\), got 1.5"):
         bench.BenchOptions(proposers=["none"], temperature=0.5, min_p=1.5).validate()
+    with pytest.raises(BadInputError, match=r"^--repetition-penalty must be a finite number > 0 \(1 = off\), got 0"):
+        bench.BenchOptions(proposers=["none"], repetition_penalty=0).validate()
+    with pytest.raises(BadInputError, match=r"^--frequency-penalty must be a number in \[-2, 2\] \(0 = off\)"):
+        bench.BenchOptions(proposers=["none"], frequency_penalty=2.5).validate()
+    with pytest.raises(BadInputError, match=r"^--ignore-eos must be true or false, got 'yes'"):
+        bench.BenchOptions(proposers=["none"], ignore_eos="yes").validate()
 
 
 def test_outputs_that_cannot_be_written_are_refused_before_the_run(tiny_dirs, questions, tmp_path):
