@@ -49,6 +49,15 @@ def test_tiny_targets_of_each_type_with_their_sliding_windows():
     assert conformance.suite_archs("qwen2") == ["qwen2"]  # (one type: not its letters)
 
 
+def test_a_type_whose_config_fails_a_step_of_several_tokens_is_refused(monkeypatch):
+    # (DeepSeek's multi-head latent attention with fewer key-value heads than query heads: a one-token step
+    # runs, a verification's several tokens fail in its attention; before, every proposer's checks failed with it)
+    assert tiny_target("deepseek_v3").config.num_key_value_heads == 2
+    monkeypatch.setitem(TINY_CONFIGS, "deepseek_v3", {**TINY_CONFIGS["deepseek_v3"], "num_key_value_heads": 1})
+    with pytest.raises(BadInputError, match="a tiny 'deepseek_v3' model fails a cached step of several tokens"):
+        tiny_target("deepseek_v3")
+
+
 def test_the_suite_on_other_types_catches_a_tree_mask_without_the_window(monkeypatch):
     archs = ["mistral", "qwen2", "gemma3_text", "gpt2"]
     report = conformance.run_suite(EagleProposer, devices=["cpu"], quick=True, archs=archs)

@@ -60,6 +60,11 @@ def tiny_llama(
 TINY_WINDOW = 4
 _HYBRID = ["sliding_attention", "full_attention"]
 _MOE = {"num_experts_per_tok": 1}
+_MLA = {
+    "num_key_value_heads": 2, "kv_lora_rank": 8, "q_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+    "v_head_dim": 8, "n_routed_experts": 2, **_MOE, "n_group": 1, "topk_group": 1, "moe_intermediate_size": 16,
+    "first_k_dense_replace": 1,
+}  # fmt: skip
 # What a tiny target of a model type needs besides the shared shape (`tiny_target`): sliding windows where the
 # type has them, small experts, head sizes and rotary dimensions that fit the 16-wide hidden state.
 TINY_CONFIGS: dict[str, dict] = {
@@ -87,6 +92,11 @@ TINY_CONFIGS: dict[str, dict] = {
     "gptj": {"rotary_dim": 4},
     "codegen": {"rotary_dim": 4},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": TINY_WINDOW},
+    # (multi-head latent attention: keys and values from an 8-wide latent, 4 of each head's 8 query/key dimensions
+    # rotated; as many key-value heads as query heads, which transformers' MLA expects: with fewer, a step of
+    # several tokens fails in its attention)
+    "deepseek_v2": {**_MLA, "q_lora_rank": None},
+    "deepseek_v3": _MLA,
 }  # fmt: skip
 
 
@@ -123,7 +133,7 @@ def tiny_target(
         eos_token_id=None, pad_token_id=None,
     )  # fmt: skip
     try:
-        config = AutoConfig.for_model(model_type, **shape, **TINY_CONFIGS.get(model_type, {}))
+        config = AutoConfig.for_model(model_type, **{**shape, **TINY_CONFIGS.get(model_type, {})})
     except Exception as e:
         raise BadInputError(f"a tiny '{model_type}' config could not be made: {brief(e, 300, typed=True)}") from None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -149,25 +159,34 @@ def tiny_target(
 
 @torch.inference_mode()
 def _check_causal_and_cached(model: torch.nn.Module, vocab_size: int) -> None:
-    """Raise BadInputError unless `model` is a causal decoder whose cache gives a one-token step the logits of a
-    forward over the whole sequence (an encoder built as a "causal LM" attends to later tokens; a model that
-    ignores its cache, GPT-1's, forgets the prompt)."""
-    from specframe.errors import BadInputError
+    """Raise BadInputError unless `model` is a causal decoder whose cache gives a step of several tokens, and one
+    of one token, the logits of a forward over the whole sequence (an encoder built as a "causal LM" attends to
+    later tokens; a model that ignores its cache, GPT-1's, forgets the prompt; a verification is a step of
+    several tokens, which some configs cannot take: DeepSeek's attention with fewer key-value heads than query
+    heads)."""
+    from specframe.errors import BadInputError, brief
     from specframe.kv_cache import new_cache
 
     device = next(model.parameters()).device
     ids = torch.arange(1, 6, device=device)[None] % vocab_size
     full = model(input_ids=ids).logits.float()
     cache = new_cache(model)  # (refuses, clearly, a cache specframe cannot roll back)
-    shorter = model(input_ids=ids[:, :-1], cache=cache, use_cache=True).logits.float()
+    shorter = model(input_ids=ids[:, :2], cache=cache, use_cache=True).logits.float()
     kind = model.config.model_type
-    if not torch.allclose(full[:, :-1], shorter, atol=1e-3, rtol=1e-3):
+    if not torch.allclose(full[:, :2], shorter, atol=1e-3, rtol=1e-3):
         raise BadInputError(f"a tiny '{kind}' model is not a causal decoder: its logits depend on later tokens")
-    if cache.get_seq_length() != ids.shape[1] - 1:
+    if cache.get_seq_length() != 2:
         raise BadInputError(f"a tiny '{kind}' model returns no KV cache: specframe verifies with one")
-    step = model(input_ids=ids[:, -1:], cache=cache, use_cache=True).logits.float()
-    if not torch.allclose(full[:, -1], step[:, -1], atol=1e-3, rtol=1e-3):
-        raise BadInputError(f"a tiny '{kind}' model's cache does not give a step the logits of the whole sequence")
+    try:
+        steps = [model(input_ids=ids[:, 2:4], cache=cache, use_cache=True).logits.float()]
+    except Exception as e:
+        raise BadInputError(
+            f"a tiny '{kind}' model fails a cached step of several tokens (a verification is one): "
+            f"{brief(e, 300, typed=True)}"
+        ) from None
+    steps.append(model(input_ids=ids[:, 4:], cache=cache, use_cache=True).logits.float())
+    if not torch.allclose(full[:, 2:], torch.cat(steps, 1), atol=1e-3, rtol=1e-3):
+        raise BadInputError(f"a tiny '{kind}' model's cache does not give its steps the logits of the whole sequence")
 
 
 def available_devices() -> list[str]:
