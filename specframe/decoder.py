@@ -261,8 +261,13 @@ class SpeculativeDecoder:
         t = cfg.target
         loaded = load_target(t)
         info = target_info(loaded.model, loaded.tokenizer, t.model)
-        # (checked here too, so that a wrong id is named by its config key before the proposer is built)
+        # (checked here too, so that a wrong value is named by its config key before the proposer is built)
         in_vocabulary(cfg.generation.stop_token_ids, info.vocab_size, "generation.stop_token_ids")
+        if cfg.generation.top_logprobs > info.vocab_size:
+            raise ConfigError(
+                f"generation.top_logprobs must be at most the target's vocabulary ({info.vocab_size}), got "
+                f"{cfg.generation.top_logprobs}"
+            )
         who = proposer_who(entry.name, entry.plugin)
         try:
             proposer = built_proposer(entry.cls.from_config(options, info), who, "from_config")
@@ -507,7 +512,7 @@ class SpeculativeDecoder:
                 max_depth = min(max_depth, self.rope_switch - 1 - past)
             recompute = self.recompute_at_switch and past == self.rope_switch  # (then a step without drafts)
             max_depth = 0 if recompute else max_depth
-            state = DecodeState(tokens, prompt_ids.numel(), params, generator, max_depth)
+            state = DecodeState(tokens, prompt_ids.numel(), params, generator, max_depth, self.info.vocab_size)
             t0 = time.perf_counter()
             proposal = self._call(proposer.propose, state)
             structure = validate_proposal(proposal, self.info.vocab_size, max_depth, self.who, self.device)
@@ -570,7 +575,8 @@ class SpeculativeDecoder:
         if not is_integer(top) or not 0 <= top <= vocab:
             raise BadInputError(f"top_logprobs must be an integer in [0, {vocab}] (the vocabulary), got {top!r}")
         if top and logprobs is not None and not logprobs:
-            raise BadInputError(f"top_logprobs={top} needs logprobs, and this call gives logprobs=False")
+            whose = "" if top_logprobs is not None else " (the decoder's: give top_logprobs=0 too)"
+            raise BadInputError(f"top_logprobs={top}{whose} needs logprobs, and this call gives logprobs=False")
         return bool(want) or top > 0, int(top)
 
     def _text_stream(self, stream: Any, stop: list[str]) -> TextStream | None:

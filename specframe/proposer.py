@@ -102,37 +102,51 @@ class DecodeState:
     sampling: SamplingParams  # the transform for q must be exactly this one (see specframe.sampling)
     generator: torch.Generator  # draw every random choice from this, so a seed reproduces the output
     max_depth: int  # deepest node the engine can still use (remaining token budget and context window)
-    # (the penalties' history of the tokens, by the vocabulary size it was made for: made on first use)
-    _histories: dict[int, History] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # The target's vocabulary size (the engine's states have it; None in one made by hand: then read from the
+    # logits, or a reduced vocabulary's highest id, by `penalised`).
+    vocab_size: int | None = None
+    # (the penalties' history of the tokens, by vocabulary size and device: made on first use)
+    _histories: dict[tuple, History] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def penalised(
         self, logits: torch.Tensor, drafted: torch.Tensor | None = None, columns: torch.Tensor | None = None
     ) -> torch.Tensor:
         """`logits` with the penalties of `sampling` (repetition, presence, frequency) as the target's logits at
         the same position get them: `logits` ([V] or [R, V], over the target's vocabulary) predict the token
-        after the root, or where `drafted` is given ([d] or [R, d] token ids) after the root and those draft
-        tokens (row r's after drafted[r]). `columns`: the token ids of the logits' columns where they are a
-        reduced vocabulary ([V'] ids, V' = the logits' width). Returns the logits themselves when no penalty is
-        on, else penalised float32 (float64) logits. A proposer that drafts from penalised logits drafts what the
-        target will choose under penalties; exactness never depends on it."""
+        after the root, or where `drafted` is given after the root and those draft tokens ([d]: one path for
+        every row; [R, d]: row r's after drafted[r]). `columns`: the token ids of the logits' columns where they
+        are a reduced vocabulary ([V'] ids, V' = the logits' width). Returns the logits themselves when no
+        penalty is on, else penalised float32 (float64) logits. A proposer that drafts from penalised logits
+        drafts what the target will choose under penalties; exactness never depends on it."""
         if not self.sampling.penalised:
             return logits
-        # (ids at or past the highest a column names never reach a column: a reduced vocabulary's history stops
-        # there)
-        size = logits.shape[-1] if columns is None else int(columns.max()) + 1
-        history = self._histories.get(size)
+        rows_count = logits.shape[0] if logits.dim() == 2 else 1
+        paths = None
+        if drafted is not None and drafted.numel():
+            paths = drafted if drafted.dim() == 2 else drafted.reshape(1, -1).expand(rows_count, -1)
+            if paths.dim() != 2 or paths.shape[0] != rows_count:
+                raise ValueError(
+                    f"DecodeState.penalised: drafted must be [d] (one path for every row) or [R, d] (a path a row) "
+                    f"with R = {rows_count}, the logits' rows; got shape {tuple(drafted.shape)} for logits of "
+                    f"shape {tuple(logits.shape)}"
+                )
+        known = self.vocab_size is not None  # (then every id is below it: nothing to leave out, no host wait)
+        size = self.vocab_size if known else logits.shape[-1] if columns is None else int(columns.max()) + 1
         device = logits.device
+        history = self._histories.get((size, device))
         if history is None:
             ids = self.tokens.to(device)
             prompt, output = ids[: self.prompt_length], ids[self.prompt_length :]
-            history = History(prompt[prompt < size], size, output[output < size])
-            self._histories[size] = history
+            if not known:  # (ids past a reduced vocabulary's highest never reach a column)
+                prompt, output = prompt[prompt < size], output[output < size]
+            history = History(prompt, size, output)
+            self._histories[(size, device)] = history
         rows = tokens = None
-        if drafted is not None and drafted.numel():
-            paths = drafted.to(device).reshape(logits.shape[0] if logits.dim() == 2 else 1, -1)
-            rows = torch.arange(paths.shape[0], device=device).repeat_interleave(paths.shape[1])
-            tokens = paths.reshape(-1)
-            rows, tokens = rows[tokens < size], tokens[tokens < size]
+        if paths is not None:
+            rows = torch.arange(rows_count, device=device).repeat_interleave(paths.shape[1])
+            tokens = paths.reshape(-1).to(device)
+            if not known:
+                rows, tokens = rows[tokens < size], tokens[tokens < size]
         return history.penalised(logits, self.sampling, rows, tokens, columns)
 
 

@@ -120,14 +120,28 @@ class History:
         where they are not the whole vocabulary in order (a reduced draft vocabulary)."""
         one_row = logits.dim() == 1
         x = logits[None] if one_row else logits
-        counts = self.output_counts.expand(x.shape[0], -1)
+        counts, seen = self.output_counts, self.prompt_seen
+        if columns is not None:  # (the columns first: a reduced vocabulary's rows are that much smaller)
+            counts, seen = counts[columns], seen[columns]
+        counts = counts.expand(x.shape[0], -1)
         if rows is not None and rows.numel():
-            counts = counts.clone().index_put_((rows, tokens), torch.ones(rows.numel(), device=rows.device), True)
-        seen = self.prompt_seen
-        if columns is not None:
-            counts, seen = counts[:, columns], seen[columns]
+            at = tokens if columns is None else self._column_of(columns)[tokens]
+            # (an id outside the columns goes to one more column, dropped after: no host wait to leave it out)
+            counts = torch.cat([counts, counts.new_zeros(x.shape[0], 1)], 1)
+            counts.index_put_((rows, at), torch.ones(rows.numel(), device=rows.device), accumulate=True)
+            counts = counts[:, :-1]
         x = apply_penalties(x, seen, counts, params)
         return x[0] if one_row else x
+
+    def _column_of(self, columns: torch.Tensor) -> torch.Tensor:
+        """Each token id's column among `columns` ([V] long; len(columns) for ids not among them), made once per
+        `columns` tensor."""
+        made = getattr(self, "_columns", None)
+        if made is None or made[0] is not columns:
+            column_of = torch.full_like(self.output_counts, len(columns), dtype=torch.long)
+            column_of[columns] = torch.arange(len(columns), device=columns.device)
+            self._columns = made = (columns, column_of)
+        return made[1]
 
 
 def check_seed(seed: object, key: str = "sampling.seed", unset: str = " or unset (a fresh seed)") -> None:

@@ -161,7 +161,7 @@ def test_stop_token_ids_and_ignore_eos_from_the_command_line(capsys, tiny_dirs):
         ("generation.stop_token_ids=[100000]", "generation.stop_token_ids holds 100000: not a token id of this target"),
         ("generation.ignore_eos=maybe", "generation.ignore_eos"),
         ("generation.top_logprobs=-2", "generation.top_logprobs must be >= 0, got -2"),
-        ("generation.top_logprobs=1000000", "top_logprobs must be an integer in [0, "),
+        ("generation.top_logprobs=1000000", "generation.top_logprobs must be at most the target's vocabulary"),
     ):
         code, _, err = run(capsys, *args, bad)
         assert code == 2 and message in err, (bad, err)

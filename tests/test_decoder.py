@@ -296,6 +296,10 @@ def test_logprobs_are_the_targets_own_for_each_new_token(name):
     ):
         with pytest.raises(BadInputError, match=message):
             dec.generate(prompt, 4, **bad)
+    with pytest.raises(
+        BadInputError, match=r"top_logprobs=8 \(the decoder's: give top_logprobs=0 too\) needs logprobs"
+    ):
+        dec.generate(prompt, 4, logprobs=False)
 
 
 def test_stop_token_ids_end_generation_inside_an_accepted_block_and_ignore_eos_goes_past_eos():

@@ -26,21 +26,34 @@ def test_a_drafts_penalties_are_the_targets_rows_own():
     logits = torch.randn(7, vocab) * 3
     history = History(tokens[:prompt_length], vocab, tokens[prompt_length:])
     want = history.penalised(logits, PENALTIES, *path_entries(structure, torch.device("cpu")))
-    state = DecodeState(tokens, prompt_length, PENALTIES, torch.Generator(), 8)
-    torch.testing.assert_close(state.penalised(logits[0]), want[0], rtol=0, atol=0)
-    for node in range(6):
-        path, at = [], node
-        while at >= 0:
-            path.insert(0, drafted[at])
-            at = parents[at]
-        got = state.penalised(logits[node + 1], torch.tensor(path))
-        torch.testing.assert_close(got, want[node + 1], rtol=0, atol=0)
-        # rows of one depth at once, and a reduced vocabulary's columns (ids past the last column never count)
-        two = state.penalised(logits[[node + 1, node + 1]], torch.tensor([path, path]))
-        torch.testing.assert_close(two, want[[node + 1, node + 1]], rtol=0, atol=0)
-        columns = torch.tensor([0, 2, 3, 7])
-        reduced = state.penalised(logits[node + 1, columns], torch.tensor(path), columns)
-        torch.testing.assert_close(reduced, want[node + 1, columns], rtol=0, atol=0)
+    # (a state made by hand, which does not know the vocabulary, and one of the engine's, which does)
+    for state in (
+        DecodeState(tokens, prompt_length, PENALTIES, torch.Generator(), 8),
+        DecodeState(tokens, prompt_length, PENALTIES, torch.Generator(), 8, vocab),
+    ):
+        torch.testing.assert_close(state.penalised(logits[0]), want[0], rtol=0, atol=0)
+        for node in range(6):
+            path, at = [], node
+            while at >= 0:
+                path.insert(0, drafted[at])
+                at = parents[at]
+            got = state.penalised(logits[node + 1], torch.tensor(path))
+            torch.testing.assert_close(got, want[node + 1], rtol=0, atol=0)
+            # rows of one depth at once (a path a row, or one for all), and a reduced vocabulary's columns (ids
+            # outside them never count)
+            two = state.penalised(logits[[node + 1, node + 1]], torch.tensor([path, path]))
+            torch.testing.assert_close(two, want[[node + 1, node + 1]], rtol=0, atol=0)
+            shared = state.penalised(logits[[node + 1, node + 1]], torch.tensor(path))
+            torch.testing.assert_close(shared, want[[node + 1, node + 1]], rtol=0, atol=0)
+            for columns in (torch.tensor([0, 2, 3, 7]), torch.tensor([11, 4, 0, 15, 2])):
+                reduced = state.penalised(logits[node + 1, columns], torch.tensor(path), columns)
+                torch.testing.assert_close(reduced, want[node + 1, columns], rtol=0, atol=0)
+                rows = state.penalised(
+                    logits[[node + 1, 0]][:, columns], torch.tensor([path, [4] * len(path)]), columns
+                )
+                torch.testing.assert_close(rows[0], want[node + 1, columns], rtol=0, atol=0)
+        with pytest.raises(ValueError, match=r"drafted must be \[d\] .* or \[R, d\] .* with R = 2, the logits' rows"):
+            state.penalised(logits[:2], torch.tensor([[4, 7], [7, 4], [2, 2]]))
     assert not torch.equal(want[1], history.penalised(logits[1:2], PENALTIES)[0])  # (the path counts)
     plain = DecodeState(tokens, prompt_length, SamplingParams(), torch.Generator(), 8)
     assert plain.penalised(logits) is logits  # (no penalty: the logits themselves, nothing computed)

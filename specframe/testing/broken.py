@@ -81,6 +81,21 @@ class MinPIgnoredQDraft(DraftProposer):
         return x, sampling_probs(logits, replace(state.sampling, min_p=0.0))
 
 
+class PenaltiesIgnoredQDraft(DraftProposer):
+    """Draws from T(penalised logits) but reports q of the logits before the penalties: a proposer that drafts
+    under them (`DecodeState.penalised`) and forgets them in the q it reports."""
+
+    def _next_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.unpenalised = super()._next_logits(tokens)
+        return self.unpenalised
+
+    def draw(
+        self, logits: torch.Tensor, state: DecodeState, q: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, _ = super().draw(logits, state, q)
+        return x, sampling_probs(self.unpenalised, state.sampling)
+
+
 class StaleQDraft(DraftProposer):
     """Reports the first drafted position's q for every position of its chain: right at depth 1, wrong past
     it, so only a statistical check that drafts two deep can catch it."""
