@@ -48,7 +48,7 @@ import torch
 from specframe.config import greedy_note, literal, split_override
 from specframe.data import read_jsonl, shared_data_file
 from specframe.errors import BadInputError, brief, check_output_path, is_count, user_path
-from specframe.sampling import History, SamplingParams
+from specframe.sampling import History, SamplingParams, apply_penalties
 
 # Spec-Bench's six subtasks and the `category` values of question.jsonl that make them up.
 SUBTASKS: dict[str, tuple[str, ...]] = {
@@ -526,16 +526,14 @@ class OutputPenalties:
     own penalties and before its warpers)."""
 
     def __init__(self, prompt_length: int, presence: float, frequency: float) -> None:
-        self.prompt_length, self.presence, self.frequency = prompt_length, presence, frequency
+        self.prompt_length = prompt_length
+        self.params = SamplingParams(presence_penalty=presence, frequency_penalty=frequency)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         output = input_ids[:, self.prompt_length :]
         counts = torch.zeros_like(scores).scatter_add_(1, output, torch.ones_like(output, dtype=scores.dtype))
-        if self.frequency:
-            scores = scores - self.frequency * counts
-        if self.presence:
-            scores = scores - self.presence * (counts > 0).to(scores.dtype)
-        return scores
+        unseen = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)  # (no repetition penalty)
+        return apply_penalties(scores, unseen, counts, self.params)
 
 
 def cut_at_eos(ids: list[int], eos_ids: Iterable[int]) -> list[int]:
