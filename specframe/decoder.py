@@ -512,7 +512,7 @@ class SpeculativeDecoder:
                 max_depth = min(max_depth, self.rope_switch - 1 - past)
             recompute = self.recompute_at_switch and past == self.rope_switch  # (then a step without drafts)
             max_depth = 0 if recompute else max_depth
-            state = DecodeState(tokens, prompt_ids.numel(), params, generator, max_depth, self.info.vocab_size)
+            state = DecodeState(tokens, prompt_ids.numel(), params, generator, max_depth, history)
             t0 = time.perf_counter()
             proposal = self._call(proposer.propose, state)
             structure = validate_proposal(proposal, self.info.vocab_size, max_depth, self.who, self.device)

@@ -102,9 +102,10 @@ class DecodeState:
     sampling: SamplingParams  # the transform for q must be exactly this one (see specframe.sampling)
     generator: torch.Generator  # draw every random choice from this, so a seed reproduces the output
     max_depth: int  # deepest node the engine can still use (remaining token budget and context window)
-    # The target's vocabulary size (the engine's states have it; None in one made by hand: then read from the
-    # logits, or a reduced vocabulary's highest id, by `penalised`).
-    vocab_size: int | None = None
+    # With penalties on, the engine's own penalties' history of these tokens (the prompt, the output so far; over
+    # the target's vocabulary, on its device): `penalised` reads it rather than counting the tokens again. None in
+    # a state made by hand: then `penalised` counts them.
+    history: History | None = None
     # (the penalties' history of the tokens, by vocabulary size and device: made on first use)
     _histories: dict[tuple, History] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -130,10 +131,15 @@ class DecodeState:
                     f"with R = {rows_count}, the logits' rows; got shape {tuple(drafted.shape)} for logits of "
                     f"shape {tuple(logits.shape)}"
                 )
-        known = self.vocab_size is not None  # (then every id is below it: nothing to leave out, no host wait)
-        size = self.vocab_size if known else logits.shape[-1] if columns is None else int(columns.max()) + 1
+        # (with the engine's history every id is below its vocabulary: nothing to leave out, no host wait)
+        known = self.history is not None
+        if known:
+            size = self.history.output_counts.numel()
+        else:
+            size = logits.shape[-1] if columns is None else int(columns.max()) + 1
         device = logits.device
-        history = self._histories.get((size, device))
+        history = self.history if known and self.history.output_counts.device == device else None
+        history = history or self._histories.get((size, device))
         if history is None:
             ids = self.tokens.to(device)
             prompt, output = ids[: self.prompt_length], ids[self.prompt_length :]

@@ -91,8 +91,8 @@ def apply_penalties(
 
 class History:
     """What the penalties read of the tokens before a position: which tokens the prompt holds, and how often the
-    output so far holds each (on the prompt's device). The engine keeps one per call for the target's rows;
-    `DecodeState.penalised` makes one per step for a proposer's drafts."""
+    output so far holds each (on the prompt's device). The engine keeps one per call for the target's rows, and
+    hands it to the proposers' drafts in `DecodeState.history` (`DecodeState.penalised`)."""
 
     def __init__(self, prompt_ids: torch.Tensor, vocab_size: int, output_ids: torch.Tensor | None = None) -> None:
         self.prompt_seen = torch.zeros(vocab_size, dtype=torch.bool, device=prompt_ids.device)

@@ -26,10 +26,10 @@ def test_a_drafts_penalties_are_the_targets_rows_own():
     logits = torch.randn(7, vocab) * 3
     history = History(tokens[:prompt_length], vocab, tokens[prompt_length:])
     want = history.penalised(logits, PENALTIES, *path_entries(structure, torch.device("cpu")))
-    # (a state made by hand, which does not know the vocabulary, and one of the engine's, which does)
+    # (a state made by hand, which counts the tokens itself, and one with the engine's history, as the engine's have)
     for state in (
         DecodeState(tokens, prompt_length, PENALTIES, torch.Generator(), 8),
-        DecodeState(tokens, prompt_length, PENALTIES, torch.Generator(), 8, vocab),
+        DecodeState(tokens, prompt_length, PENALTIES, torch.Generator(), 8, history),
     ):
         torch.testing.assert_close(state.penalised(logits[0]), want[0], rtol=0, atol=0)
         for node in range(6):
