@@ -74,6 +74,21 @@ class ShapeCandidate:
     accepted_length: float  # expected tokens per step (accepted drafts + the target's own), held-out statistics
     verify_tokens: int  # tokens in the verification forward: the drafted nodes + the root
     drafter_forwards: int = 0  # sequential drafter forwards per step (each timed by the proposer)
+    # Expected accepted drafts at each depth (reach[k - 1]: the chance a step accepts a node at depth k, held-out
+    # statistics; sum = accepted_length - 1); () for a step that drafts nothing. What OnlineShapeChoice scales.
+    reach: tuple[float, ...] = ()
+
+    def expected_length(self, scale: float = 1.0) -> float:
+        """Expected tokens per step when each depth's chance of being accepted, given the one before it was, is
+        `scale` times the held-out one: 1 + sum_k scale^k reach_k (the held-out accepted_length at scale 1)."""
+        if not self.reach:
+            return self.accepted_length if scale == 1.0 else 1 + scale * (self.accepted_length - 1)
+        return 1 + sum(r * scale**k for k, r in enumerate(self.reach, 1))
+
+
+# The step that drafts nothing: plain decoding's one-token forward, one token per step. An online choice
+# (OnlineShapeChoice) falls back to it where this generation's drafts are seldom accepted.
+PLAIN_STEP = ShapeCandidate(None, 1.0, verify_tokens=1)
 
 
 def _time_min(calls: dict[Any, Callable[[], Any]], timer: Callable[[], float], repeats: int = REPEATS) -> dict:
@@ -249,3 +264,107 @@ def check_shape_choice(value: Any, where: str) -> str:
     if value not in SHAPE_CHOICES:
         raise ModelLoadError(f"shape_choice in {where} must be one of {', '.join(SHAPE_CHOICES)}, got {value!r}")
     return value
+
+
+# OnlineShapeChoice's settings, chosen on held-out training prompts (docs/architecture.md, "Shapes chosen while
+# decoding"): how many steps of the held-out acceptance the estimate starts from, and how much of a step's
+# observation is kept at the next step (0.95: the latest ~20 steps weigh most).
+PRIOR_STEPS = 2.0
+MEMORY = 0.95
+
+
+class OnlineShapeChoice:
+    """Each step's proposal shape, re-chosen from the acceptance this generation has had so far.
+
+    A shape chosen at load (`fastest_shape`) expects the acceptance of the artifact's held-out data, but
+    acceptance varies with the text: on Spec-Bench's translations EAGLE's drafter is accepted half as often as on
+    held-out training prompts, and a repetition penalty lowers it too, so a shape that pays on average can make
+    decoding slower than plain decoding. Here every depth's chance of acceptance is taken as `scale` times the
+    held-out one (ShapeCandidate.reach), with `scale` fitted to the steps seen (accepted drafts against what
+    each step's shape expected at that scale; the latest weighing most, MEMORY) and to PRIOR_STEPS steps of the
+    held-out acceptance (scale 1), and each step drafts the candidate, PLAIN_STEP included, expected fastest
+    at that scale with the costs timed at load. When plain steps are chosen the observations fade and the
+    estimate returns towards the held-out one, so drafting resumes now and then and the choice can change back.
+
+    Which shape a step drafts depends only on earlier steps' outcomes, so exactness is untouched (the rule is
+    exact for any proposal made before the step's target forward)."""
+
+    def __init__(
+        self,
+        candidates: Sequence[ShapeCandidate],
+        costs: StepCosts,
+        drafter_cost: float = 0.0,
+        prior_steps: float | None = None,
+        memory: float | None = None,
+    ) -> None:
+        prior_steps = PRIOR_STEPS if prior_steps is None else prior_steps
+        memory = MEMORY if memory is None else memory
+        usable = [c for c in candidates if c.verify_tokens <= len(costs.relative) and c.reach]
+        if not usable:
+            raise ValueError("OnlineShapeChoice needs candidates with held-out reach that fit the timed forwards")
+        if not (prior_steps > 0 and 0 <= memory < 1):
+            raise ValueError(f"prior_steps must be > 0 and memory in [0, 1), got {prior_steps} and {memory}")
+        self.candidates = [PLAIN_STEP, *usable]
+        self.cost = [costs.verify(c.verify_tokens) + c.drafter_forwards * drafter_cost for c in self.candidates]
+        self.prior_steps, self.memory = prior_steps, memory
+        self.reference = usable[0]  # (the prior: prior_steps steps of it, accepted as held out)
+        # scale above which some depth would be accepted more than always
+        firsts = [c.reach[0] for c in usable if c.reach[0] > 0]
+        self.most = 1 / max(firsts) if firsts else 1.0
+        self.reset()
+
+    def reset(self) -> None:
+        """A new generation: forget the steps seen."""
+        self.steps = [0.0] * len(self.candidates)  # decayed steps that drafted each candidate
+        self.accepted = 0.0  # decayed accepted drafts over those steps
+        self.scale = 1.0
+        self.current = self._fastest()
+
+    def choose(self) -> ShapeCandidate:
+        """The shape for the next step."""
+        return self.candidates[self.current]
+
+    def observe(self, accepted: int) -> None:
+        """The step drafted with the latest `choose()` accepted `accepted` of its drafts (0 for a plain step)."""
+        m = self.memory
+        self.steps = [n * m for n in self.steps]
+        self.accepted = self.accepted * m + accepted
+        if self.current:  # (a plain step says nothing of the drafts' acceptance)
+            self.steps[self.current] += 1
+        self.scale = self._fitted_scale()
+        self.current = self._fastest()
+
+    def _fitted_scale(self) -> float:
+        """The scale at which the steps seen and the prior steps expect as many accepted drafts as were seen and
+        as the prior holds (their expectation grows with the scale: found by bisection, to 1e-3)."""
+        prior = self.prior_steps * (self.reference.expected_length() - 1)
+        goal = self.accepted + prior
+
+        def expected(scale: float) -> float:
+            seen = sum(
+                n * (c.expected_length(scale) - 1)
+                for n, c in zip(self.steps, self.candidates, strict=True)
+                if n and c.reach
+            )
+            return seen + self.prior_steps * (self.reference.expected_length(scale) - 1)
+
+        low, high = 0.0, self.most
+        if expected(high) <= goal:
+            return high
+        while high - low > 1e-3:
+            mid = (low + high) / 2
+            low, high = (mid, high) if expected(mid) < goal else (low, mid)
+        return (low + high) / 2
+
+    def _fastest(self) -> int:
+        """Index of the candidate with the most expected tokens per unit of time at the current scale (the first
+        of equals; the plain step first)."""
+        speeds = [c.expected_length(self.scale) / cost for c, cost in zip(self.candidates, self.cost, strict=True)]
+        return max(range(len(speeds)), key=speeds.__getitem__)
+
+    def describe(self) -> str:
+        """The choice in words, for reports."""
+        return (
+            f"re-chosen every step from this generation's acceptance so far, a plain step among the shapes (prior: "
+            f"{self.prior_steps:g} steps of the held-out acceptance; memory {self.memory:g} a step)"
+        )

@@ -12,6 +12,8 @@ from specframe.cli import measured_shapes, shapes_said
 from specframe.errors import ModelLoadError
 from specframe.step_costs import (
     MAX_VERIFY_TOKENS,
+    PLAIN_STEP,
+    OnlineShapeChoice,
     ShapeCandidate,
     StepCosts,
     check_shape_choice,
@@ -43,6 +45,76 @@ def test_the_fastest_shape_follows_the_machine():
         fastest_shape([deep], free)
     with pytest.raises(ValueError, match="not 5"):
         free.verify(5)
+
+
+# The same chains with their per-depth reach (held-out top-1 per level 0.509, then 0.446 and 0.323 given the
+# levels before), as measured_candidates makes them.
+REACHED = [
+    ShapeCandidate(d, 1 + sum(r[:d]), d + 1, d, reach=r[:d])
+    for d, r in ((d, (0.509, 0.227, 0.0733)) for d in (1, 2, 3))
+]
+
+
+def test_the_online_choice_starts_where_the_load_time_choice_does_and_follows_the_acceptance_seen():
+    free = StepCosts(0.01, (1.0, 1.05, 1.1, 1.15))
+    online = OnlineShapeChoice(REACHED, free, drafter_cost=0.05)
+    assert online.choose() is fastest_shape(REACHED, free, 0.05) and online.scale == 1.0
+    # Every draft accepted: the acceptance seen is twice the held-out one, and the deepest chain pays.
+    for _ in range(30):
+        online.observe(online.choose().shape or 0)
+    assert online.choose().shape == 3 and online.scale == pytest.approx(online.most, abs=2e-3)
+    # Nothing accepted in a new generation: within a few steps, the plain step, which costs least.
+    online.reset()
+    drafted = 0
+    while online.choose() is not PLAIN_STEP:
+        online.observe(0)
+        drafted += 1
+    assert 3 < drafted < 20 and online.scale < 0.2, drafted
+    # Plain steps say nothing of the drafts: what was seen fades and the held-out acceptance returns, so drafting
+    # resumes now and then (a probe); while no draft is accepted, most steps stay plain.
+    plain = 0
+    for _ in range(200):
+        plain += online.choose() is PLAIN_STEP
+        online.observe(0)
+    assert 0.5 < plain / 200 < 0.95, plain  # (59% with these costs)
+    online.reset()  # (a new generation: the load-time choice again)
+    assert online.choose() is fastest_shape(REACHED, free, 0.05) and online.scale == 1.0
+
+
+def test_the_online_scale_is_fitted_to_the_steps_seen_and_the_prior():
+    # One candidate, no memory (only the latest step counts): s p + P s p = a + P p, so s = (a + P p) / ((1 + P) p).
+    chain = ShapeCandidate(1, 1.5, 2, 1, reach=(0.5,))
+    costs = StepCosts(0.01, (1.0, 1.0, 1.0, 1.0))
+    online = OnlineShapeChoice([chain], costs, prior_steps=3.0, memory=0.0)
+    online.observe(1)
+    assert online.scale == pytest.approx((1 + 3 * 0.5) / (4 * 0.5), abs=1e-3)  # (capped at 1 / 0.5 = 2: 1.25)
+    online.observe(0)
+    assert online.scale == pytest.approx((0 + 3 * 0.5) / (4 * 0.5), abs=1e-3)
+    # Depth k's reach scales as s^k: a chain of 2's expected tokens at s = 0.5 is 1 + 0.5 * 0.5 + 0.25 * 0.25.
+    assert REACHED[1].expected_length(0.5) == pytest.approx(1 + 0.509 * 0.5 + 0.227 * 0.25)
+    assert REACHED[1].expected_length() == pytest.approx(REACHED[1].accepted_length)
+    assert PLAIN_STEP.expected_length(0.3) == 1.0
+    # Steps of two shapes: each is expected what its own shape expects at the scale.
+    online = OnlineShapeChoice(REACHED, costs, prior_steps=1.0, memory=0.5)
+    online.current = 1
+    online.observe(1)  # (chain of 1, one accepted)
+    online.current = 2
+    online.observe(0)  # (chain of 2, none)
+    s = online.scale
+    seen = 0.5 * (REACHED[0].expected_length(s) - 1) + (REACHED[1].expected_length(s) - 1)
+    assert seen + (REACHED[0].expected_length(s) - 1) == pytest.approx(0.5 * 1 + 0 + 0.509, abs=2e-3)
+
+
+def test_the_online_choice_refuses_what_it_cannot_use():
+    costs = StepCosts(0.01, (1.0, 1.0, 1.0, 1.0))
+    with pytest.raises(ValueError, match="candidates with held-out reach"):
+        OnlineShapeChoice(CHAINS, costs)  # (no reach: nothing to scale)
+    with pytest.raises(ValueError, match="candidates with held-out reach"):
+        OnlineShapeChoice([ShapeCandidate(9, 5.0, MAX_VERIFY_TOKENS + 1, 9, reach=(0.5,) * 9)], costs)
+    with pytest.raises(ValueError, match="memory in"):
+        OnlineShapeChoice(REACHED, costs, memory=1.0)
+    with pytest.raises(ValueError, match="prior_steps must be > 0"):
+        OnlineShapeChoice(REACHED, costs, prior_steps=0.0)
 
 
 class FakeClock:
@@ -244,3 +316,50 @@ def test_a_model_cast_or_moved_since_its_timing_is_timed_again():
     costs = measure_step_costs(model, timer=clock)
     model.to(torch.bfloat16)
     assert measure_step_costs(model, timer=clock) is not costs
+
+
+# γ for a draft whose online choice the previous step alone decides (no memory, almost no prior): after a step that
+# accepted nothing a plain step (γ 0), after one that accepted its drafts γ = 3.
+SWITCHING_GAMMAS = [
+    ShapeCandidate(g, 1 + sum(0.5**i for i in range(1, g + 1)), g + 1, g, reach=tuple(0.5**i for i in range(1, g + 1)))
+    for g in (1, 2, 3)
+]
+
+
+def switching_draft():
+    from specframe.proposers.draft import DraftProposer
+
+    class SwitchingDraft(DraftProposer):
+        @classmethod
+        def random(cls, target, config=None, seed=0):
+            proposer = super().random(target, config, seed)
+            costs = StepCosts(0.01, (1.0, 1.05, 1.1, 1.15))
+            proposer.online = OnlineShapeChoice(SWITCHING_GAMMAS, costs, 0.02, prior_steps=0.05, memory=0.0)
+            return proposer
+
+    return SwitchingDraft
+
+
+def test_a_draft_with_its_gamma_rechosen_every_step_decodes_exactly_with_plain_steps_among_its_steps():
+    from specframe import SpeculativeDecoder
+    from specframe.decoder import target_info
+    from specframe.testing.conformance import reference_greedy
+
+    target = tiny_llama(vocab_size=16, seed=0)
+    proposer = switching_draft().random(target_info(target), seed=1)
+    online, chosen = proposer.online, []
+    observe = online.observe
+    online.observe = lambda accepted: chosen.append(online.current) or observe(accepted)
+    dec = SpeculativeDecoder(target, proposer)
+    for prompt in ([1, 2, 3], [5, 4], [7, 7, 7, 2]):
+        assert dec.generate(prompt, max_new_tokens=24).token_ids == reference_greedy(target, prompt, 24)
+    assert chosen.count(0) > 3 and {1, 2, 3} & set(chosen), chosen
+    assert proposer.gamma != 0  # (the γ chosen at load is kept; a step's own γ is its online choice)
+
+
+@pytest.mark.slow
+def test_a_draft_with_its_gamma_rechosen_every_step_keeps_sampling_exact():
+    from specframe.testing.conformance import check_sampling
+
+    result = check_sampling(switching_draft(), "cpu", "temperature=1")
+    assert result.passed and result.drafted > 0, result.detail

@@ -727,9 +727,13 @@ def test_generate_names_the_gamma_a_trained_draft_chose_on_this_cpu(tmp_path, ti
     generate += ["--max-new-tokens", "6", f"proposer.model={tmp_path / 'draft'}"]
     assert main(generate) == 0
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert re.search(r"tokens/s; draft: γ = [123], chosen at load from this CPU's timings$", line), line
+    at_first = r"draft: γ = [123] at first \(re-chosen each step by the acceptance so far\)"
+    assert re.search(rf"tokens/s; {at_first}, chosen at load from this CPU's timings$", line), line
     assert main([*generate, "--json"]) == 0  # (--json says it too: a shape decides a sampled run's draws)
-    assert re.fullmatch(r"draft: γ = [123]", " ".join(json.loads(capsys.readouterr().out)["shapes"]))
+    assert re.fullmatch(at_first, " ".join(json.loads(capsys.readouterr().out)["shapes"]))
+    assert main([*generate, "proposer.adapt_shape=false"]) == 0  # (γ as chosen at load, every step)
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(r"tokens/s; draft: γ = [123], chosen at load from this CPU's timings$", line), line
     assert main([*generate, "proposer.num_speculative_tokens=2"]) == 0
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("[draft] ") and line.endswith(" tokens/s"), line

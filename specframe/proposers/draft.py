@@ -48,6 +48,7 @@ from specframe.sampling import sampling_probs
 from specframe.step_costs import (
     CONTEXT,
     MAX_VERIFY_TOKENS,
+    OnlineShapeChoice,
     ShapeCandidate,
     check_shape_choice,
     fastest_shape,
@@ -85,6 +86,10 @@ class DraftConfig:
     # the target runs specframe's CPU kernels and the weights are float32), none (as saved) or q8_0. It changes
     # which tokens are drafted slightly, never the output; see specframe.models.quantize_proposer.
     quantize: str = "auto"
+    # With γ chosen at load from this CPU's timings (above), re-choose it every step from the acceptance this
+    # generation has had so far, 0 (a plain step) included where drafts are seldom accepted
+    # (specframe.step_costs.OnlineShapeChoice). false: the γ chosen at load, every step. Exact either way.
+    adapt_shape: bool = True
 
     def __post_init__(self) -> None:
         check_field_types(self, "proposer.")
@@ -138,6 +143,7 @@ class DraftProposer(Proposer):
         self.fed_drafts = 0  # drafted tokens of the last proposal that were fed into the draft's cache
         self.shape_choice: str | None = None  # how γ was measured on this machine (use_fastest_gamma)
         self.measured_shape: str | None = None  # that γ in a few words, "γ = 2" (None: not measured)
+        self.online: OnlineShapeChoice | None = None  # γ re-chosen every step (config.adapt_shape)
 
     @classmethod
     def from_config(cls, config: DraftConfig, target: TargetInfo) -> DraftProposer:
@@ -220,12 +226,18 @@ class DraftProposer(Proposer):
             f"{self.measured_shape} (measured: γ of 1-{len(candidates)}, {costs.describe()}, "
             f"a draft step {draft_cost:.2f})"
         )
+        if self.config.adapt_shape:
+            self.online = OnlineShapeChoice(candidates, costs, draft_cost)
+            self.measured_shape = f"{self.measured_shape} at first (re-chosen each step by the acceptance so far)"
+            self.shape_choice = f"{self.shape_choice} at first; then {self.online.describe()}"
         return best
 
     def begin(self, prompt: torch.Tensor, hidden_states: dict[int, torch.Tensor]) -> None:
         self.cache = new_cache(self.model)
         self.forward = engine_forward(self.model)  # (the lean forward where it gives the same result)
         self.cached = 0
+        if self.online is not None:
+            self.online.reset()
 
     def end(self) -> None:
         self.cache = None
@@ -244,7 +256,10 @@ class DraftProposer(Proposer):
     @torch.no_grad()
     def propose(self, state: DecodeState) -> Proposal:
         # Drafted token i is predicted at position len(tokens) - 1 + i, which must lie inside the draft's window.
-        gamma = max(min(self.gamma, state.max_depth, self.window - len(state.tokens) + 1), 0)
+        gamma = self.gamma
+        if self.online is not None:  # (γ 0, a plain step: the tokens since are fed with the next draft's)
+            gamma = self.online.choose().shape or 0
+        gamma = max(min(gamma, state.max_depth, self.window - len(state.tokens) + 1), 0)
         self.fed_drafts = 0
         if gamma == 0:
             return Proposal.empty(state.tokens.device)
@@ -289,6 +304,8 @@ class DraftProposer(Proposer):
 
     def accepted(self, result: Acceptance) -> None:
         # The cache holds the sequence up to the root plus the fed drafts; keep the root and the accepted drafts.
+        if self.online is not None:
+            self.online.observe(len(result.accepted_nodes))
         keep = min(len(result.accepted_nodes), self.fed_drafts)
         if self.fed_drafts > keep:
             self.cache.crop(-(self.fed_drafts - keep))
@@ -309,7 +326,13 @@ def measured_gammas(meta: dict, where: str) -> list[ShapeCandidate]:
             f"agreement with the target, in [0, 1]), got {a!r}"
         )
     return [
-        ShapeCandidate(gamma, sum(a**i for i in range(gamma + 1)), verify_tokens=gamma + 1, drafter_forwards=gamma)
+        ShapeCandidate(
+            gamma,
+            sum(a**i for i in range(gamma + 1)),
+            verify_tokens=gamma + 1,
+            drafter_forwards=gamma,
+            reach=tuple(a**i for i in range(1, gamma + 1)),
+        )
         for gamma in range(1, MAX_VERIFY_TOKENS)
     ]
 

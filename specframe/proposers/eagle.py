@@ -61,6 +61,7 @@ from specframe.proposer import (
 )
 from specframe.step_costs import (
     CONTEXT,
+    OnlineShapeChoice,
     ShapeCandidate,
     check_shape_choice,
     fastest_shape,
@@ -130,6 +131,10 @@ class EagleConfig:
     # saved) or q8_0. It changes which tokens are drafted slightly, never the output; see
     # specframe.models.quantize_proposer.
     quantize: str = "auto"
+    # With a shape chosen at load from this CPU's timings (above), re-choose it every step from the acceptance
+    # this generation has had so far, a plain step (no draft) included where drafts are seldom accepted
+    # (specframe.step_costs.OnlineShapeChoice). false: the shape chosen at load, every step. Exact either way.
+    adapt_shape: bool = True
 
     def __post_init__(self) -> None:
         check_field_types(self, "proposer.")
@@ -287,14 +292,17 @@ def measured_candidates(meta: dict, where: str, tree: bool = True) -> list[Shape
             f'shape_choice "measured" {where} needs metrics.heldout.{", ".join(LEVEL_KEYS)} (the trainer\'s '
             f"held-out top-1 per draft level, each in [0, 1]), got {levels}"
         )
-    candidates, reach, accepted = [], 1.0, 1.0
+    candidates, reaches = [], []
     for nodes, p in enumerate(levels, 1):
-        reach *= p
-        accepted += reach
+        reaches.append(p * (reaches[-1] if reaches else 1.0))
         shape = EagleShape(nodes, 1, nodes)
         if nodes == 3 and tree:
             shape = EagleShape(2, 3, 3)
-        candidates.append(ShapeCandidate(shape, accepted, verify_tokens=nodes + 1, drafter_forwards=shape.depth))
+        candidates.append(
+            ShapeCandidate(
+                shape, 1 + sum(reaches), verify_tokens=nodes + 1, drafter_forwards=shape.depth, reach=tuple(reaches)
+            )
+        )
     return candidates
 
 
@@ -458,6 +466,7 @@ class EagleProposer(Proposer):
                 )
         self.shape_choice: str | None = None  # how the shape was measured on this machine (use_fastest_shape)
         self.measured_shape: str | None = None  # that shape in a few words, e.g. "chain of 2" (None: not measured)
+        self.online: OnlineShapeChoice | None = None  # the shape re-chosen every step (config.adapt_shape)
         threshold = resolve_confidence_threshold(
             config.confidence_threshold,
             shape.get("confidence_threshold"),
@@ -607,6 +616,10 @@ class EagleProposer(Proposer):
             f"{self.measured_shape} (measured: {len(candidates)} shapes, {costs.describe()}, a drafter step "
             f"{drafter_cost:.2f})"
         )
+        if self.config.adapt_shape:
+            self.online = OnlineShapeChoice(candidates, costs, drafter_cost)
+            self.measured_shape = f"{self.measured_shape} at first (re-chosen each step by the acceptance so far)"
+            self.shape_choice = f"{self.shape_choice} at first; then {self.online.describe()}"
         return best
 
     # ------------------------------------------------------------------ state
@@ -633,6 +646,8 @@ class EagleProposer(Proposer):
         self.committed = 0
         self.root_feat = None
         self.pending_feats = feats
+        if self.online is not None:
+            self.online.reset()
 
     def end(self) -> None:
         self.cache = self.pending_feats = self.root_feat = self.last_scores = None
@@ -641,6 +656,8 @@ class EagleProposer(Proposer):
     def accepted(self, result: Acceptance) -> None:
         feats = self._features(result.hidden_states, len(result.accepted_tokens) + 1)  # the root, then each node
         self.pending_feats = torch.cat([self.pending_feats, feats])
+        if self.online is not None:
+            self.online.observe(len(result.accepted_nodes))
 
     # ------------------------------------------------------------------ drafting
 
@@ -656,6 +673,11 @@ class EagleProposer(Proposer):
     @torch.no_grad()
     def propose(self, state: DecodeState) -> Proposal:
         device = state.tokens.device
+        if self.online is not None:  # (a plain step: its features wait, and are fed with the next draft's)
+            shape = self.online.choose().shape
+            if shape is None:
+                return Proposal.empty(device)
+            self.depth, self.top_k, self.total_tokens = shape
         depth = min(self.depth, state.max_depth)
         if depth <= 0:
             return Proposal.empty(device)
