@@ -83,7 +83,7 @@ class ShapeCandidate:
         `scale` times the held-out one: 1 + sum_k scale^k reach_k (the held-out accepted_length at scale 1)."""
         if not self.reach:
             return self.accepted_length if scale == 1.0 else 1 + scale * (self.accepted_length - 1)
-        return 1 + sum(r * scale**k for k, r in enumerate(self.reach, 1))
+        return 1 + sum(min(1.0, r * scale**k) for k, r in enumerate(self.reach, 1))  # (a chance is at most 1)
 
 
 # The step that drafts nothing: plain decoding's one-token forward, one token per step. An online choice
@@ -271,6 +271,9 @@ def check_shape_choice(value: Any, where: str) -> str:
 # observation is kept at the next step (0.95: the latest ~20 steps weigh most).
 PRIOR_STEPS = 2.0
 MEMORY = 0.95
+# After this many plain steps in a row, one step drafts (a probe) whatever the estimate says: where the held-out
+# acceptance itself says drafting does not pay, plain steps alone would never learn otherwise.
+PROBE_AFTER = 16
 
 
 class OnlineShapeChoice:
@@ -283,8 +286,9 @@ class OnlineShapeChoice:
     held-out one (ShapeCandidate.reach), with `scale` fitted to the steps seen (accepted drafts against what
     each step's shape expected at that scale; the latest weighing most, MEMORY) and to PRIOR_STEPS steps of the
     held-out acceptance (scale 1), and each step drafts the candidate, PLAIN_STEP included, expected fastest
-    at that scale with the costs timed at load. When plain steps are chosen the observations fade and the
-    estimate returns towards the held-out one, so drafting resumes now and then and the choice can change back.
+    at that scale with the costs timed at load. A generation starts with the load-time choice. When plain steps
+    are chosen the observations fade and the estimate returns towards the held-out one, and after PROBE_AFTER
+    plain steps in a row one step drafts anyway, so drafting resumes now and then and the choice can change back.
 
     Which shape a step drafts depends only on earlier steps' outcomes, so exactness is untouched (the rule is
     exact for any proposal made before the step's target forward)."""
@@ -308,9 +312,13 @@ class OnlineShapeChoice:
         self.cost = [costs.verify(c.verify_tokens) + c.drafter_forwards * drafter_cost for c in self.candidates]
         self.prior_steps, self.memory = prior_steps, memory
         self.reference = usable[0]  # (the prior: prior_steps steps of it, accepted as held out)
-        # scale above which some depth would be accepted more than always
-        firsts = [c.reach[0] for c in usable if c.reach[0] > 0]
-        self.most = 1 / max(firsts) if firsts else 1.0
+        # Where each generation starts: the load-time choice (`fastest_shape`, among the drafting shapes).
+        self.first = self.candidates.index(fastest_shape(usable, costs, drafter_cost))
+        # The largest scale at which no depth is accepted more often than always, given the one before it was.
+        conditional = [
+            r / before for c in usable for r, before in zip(c.reach, (1.0, *c.reach), strict=False) if before
+        ]
+        self.most = 1 / max(conditional) if any(conditional) else 1.0
         self.reset()
 
     def reset(self) -> None:
@@ -318,21 +326,28 @@ class OnlineShapeChoice:
         self.steps = [0.0] * len(self.candidates)  # decayed steps that drafted each candidate
         self.accepted = 0.0  # decayed accepted drafts over those steps
         self.scale = 1.0
-        self.current = self._fastest()
+        self.plain_run = 0  # plain steps in a row
+        self.current = self.first
 
     def choose(self) -> ShapeCandidate:
         """The shape for the next step."""
         return self.candidates[self.current]
 
-    def observe(self, accepted: int) -> None:
-        """The step drafted with the latest `choose()` accepted `accepted` of its drafts (0 for a plain step)."""
+    def observe(self, accepted: int, whole: bool = True) -> None:
+        """The step drafted with the latest `choose()` accepted `accepted` of its drafts (0 for a plain step).
+        `whole` false: the step drafted less than that shape (cut by the token budget or a confidence threshold),
+        so it says nothing of the shape's acceptance and is not counted."""
         m = self.memory
         self.steps = [n * m for n in self.steps]
-        self.accepted = self.accepted * m + accepted
-        if self.current:  # (a plain step says nothing of the drafts' acceptance)
+        self.accepted *= m
+        if self.current and whole:  # (a plain step says nothing of the drafts' acceptance)
             self.steps[self.current] += 1
+            self.accepted += accepted
+        self.plain_run = 0 if self.current else self.plain_run + 1
         self.scale = self._fitted_scale()
         self.current = self._fastest()
+        if not self.current and self.plain_run >= PROBE_AFTER:  # (a probe: the best drafting shape, once)
+            self.current = self._fastest(drafting=True)
 
     def _fitted_scale(self) -> float:
         """The scale at which the steps seen and the prior steps expect as many accepted drafts as were seen and
@@ -356,11 +371,11 @@ class OnlineShapeChoice:
             low, high = (mid, high) if expected(mid) < goal else (low, mid)
         return (low + high) / 2
 
-    def _fastest(self) -> int:
-        """Index of the candidate with the most expected tokens per unit of time at the current scale (the first
-        of equals; the plain step first)."""
+    def _fastest(self, drafting: bool = False) -> int:
+        """Index of the candidate (with `drafting`, of those that draft) with the most expected tokens per unit of
+        time at the current scale (the first of equals; the plain step first)."""
         speeds = [c.expected_length(self.scale) / cost for c, cost in zip(self.candidates, self.cost, strict=True)]
-        return max(range(len(speeds)), key=speeds.__getitem__)
+        return max(range(1 if drafting else 0, len(speeds)), key=speeds.__getitem__)
 
     def describe(self) -> str:
         """The choice in words, for reports."""

@@ -802,6 +802,9 @@ def test_a_drafter_may_have_its_cpu_shape_measured_on_the_machine(trained, tmp_p
         ((2, 1, 2), 3, 2),
         (three, 4, 2),
     ]
+    # Each depth's held-out chance of acceptance; the tree is two levels deep, so the third level's share is
+    # counted at the second (a step accepts at most two of its drafts).
+    assert [c.reach for c in shapes] == [pytest.approx(r) for r in ((p1,), (p1, p2), (p1, p2 + p3))]
     assert eagle.measured_candidates(meta, "here", tree=False)[2].shape == (3, 1, 3)  # (chain mode: chains only)
     write = lambda m: (tmp_path / "tuned" / "eagle_config.json").write_text(json.dumps(m))  # noqa: E731
     write({**meta, "shape_choice": "measured", "tree_shape": {"depth": 1, "top_k": 1, "total_tokens": 1}})
@@ -877,7 +880,7 @@ def test_shapes_rechosen_every_step_decode_exactly_and_fall_back_to_plain_steps(
     dec = SpeculativeDecoder(target, proposer)
     online, chosen = proposer.online, []
     observe = online.observe
-    online.observe = lambda accepted: chosen.append(online.current) or observe(accepted)
+    online.observe = lambda *args: chosen.append(online.current) or observe(*args)
     plain = drafted = 0
     for prompt in ([1, 2, 3], [5, 4], [7, 7, 7, 2]):
         got = dec.generate(prompt, max_new_tokens=24)
@@ -887,6 +890,14 @@ def test_shapes_rechosen_every_step_decode_exactly_and_fall_back_to_plain_steps(
     # (a step with one token left drafts nothing whatever the shape: 3 such)
     assert chosen.count(0) > 3 and plain >= chosen.count(0) and drafted > 0, (chosen, plain, drafted)
     assert {1, 2, 3} & set(chosen)
+    # Each generation starts afresh (`begin` resets the choice): the same prompt, the same choices.
+    runs = []
+    for _ in range(2):
+        chosen.clear()
+        dec.generate([5, 4], max_new_tokens=24)
+        runs.append(list(chosen))
+        online.current, online.scale = 0, 0.0  # (as a generation may end: plain steps chosen)
+    assert runs[0] == runs[1] and runs[0][0] == online.first
     # A plain step after a rejection, the tree after an acceptance: the choice follows the step before it.
     online.reset()
     online.observe(0)

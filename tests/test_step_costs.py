@@ -1,5 +1,6 @@
 """The proposal shape chosen by timing the target on the machine (specframe/step_costs.py)."""
 
+import copy
 import datetime
 
 import pytest
@@ -81,6 +82,32 @@ def test_the_online_choice_starts_where_the_load_time_choice_does_and_follows_th
     assert online.choose() is fastest_shape(REACHED, free, 0.05) and online.scale == 1.0
 
 
+def test_a_generation_starts_with_the_load_time_choice_and_plain_steps_are_probed():
+    # Held-out acceptance too low for any shape to pay: the load-time choice (among the drafting shapes) is still
+    # where a generation starts, and it is what the stats line names; after PROBE_AFTER plain steps in a row one
+    # step drafts, so plain steps alone never settle it (they say nothing of the drafts).
+    low = [ShapeCandidate(g, 1 + 0.15**g, g + 1, g, reach=tuple(0.15**i for i in range(1, g + 1))) for g in (1, 2)]
+    costs = StepCosts(0.01, (1.0, 1.04, 1.10, 1.26))
+    online = OnlineShapeChoice(low, costs, drafter_cost=0.2)
+    assert online.choose() is fastest_shape(low, costs, 0.2) and online.candidates[online.first] is online.choose()
+    online.observe(0)
+    assert online.choose() is PLAIN_STEP
+    drafted = []
+    for _ in range(3 * (step_costs.PROBE_AFTER + 1)):
+        drafted.append(online.choose() is not PLAIN_STEP)
+        online.observe(0)
+    assert [i for i, d in enumerate(drafted) if d] == [16, 33, 50]
+    online.current = online.first  # (a probe accepted: the estimate rises, drafting goes on)
+    online.observe(1)
+    assert online.choose() is not PLAIN_STEP and online.scale > 1
+    # A step cut short (`whole` false: the token budget, a confidence threshold) is not counted: nothing accepted
+    # there lowers the estimate only as a plain step's fading does, not as a counted rejection.
+    counted, cut = copy.deepcopy(online), copy.deepcopy(online)
+    counted.observe(0)
+    cut.observe(0, whole=False)
+    assert cut.scale > counted.scale and cut.steps == [0.95 * n for n in online.steps]
+
+
 def test_the_online_scale_is_fitted_to_the_steps_seen_and_the_prior():
     # One candidate, no memory (only the latest step counts): s p + P s p = a + P p, so s = (a + P p) / ((1 + P) p).
     chain = ShapeCandidate(1, 1.5, 2, 1, reach=(0.5,))
@@ -94,6 +121,11 @@ def test_the_online_scale_is_fitted_to_the_steps_seen_and_the_prior():
     assert REACHED[1].expected_length(0.5) == pytest.approx(1 + 0.509 * 0.5 + 0.227 * 0.25)
     assert REACHED[1].expected_length() == pytest.approx(REACHED[1].accepted_length)
     assert PLAIN_STEP.expected_length(0.3) == 1.0
+    # No depth accepted more than always: each term is capped at 1, and the scale at 1 / the largest chance of a
+    # depth given the one before it (here 0.8 / 0.5 at depth 2).
+    assert ShapeCandidate(2, 2.3, 3, 2, reach=(0.5, 0.8)).expected_length(3.0) == 3.0
+    capped = OnlineShapeChoice([ShapeCandidate(2, 2.3, 3, 2, reach=(0.5, 0.8))], costs)
+    assert capped.most == pytest.approx(0.5 / 0.8)
     # Steps of two shapes: each is expected what its own shape expects at the scale.
     online = OnlineShapeChoice(REACHED, costs, prior_steps=1.0, memory=0.5)
     online.current = 1
@@ -349,12 +381,24 @@ def test_a_draft_with_its_gamma_rechosen_every_step_decodes_exactly_with_plain_s
     proposer = switching_draft().random(target_info(target), seed=1)
     online, chosen = proposer.online, []
     observe = online.observe
-    online.observe = lambda accepted: chosen.append(online.current) or observe(accepted)
+    online.observe = lambda *args: chosen.append(online.current) or observe(*args)
     dec = SpeculativeDecoder(target, proposer)
+    plain = 0
     for prompt in ([1, 2, 3], [5, 4], [7, 7, 7, 2]):
-        assert dec.generate(prompt, max_new_tokens=24).token_ids == reference_greedy(target, prompt, 24)
-    assert chosen.count(0) > 3 and {1, 2, 3} & set(chosen), chosen
+        got = dec.generate(prompt, max_new_tokens=24)
+        assert got.token_ids == reference_greedy(target, prompt, 24)
+        plain += got.stats["target_forwards"] - 1 - (got.stats["proposed_by_position"] or [0])[0]
+    # (a step with one token left drafts nothing whatever γ: 3 such; the others are the online choice's)
+    assert chosen.count(0) > 3 and plain >= chosen.count(0) and {1, 2, 3} & set(chosen), (chosen, plain)
     assert proposer.gamma != 0  # (the γ chosen at load is kept; a step's own γ is its online choice)
+    # Each generation starts afresh (`begin` resets the choice): the same prompt, the same choices.
+    runs = []
+    for _ in range(2):
+        chosen.clear()
+        dec.generate([5, 4], max_new_tokens=24)
+        runs.append(list(chosen))
+        online.current, online.scale = 0, 0.0  # (as a generation may end: plain steps chosen)
+    assert runs[0] == runs[1] and runs[0][0] == online.first
 
 
 @pytest.mark.slow

@@ -295,13 +295,11 @@ def measured_candidates(meta: dict, where: str, tree: bool = True) -> list[Shape
     candidates, reaches = [], []
     for nodes, p in enumerate(levels, 1):
         reaches.append(p * (reaches[-1] if reaches else 1.0))
-        shape = EagleShape(nodes, 1, nodes)
-        if nodes == 3 and tree:
-            shape = EagleShape(2, 3, 3)
+        shape, reach = EagleShape(nodes, 1, nodes), tuple(reaches)
+        if nodes == 3 and tree:  # (two levels deep: the third level's share counted at the second)
+            shape, reach = EagleShape(2, 3, 3), (reaches[0], reaches[1] + reaches[2])
         candidates.append(
-            ShapeCandidate(
-                shape, 1 + sum(reaches), verify_tokens=nodes + 1, drafter_forwards=shape.depth, reach=tuple(reaches)
-            )
+            ShapeCandidate(shape, 1 + sum(reaches), verify_tokens=nodes + 1, drafter_forwards=shape.depth, reach=reach)
         )
     return candidates
 
@@ -467,6 +465,7 @@ class EagleProposer(Proposer):
         self.shape_choice: str | None = None  # how the shape was measured on this machine (use_fastest_shape)
         self.measured_shape: str | None = None  # that shape in a few words, e.g. "chain of 2" (None: not measured)
         self.online: OnlineShapeChoice | None = None  # the shape re-chosen every step (config.adapt_shape)
+        self.whole = False  # whether the latest proposal drafted all of its shape's nodes
         threshold = resolve_confidence_threshold(
             config.confidence_threshold,
             shape.get("confidence_threshold"),
@@ -657,7 +656,7 @@ class EagleProposer(Proposer):
         feats = self._features(result.hidden_states, len(result.accepted_tokens) + 1)  # the root, then each node
         self.pending_feats = torch.cat([self.pending_feats, feats])
         if self.online is not None:
-            self.online.observe(len(result.accepted_nodes))
+            self.online.observe(len(result.accepted_nodes), self.whole)
 
     # ------------------------------------------------------------------ drafting
 
@@ -673,6 +672,7 @@ class EagleProposer(Proposer):
     @torch.no_grad()
     def propose(self, state: DecodeState) -> Proposal:
         device = state.tokens.device
+        self.whole = False
         if self.online is not None:  # (a plain step: its features wait, and are fed with the next draft's)
             shape = self.online.choose().shape
             if shape is None:
@@ -705,6 +705,7 @@ class EagleProposer(Proposer):
             if extra > 0:
                 self.cache.crop(-extra)
         self.last_scores = scores
+        self.whole = tokens.numel() == self.total_tokens  # (all of the step's shape drafted: see `accepted`)
         return Proposal(
             tokens.to(device), parents.to(device), torch.ones(tokens.numel(), dtype=torch.bool, device=device)
         )
