@@ -11,9 +11,8 @@ from specframe import SpeculativeDecoder
 from specframe.decoder import target_info
 from specframe.errors import ConfigError, ModelLoadError
 from specframe.proposer import DecodeState
-from specframe.proposers.eagle import EagleConfig, EagleProposer, EagleShape, load_drafter
+from specframe.proposers.eagle import EagleConfig, EagleProposer, load_drafter
 from specframe.sampling import SamplingParams
-from specframe.step_costs import OnlineShapeChoice, ShapeCandidate, StepCosts
 from specframe.testing import replay
 from specframe.testing.conformance import reference_greedy
 from specframe.testing.suite import VARIANT_SETTINGS, ProposerConformance
@@ -844,78 +843,6 @@ def test_a_drafter_may_have_its_cpu_shape_measured_on_the_machine(trained, tmp_p
     write({**meta, "shape_choice": "measure"})
     with pytest.raises(ModelLoadError, match=r"shape_choice in .*eagle_config.json must be one of saved, measured"):
         EagleProposer.from_config(config, info)
-
-
-# Shapes for an online choice that the previous step alone decides (no memory, almost no prior): after a step that
-# accepted nothing the plain step, after one that accepted its drafts the three-node tree.
-SWITCHING = [
-    ShapeCandidate(EagleShape(1, 1, 1), 1.5, 2, 1, reach=(0.5,)),
-    ShapeCandidate(EagleShape(2, 1, 2), 1.8, 3, 2, reach=(0.5, 0.3)),
-    ShapeCandidate(EagleShape(2, 3, 3), 1.95, 4, 2, reach=(0.6, 0.35)),
-]
-
-
-class SwitchingEagle(EagleProposer):
-    """EAGLE with random weights whose shape is re-chosen every step from the previous step's acceptance alone."""
-
-    @classmethod
-    def random(cls, target, config=None, seed=0, fuse_layers=()):
-        proposer = super().random(target, config, seed, fuse_layers)
-        costs = StepCosts(0.01, (1.0, 1.1, 1.15, 1.2))
-        proposer.online = OnlineShapeChoice(SWITCHING, costs, 0.02, prior_steps=0.05, memory=0.0)
-        return proposer
-
-
-def plain_and_drafted_steps(stats):
-    """(steps that drafted nothing, steps that drafted) of a generation's stats (the prefill is neither)."""
-    drafted = (stats["proposed_by_position"] or [0])[0]
-    return stats["target_forwards"] - 1 - drafted, drafted
-
-
-def test_shapes_rechosen_every_step_decode_exactly_and_fall_back_to_plain_steps():
-    # Which shape a step drafts depends on earlier steps' acceptance only, so the output is the target's greedy
-    # output whatever the shapes; a step after a rejection here drafts nothing, one after an acceptance the tree.
-    target = target16()
-    proposer = SwitchingEagle.random(target_info(target), seed=1)
-    dec = SpeculativeDecoder(target, proposer)
-    online, chosen = proposer.online, []
-    observe = online.observe
-    online.observe = lambda *args: chosen.append(online.current) or observe(*args)
-    plain = drafted = 0
-    for prompt in ([1, 2, 3], [5, 4], [7, 7, 7, 2]):
-        got = dec.generate(prompt, max_new_tokens=24)
-        assert got.token_ids == reference_greedy(target, prompt, 24)
-        steps = plain_and_drafted_steps(got.stats)
-        plain, drafted = plain + steps[0], drafted + steps[1]
-    # (a step with one token left drafts nothing whatever the shape: 3 such)
-    assert chosen.count(0) > 3 and plain >= chosen.count(0) and drafted > 0, (chosen, plain, drafted)
-    assert {1, 2, 3} & set(chosen)
-    # Each generation starts afresh (`begin` resets the choice): the same prompt, the same choices.
-    runs = []
-    for _ in range(2):
-        chosen.clear()
-        dec.generate([5, 4], max_new_tokens=24)
-        runs.append(list(chosen))
-        online.current, online.scale = 0, 0.0  # (as a generation may end: plain steps chosen)
-    assert runs[0] == runs[1] and runs[0][0] == online.first
-    # A plain step after a rejection, the tree after an acceptance: the choice follows the step before it.
-    online.reset()
-    online.observe(0)
-    assert online.choose().shape is None
-    online.current = 1
-    online.observe(1)
-    assert online.choose().shape == EagleShape(2, 3, 3)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("setting", ["temperature=1", "temperature=1,penalties"])
-def test_shapes_rechosen_every_step_keep_sampling_exact(setting):
-    # The conformance suite's chi-square check, on an EAGLE whose every step's shape the step before decides.
-    from specframe.testing.conformance import check_sampling
-
-    result = check_sampling(SwitchingEagle, "cpu", setting)
-    assert result.passed, result.detail
-    assert result.drafted > 0, result.detail
 
 
 def test_a_drafter_without_per_level_statistics_is_saved_without_a_measured_shape(tmp_path):

@@ -350,35 +350,49 @@ def test_a_model_cast_or_moved_since_its_timing_is_timed_again():
     assert measure_step_costs(model, timer=clock) is not costs
 
 
-# γ for a draft whose online choice the previous step alone decides (no memory, almost no prior): after a step that
-# accepted nothing a plain step (γ 0), after one that accepted its drafts γ = 3.
+# Shapes whose online choice the previous step alone decides (no memory, almost no prior): after a step that
+# accepted nothing a plain step, after one that accepted its drafts the deepest shape.
 SWITCHING_GAMMAS = [
     ShapeCandidate(g, 1 + sum(0.5**i for i in range(1, g + 1)), g + 1, g, reach=tuple(0.5**i for i in range(1, g + 1)))
     for g in (1, 2, 3)
 ]
 
 
-def switching_draft():
+def switching(name):
+    """A random-weight `draft` or `eagle` proposer class whose shape is re-chosen every step from the step before."""
     from specframe.proposers.draft import DraftProposer
+    from specframe.proposers.eagle import EagleProposer, EagleShape
 
-    class SwitchingDraft(DraftProposer):
+    if name == "draft":
+        base, candidates, costs = DraftProposer, SWITCHING_GAMMAS, StepCosts(0.01, (1.0, 1.05, 1.1, 1.15))
+    else:
+        base, costs = EagleProposer, StepCosts(0.01, (1.0, 1.1, 1.15, 1.2))
+        candidates = [
+            ShapeCandidate(EagleShape(1, 1, 1), 1.5, 2, 1, reach=(0.5,)),
+            ShapeCandidate(EagleShape(2, 1, 2), 1.8, 3, 2, reach=(0.5, 0.3)),
+            ShapeCandidate(EagleShape(2, 3, 3), 1.95, 4, 2, reach=(0.6, 0.35)),
+        ]
+
+    class Switching(base):
         @classmethod
         def random(cls, target, config=None, seed=0):
             proposer = super().random(target, config, seed)
-            costs = StepCosts(0.01, (1.0, 1.05, 1.1, 1.15))
-            proposer.online = OnlineShapeChoice(SWITCHING_GAMMAS, costs, 0.02, prior_steps=0.05, memory=0.0)
+            proposer.online = OnlineShapeChoice(candidates, costs, 0.02, prior_steps=0.05, memory=0.0)
             return proposer
 
-    return SwitchingDraft
+    return Switching
 
 
-def test_a_draft_with_its_gamma_rechosen_every_step_decodes_exactly_with_plain_steps_among_its_steps():
+@pytest.mark.parametrize("name", ["draft", "eagle"])
+def test_a_proposer_with_its_shape_rechosen_every_step_decodes_exactly_with_plain_steps_among_its_steps(name):
+    # Which shape a step drafts depends on earlier steps' acceptance only, so the output is the target's greedy
+    # output whatever the shapes; here a step after a rejection drafts nothing, one after an acceptance the most.
     from specframe import SpeculativeDecoder
     from specframe.decoder import target_info
     from specframe.testing.conformance import reference_greedy
 
-    target = tiny_llama(vocab_size=16, seed=0)
-    proposer = switching_draft().random(target_info(target), seed=1)
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=3)
+    proposer = switching(name).random(target_info(target), seed=1)
     online, chosen = proposer.online, []
     observe = online.observe
     online.observe = lambda *args: chosen.append(online.current) or observe(*args)
@@ -388,9 +402,8 @@ def test_a_draft_with_its_gamma_rechosen_every_step_decodes_exactly_with_plain_s
         got = dec.generate(prompt, max_new_tokens=24)
         assert got.token_ids == reference_greedy(target, prompt, 24)
         plain += got.stats["target_forwards"] - 1 - (got.stats["proposed_by_position"] or [0])[0]
-    # (a step with one token left drafts nothing whatever γ: 3 such; the others are the online choice's)
+    # (a step with one token left drafts nothing whatever the shape: 3 such; the others are the online choice's)
     assert chosen.count(0) > 3 and plain >= chosen.count(0) and {1, 2, 3} & set(chosen), (chosen, plain)
-    assert proposer.gamma != 0  # (the γ chosen at load is kept; a step's own γ is its online choice)
     # Each generation starts afresh (`begin` resets the choice): the same prompt, the same choices.
     runs = []
     for _ in range(2):
@@ -399,11 +412,24 @@ def test_a_draft_with_its_gamma_rechosen_every_step_decodes_exactly_with_plain_s
         runs.append(list(chosen))
         online.current, online.scale = 0, 0.0  # (as a generation may end: plain steps chosen)
     assert runs[0] == runs[1] and runs[0][0] == online.first
+    # The choice follows the step before it: a plain step after a rejection, the deepest after an acceptance.
+    online.reset()
+    online.observe(0)
+    assert online.choose().shape is None
+    online.current = 1
+    online.observe(1)
+    assert online.choose() is online.candidates[-1]
+    if name == "draft":
+        assert proposer.gamma != 0  # (the γ chosen at load is kept; a step's own γ is its online choice)
 
 
 @pytest.mark.slow
-def test_a_draft_with_its_gamma_rechosen_every_step_keeps_sampling_exact():
+@pytest.mark.parametrize(
+    "name, setting", [("draft", "temperature=1"), ("eagle", "temperature=1"), ("eagle", "temperature=1,penalties")]
+)
+def test_a_proposer_with_its_shape_rechosen_every_step_keeps_sampling_exact(name, setting):
+    # The conformance suite's chi-square check, on a proposer whose every step's shape the step before decides.
     from specframe.testing.conformance import check_sampling
 
-    result = check_sampling(switching_draft(), "cpu", "temperature=1")
+    result = check_sampling(switching(name), "cpu", setting)
     assert result.passed and result.drafted > 0, result.detail
