@@ -81,8 +81,8 @@ class ShapeCandidate:
     def expected_length(self, scale: float = 1.0) -> float:
         """Expected tokens per step when each depth's chance of being accepted, given the one before it was, is
         `scale` times the held-out one: 1 + sum_k scale^k reach_k (the held-out accepted_length at scale 1)."""
-        if not self.reach:
-            return self.accepted_length if scale == 1.0 else 1 + scale * (self.accepted_length - 1)
+        if not self.reach:  # (the plain step; a candidate without reach is not scaled)
+            return self.accepted_length
         return 1 + sum(min(1.0, r * scale**k) for k, r in enumerate(self.reach, 1))  # (a chance is at most 1)
 
 
@@ -244,6 +244,12 @@ def relative_cost(
     return times["call"] / max(times["target"], 1e-9)
 
 
+def step_cost(candidate: ShapeCandidate, costs: StepCosts, drafter_cost: float = 0.0) -> float:
+    """A step of `candidate`'s shape, in one-token target forwards: its verification forward and its drafter
+    forwards (each `drafter_cost`)."""
+    return costs.verify(candidate.verify_tokens) + candidate.drafter_forwards * drafter_cost
+
+
 def fastest_shape(candidates: Sequence[ShapeCandidate], costs: StepCosts, drafter_cost: float = 0.0) -> ShapeCandidate:
     """The candidate with the most expected tokens per unit of time (the first of equals), given the target's
     `costs` and one drafter forward's cost in one-token target forwards."""
@@ -251,10 +257,8 @@ def fastest_shape(candidates: Sequence[ShapeCandidate], costs: StepCosts, drafte
     if not usable:
         raise ValueError("no candidate shape fits the timed forwards")
 
-    def speed(c: ShapeCandidate) -> float:
-        return c.accepted_length / (costs.verify(c.verify_tokens) + c.drafter_forwards * drafter_cost)
-
-    return max(usable, key=speed)  # (max keeps the first of equal speeds)
+    # (max keeps the first of equal speeds)
+    return max(usable, key=lambda c: c.accepted_length / step_cost(c, costs, drafter_cost))
 
 
 def check_shape_choice(value: Any, where: str) -> str:
@@ -309,7 +313,7 @@ class OnlineShapeChoice:
         if not (prior_steps > 0 and 0 <= memory < 1):
             raise ValueError(f"prior_steps must be > 0 and memory in [0, 1), got {prior_steps} and {memory}")
         self.candidates = [PLAIN_STEP, *usable]
-        self.cost = [costs.verify(c.verify_tokens) + c.drafter_forwards * drafter_cost for c in self.candidates]
+        self.cost = [step_cost(c, costs, drafter_cost) for c in self.candidates]
         self.prior_steps, self.memory = prior_steps, memory
         self.reference = usable[0]  # (the prior: prior_steps steps of it, accepted as held out)
         # Where each generation starts: the load-time choice (`fastest_shape`, among the drafting shapes).
