@@ -423,6 +423,23 @@ def test_a_proposer_with_its_shape_rechosen_every_step_decodes_exactly_with_plai
         assert proposer.gamma != 0  # (the γ chosen at load is kept; a step's own γ is its online choice)
 
 
+@pytest.mark.parametrize("name", ["draft", "eagle"])
+def test_a_step_cut_short_by_the_token_budget_is_not_counted_as_its_shape(name):
+    # The deepest shape (a chain of 3; EAGLE's 3-node tree, two levels) with one draft level left: a step with
+    # the same number of nodes can still be made (the tree's three candidates all at level 1), and it is not
+    # the chosen shape, so `observe` must not count its acceptance as that shape's.
+    from specframe.decoder import target_info
+    from specframe.testing.replay import fresh_proposal
+
+    target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=3)
+    proposer = switching(name).random(target_info(target), seed=1)
+    proposer.online.current = len(proposer.online.candidates) - 1
+    tokens = torch.tensor([1, 2, 3, 4])
+    assert fresh_proposal(proposer, target, tokens).tokens.numel() == 3 and proposer.whole
+    cut = fresh_proposal(proposer, target, tokens, max_depth=1)
+    assert cut.tokens.numel() == (3 if name == "eagle" else 1) and not proposer.whole
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name, setting", [("draft", "temperature=1"), ("eagle", "temperature=1"), ("eagle", "temperature=1,penalties")]

@@ -705,7 +705,9 @@ class EagleProposer(Proposer):
             if extra > 0:
                 self.cache.crop(-extra)
         self.last_scores = scores
-        self.whole = tokens.numel() == self.total_tokens  # (all of the step's shape drafted: see `accepted`)
+        # (all of the step's shape drafted, to its full depth: see `accepted`; a tree cut to fewer levels by the
+        # token budget can still hold as many nodes, all at depth 1)
+        self.whole = depth == self.depth and tokens.numel() == self.total_tokens
         return Proposal(
             tokens.to(device), parents.to(device), torch.ones(tokens.numel(), dtype=torch.bool, device=device)
         )
