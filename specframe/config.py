@@ -22,6 +22,9 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from specframe.errors import BadInputError, ConfigError, brief, check_field_types, is_integer, user_path
 from specframe.sampling import check_penalties, check_sampling, check_seed, top_k_off_as_zero
 
+# target.dtype's values, in any case (fp32, bf16 and fp16 are read as float32, bfloat16 and float16).
+TARGET_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+
 
 @dataclass
 class TargetConfig:
@@ -47,6 +50,11 @@ class TargetConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self, "target.")
+        # (the spelling only: whether CUDA is there is known when the model loads, specframe.models.resolve_device)
+        if str(self.dtype).strip().lower().removeprefix("torch.") not in TARGET_DTYPES:  # (a torch.dtype too)
+            raise ConfigError(f"target.dtype must be one of auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(self.device).strip().lower()):
+            raise ConfigError(f"target.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 
 
 @dataclass

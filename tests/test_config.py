@@ -136,6 +136,10 @@ def test_packaged_configs_load_by_name(tmp_path, monkeypatch):
         (["target.model=${oops}"], r"^target.model: Interpolation key 'oops' not found"),
         (["sampling=${oops}"], r"^sampling: Interpolation key 'oops' not found"),
         (["proposer=${oops}"], r"^proposer: Interpolation key 'oops' not found"),
+        # (before: accepted here, refused when the model loaded, by a message without the key)
+        (["target.dtype=float64"], r"^target.dtype must be one of auto, float32, bfloat16 or float16, got 'float64'$"),
+        (["target.device=gpu"], r"^target.device must be auto, cpu, cuda or cuda:N, got 'gpu'$"),
+        (["target.device=cuda:x"], r"^target.device must be auto, cpu, cuda or cuda:N, got 'cuda:x'$"),
     ],
 )
 def test_bad_config_names_the_full_key(overrides, message):
@@ -363,3 +367,11 @@ def test_brief_puts_an_exception_on_one_line():
     assert brief(e, 12, lines=2) == "first lin..."
     assert brief(RuntimeError("boom"), typed=True) == "RuntimeError: boom"
     assert brief(RuntimeError(""), typed=True) == brief(RuntimeError()) == "RuntimeError"
+
+
+def test_target_dtype_and_device_names_are_checked_when_the_config_loads():
+    # Every spelling the loader reads passes (whether CUDA is there is known only when the model loads).
+    for dtype in ("auto", "float32", "FP32", "bfloat16", "bf16", "float16", " fp16 "):
+        assert load_config(overrides=[f"target.dtype='{dtype}'"]).target.dtype == dtype
+    for device in ("auto", "cpu", "CUDA", "cuda:1"):
+        assert load_config(overrides=[f"target.device={device}"]).target.device == device
