@@ -381,6 +381,14 @@ class OnlineShapeChoice:
         speeds = [c.expected_length(self.scale) / cost for c, cost in zip(self.candidates, self.cost, strict=True)]
         return max(range(1 if drafting else 0, len(speeds)), key=speeds.__getitem__)
 
+    def said(self, measured_shape: str, shape_choice: str) -> tuple[str, str]:
+        """A proposer's `measured_shape` and `shape_choice` (its load-time shape in a few words, and how it was
+        chosen) once this choice re-chooses the shape each step."""
+        return (
+            f"{measured_shape} at first (re-chosen each step by the acceptance so far)",
+            f"{shape_choice} at first; then {self.describe()}",
+        )
+
     def describe(self) -> str:
         """The choice in words, for reports."""
         return (

@@ -515,9 +515,23 @@ def test_heads_may_have_their_cpu_tree_measured_on_the_machine(trained, tmp_path
         monkeypatch.setattr(medusa, "measure_step_costs", lambda model, r=relative: StepCosts(0.01, r))
         p = MedusaProposer.from_config(config, info)
         assert p.tree == best_tree(counts, nodes) and p.shape_choice.startswith(f"{nodes}-node tree (measured"), nodes
-        assert p.measured_shape == f"{nodes}-node tree"
+        assert p.measured_shape == f"{nodes}-node tree at first (re-chosen each step by the acceptance so far)"
+        assert p.online.choose().shape == tuple(p.tree) and p.online.candidates[0].shape is None
+        assert len(p.online.candidates) == 4 and p.shape_choice.endswith(p.online.describe())
         dec = SpeculativeDecoder(target, p)
         assert dec.generate([1, 2, 3], max_new_tokens=10).token_ids == reference_greedy(target, [1, 2, 3], 10)
+        fixed = MedusaProposer.from_config(dataclasses.replace(config, adapt_shape=False), info)
+        assert fixed.online is None and fixed.tree == p.tree and fixed.measured_shape == f"{nodes}-node tree"
+        dec = SpeculativeDecoder(target, fixed)
+        assert dec.generate([1, 2, 3], max_new_tokens=10).token_ids == reference_greedy(target, [1, 2, 3], 10)
+    # Each candidate's chance of acceptance at each depth is the held-out share of its paths there.
+    candidates = medusa.tree_candidates(counts, StepCosts(0.01, (1.0, 1.0, 1.0, 1.0)))
+    for c in candidates:
+        shares = [0] * len(c.shape[-1])
+        for path in c.shape:
+            shares[len(path) - 1] += counts["counts"].get(",".join(map(str, path)), 0) / counts["positions"]
+        assert c.reach == pytest.approx(shares) and [len(c.shape) for c in candidates] == [1, 2, 3]
+        assert c.accepted_length == pytest.approx(1 + sum(c.reach)) and c.verify_tokens == len(c.shape) + 1
     # Two nodes win when a third token costs more than its expected gain and a second one costs nothing.
     one, two, three = (expected_accepted_length(counts, best_tree(counts, n)) for n in (1, 2, 3))
     monkeypatch.setattr(medusa, "measure_step_costs", lambda model: StepCosts(0.01, (1.0, 1.0, 1.0, 2 * three / two)))

@@ -359,12 +359,21 @@ SWITCHING_GAMMAS = [
 
 
 def switching(name):
-    """A random-weight `draft` or `eagle` proposer class whose shape is re-chosen every step from the step before."""
+    """A random-weight `draft`, `eagle` or `medusa` proposer class whose shape is re-chosen every step from the step
+    before."""
     from specframe.proposers.draft import DraftProposer
     from specframe.proposers.eagle import EagleProposer, EagleShape
+    from specframe.proposers.medusa import MedusaProposer
 
     if name == "draft":
         base, candidates, costs = DraftProposer, SWITCHING_GAMMAS, StepCosts(0.01, (1.0, 1.05, 1.1, 1.15))
+    elif name == "medusa":
+        base, costs = MedusaProposer, StepCosts(0.01, (1.0, 1.1, 1.15, 1.2))
+        candidates = [
+            ShapeCandidate(((0,),), 1.5, 2, reach=(0.5,)),
+            ShapeCandidate(((0,), (1,)), 1.7, 3, reach=(0.7,)),
+            ShapeCandidate(((0,), (0, 0)), 1.8, 3, reach=(0.5, 0.3)),
+        ]
     else:
         base, costs = EagleProposer, StepCosts(0.01, (1.0, 1.1, 1.15, 1.2))
         candidates = [
@@ -383,7 +392,7 @@ def switching(name):
     return Switching
 
 
-@pytest.mark.parametrize("name", ["draft", "eagle"])
+@pytest.mark.parametrize("name", ["draft", "eagle", "medusa"])
 def test_a_proposer_with_its_shape_rechosen_every_step_decodes_exactly_with_plain_steps_among_its_steps(name):
     # Which shape a step drafts depends on earlier steps' acceptance only, so the output is the target's greedy
     # output whatever the shapes; here a step after a rejection drafts nothing, one after an acceptance the most.
@@ -423,11 +432,11 @@ def test_a_proposer_with_its_shape_rechosen_every_step_decodes_exactly_with_plai
         assert proposer.gamma != 0  # (the γ chosen at load is kept; a step's own γ is its online choice)
 
 
-@pytest.mark.parametrize("name", ["draft", "eagle"])
+@pytest.mark.parametrize("name", ["draft", "eagle", "medusa"])
 def test_a_step_cut_short_by_the_token_budget_is_not_counted_as_its_shape(name):
-    # The deepest shape (a chain of 3; EAGLE's 3-node tree, two levels) with one draft level left: a step with
-    # the same number of nodes can still be made (the tree's three candidates all at level 1), and it is not
-    # the chosen shape, so `observe` must not count its acceptance as that shape's.
+    # The deepest shape (a chain of 3; EAGLE's 3-node tree, two levels; a 2-node Medusa chain) with one draft level
+    # left: it is cut, and `observe` must not count its acceptance as that shape's, even where the cut step has
+    # as many nodes (EAGLE's tree: its three candidates all at level 1).
     from specframe.decoder import target_info
     from specframe.testing.replay import fresh_proposal
 
@@ -435,14 +444,21 @@ def test_a_step_cut_short_by_the_token_budget_is_not_counted_as_its_shape(name):
     proposer = switching(name).random(target_info(target), seed=1)
     proposer.online.current = len(proposer.online.candidates) - 1
     tokens = torch.tensor([1, 2, 3, 4])
-    assert fresh_proposal(proposer, target, tokens).tokens.numel() == 3 and proposer.whole
+    assert fresh_proposal(proposer, target, tokens).tokens.numel() == (2 if name == "medusa" else 3)
+    assert proposer.whole
     cut = fresh_proposal(proposer, target, tokens, max_depth=1)
     assert cut.tokens.numel() == (3 if name == "eagle" else 1) and not proposer.whole
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name, setting", [("draft", "temperature=1"), ("eagle", "temperature=1"), ("eagle", "temperature=1,penalties")]
+    "name, setting",
+    [
+        ("draft", "temperature=1"),
+        ("eagle", "temperature=1"),
+        ("eagle", "temperature=1,penalties"),
+        ("medusa", "temperature=1"),
+    ],
 )
 def test_a_proposer_with_its_shape_rechosen_every_step_keeps_sampling_exact(name, setting):
     # The conformance suite's chi-square check, on a proposer whose every step's shape the step before decides.

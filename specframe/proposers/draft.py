@@ -229,8 +229,7 @@ class DraftProposer(Proposer):
         )
         if self.config.adapt_shape:
             self.online = OnlineShapeChoice(candidates, costs, draft_cost)
-            self.measured_shape = f"{self.measured_shape} at first (re-chosen each step by the acceptance so far)"
-            self.shape_choice = f"{self.shape_choice} at first; then {self.online.describe()}"
+            self.measured_shape, self.shape_choice = self.online.said(self.measured_shape, self.shape_choice)
         return best
 
     def begin(self, prompt: torch.Tensor, hidden_states: dict[int, torch.Tensor]) -> None:

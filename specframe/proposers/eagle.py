@@ -617,8 +617,7 @@ class EagleProposer(Proposer):
         )
         if self.config.adapt_shape:
             self.online = OnlineShapeChoice(candidates, costs, drafter_cost)
-            self.measured_shape = f"{self.measured_shape} at first (re-chosen each step by the acceptance so far)"
-            self.shape_choice = f"{self.shape_choice} at first; then {self.online.describe()}"
+            self.measured_shape, self.shape_choice = self.online.said(self.measured_shape, self.shape_choice)
         return best
 
     # ------------------------------------------------------------------ state

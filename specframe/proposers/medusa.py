@@ -13,7 +13,8 @@ lossy "typical acceptance" is not offered.
 
 Saved heads (a folder): `medusa_config.json` (format, sizes, the target's fingerprint, the tree chosen on
 held-out training data, its path statistics and the training metrics; `"shape_choice": "measured"` has a CPU
-use instead the tree of 1-3 nodes fastest on the machine, specframe/step_costs.py), `medusa_vocab.json` (the reduced
+use instead the tree of 1-3 nodes fastest on the machine, re-chosen every step by the acceptance so far,
+specframe/step_costs.py), `medusa_vocab.json` (the reduced
 vocabulary) and `model.safetensors` (float16 residual blocks only). Heads trained with Medusa-2 also name the
 PEFT adapter they were trained with; load that adapter as `target.adapter` (see docs/medusa.md). Heads trained
 with the Medusa repository load too (`load_repository_heads`): each head then has its own full-vocabulary
@@ -54,7 +55,14 @@ from specframe.proposer import (
     saved_shape_applies,
     seeded,
 )
-from specframe.step_costs import ShapeCandidate, check_shape_choice, fastest_shape, measure_step_costs
+from specframe.step_costs import (
+    OnlineShapeChoice,
+    ShapeCandidate,
+    StepCosts,
+    check_shape_choice,
+    fastest_shape,
+    measure_step_costs,
+)
 from specframe.training.medusa import MedusaTrainConfig
 
 FORMAT = "specframe-medusa-heads"
@@ -92,6 +100,10 @@ class MedusaConfig:
     # the tree lacks [0]), where the heads are unsure. 0 = off. None: the value saved with the heads, else 0.
     # Exactness does not depend on it.
     confidence_threshold: float | None = None
+    # With a tree measured at load (above): re-choose it every step, among those trees and no draft at all, by how
+    # often this generation's drafts were accepted so far (step_costs.OnlineShapeChoice); false: the tree chosen
+    # at load throughout. Exactness does not depend on it.
+    adapt_shape: bool = True
     # Heads' dtype: auto (the target's, but bfloat16 for a float32 target on a CPU with native bf16 matmuls
     # that does not run specframe's CPU kernels; see specframe.models.proposer_dtype), float32, bfloat16 or
     # float16.
@@ -463,19 +475,47 @@ def saved_path_counts(meta: dict, path: str | Path, num_heads: int) -> dict:
     return stats
 
 
-def fastest_tree(path_counts: dict, target: torch.nn.Module) -> tuple[list[tuple[int, ...]], str]:
-    """The tree of 1..MAX_VERIFY_TOKENS - 1 nodes (each the best of its size by held-out path counts) that is
-    fastest with `target` on this machine (specframe/step_costs.py), and how it was chosen. The heads cost one
-    small product per step whatever the tree, so only the verification forward's size is weighed."""
-    from specframe.training.medusa import best_tree, expected_accepted_length
+def tree_candidates(path_counts: dict, costs: StepCosts) -> list[ShapeCandidate]:
+    """The trees a CPU chooses from (`MedusaProposer.from_config`): the best of each size from 1 to
+    MAX_VERIFY_TOKENS - 1 nodes by held-out path counts (`shape`: the tree, a tuple of paths), each with its
+    expected accepted length and, for step_costs.OnlineShapeChoice, each depth's held-out chance of acceptance
+    (the paths at one depth are distinct candidates of the same head: at most one of them matches)."""
+    from specframe.training.medusa import best_tree, expected_accepted_length, key
 
-    costs = measure_step_costs(target)
+    positions = max(1, path_counts["positions"])
     candidates = []
     for nodes in range(1, len(costs.relative)):
         tree = best_tree(path_counts, nodes)
-        candidates.append(ShapeCandidate(tree, expected_accepted_length(path_counts, tree), len(tree) + 1))
-    best = fastest_shape(candidates, costs)
-    return best.shape, f"{len(best.shape)}-node tree (measured: trees of 1-{len(candidates)} nodes, {costs.describe()})"
+        reach = tuple(
+            sum(path_counts["counts"].get(key(p), 0) for p in tree if len(p) == depth) / positions
+            for depth in range(1, len(tree[-1]) + 1)
+        )
+        accepted = expected_accepted_length(path_counts, tree)
+        candidates.append(ShapeCandidate(tuple(tree), accepted, len(tree) + 1, reach=reach))
+    return candidates
+
+
+@dataclass(frozen=True)
+class TreeLayout:
+    """A tree as `propose` reads it: its paths sorted by depth, each node's parent index, head and rank."""
+
+    tree: list[tuple[int, ...]]  # the paths, sorted by depth then ranks (check_tree)
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # parents (-1: the root), head (depth - 1), rank
+    depth_ends: list[int]  # [d]: how many nodes are at most d deep
+    top: int  # candidates needed per head
+    used_heads: int  # the tree's depth
+
+    @classmethod
+    def of(cls, tree: list[tuple[int, ...]], vocab: int, device: torch.device) -> TreeLayout:
+        """The layout of `tree` (checked), for heads over `vocab` tokens."""
+        if max(max(p) for p in tree) >= vocab:
+            raise ConfigError(f"proposer.tree uses rank {max(max(p) for p in tree)}; the heads have {vocab} tokens")
+        index = {p: i for i, p in enumerate(tree)}
+        parents = torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in tree], device=device)
+        heads = torch.tensor([len(p) - 1 for p in tree], device=device)
+        ranks = torch.tensor([p[-1] for p in tree], device=device)
+        depth_ends = [sum(1 for p in tree if len(p) <= d) for d in range(len(tree[-1]) + 1)]
+        return cls(tree, (parents, heads, ranks), depth_ends, max(p[-1] for p in tree) + 1, len(tree[-1]))
 
 
 class MedusaProposer(Proposer):
@@ -501,26 +541,34 @@ class MedusaProposer(Proposer):
         self.lm_rows: torch.Tensor | None = None  # [Vr, H] the target's own LM-head rows (heads without their own)
         if heads.projection is None:
             self.lm_rows = target.model.get_output_embeddings().weight.detach()[self.vocab_ids].to(dtype)
-        tree = check_tree(tree, heads.num_heads)
-        if max(max(p) for p in tree) >= len(vocab_ids):
-            raise ConfigError(
-                f"proposer.tree uses rank {max(max(p) for p in tree)}; the heads have {len(vocab_ids)} tokens"
-            )
-        self.tree = tree
-        index = {p: i for i, p in enumerate(tree)}
-        dev = target.device
-        self.parents = torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in tree], device=dev)
-        self.node_head = torch.tensor([len(p) - 1 for p in tree], device=dev)  # head index (depth - 1)
-        self.node_rank = torch.tensor([p[-1] for p in tree], device=dev)
-        self.depth_ends = [sum(1 for p in tree if len(p) <= d) for d in range(len(tree[-1]) + 1)]
-        self.top = max(p[-1] for p in tree) + 1  # candidates needed per head
-        self.used_heads = len(tree[-1])
+        self.num_heads = heads.num_heads
+        self._layouts: dict[tuple, TreeLayout] = {}  # tree (a tuple of paths) -> its layout, made once
+        self._use_tree(tree)
         self.feature: torch.Tensor | None = None  # h at the position that produced the current root
-        self.shape_choice: str | None = None  # how the tree was measured on this machine (fastest_tree)
+        self.shape_choice: str | None = None  # how the tree was measured on this machine (from_config)
         self.measured_shape: str | None = None  # that tree in a few words, "2-node tree" (None: not measured)
+        self.online: OnlineShapeChoice | None = None  # the tree re-chosen every step (config.adapt_shape)
+        self.whole = False  # whether the latest proposal drafted all of its tree
         self.threshold = resolve_confidence_threshold(
             config.confidence_threshold, saved_threshold, "the confidence_threshold saved with the heads"
         )  # minimum path probability of a proposed node
+
+    def _use_tree(self, tree: list[tuple[int, ...]] | tuple[tuple[int, ...], ...]) -> None:
+        """Draft `tree` (checked, and laid out once per tree) from the next step on."""
+        layout = self._layouts.get(tuple(tree))
+        if layout is None:
+            layout = TreeLayout.of(check_tree(list(tree), self.num_heads), len(self.vocab_ids), self.target.device)
+            self._layouts[tuple(tree)] = layout
+        self.tree, self.parents, self.node_head, self.node_rank = layout.tree, *layout.tensors
+        self.depth_ends, self.top, self.used_heads = layout.depth_ends, layout.top, layout.used_heads
+
+    def use_online_choice(self, candidates: list[ShapeCandidate], costs: StepCosts) -> None:
+        """Re-choose the tree every step among `candidates` (trees) and no draft (`config.adapt_shape`)."""
+        for candidate in candidates:
+            self._use_tree(candidate.shape)  # (each checked and laid out now, not in a step)
+        self.online = OnlineShapeChoice(candidates, costs)
+        self._use_tree(self.online.choose().shape)
+        self.measured_shape, self.shape_choice = self.online.said(self.measured_shape, self.shape_choice)
 
     @classmethod
     def train(cls, config: MedusaTrainConfig, target: torch.nn.Module, tokenizer, resume: bool = False) -> dict:
@@ -563,18 +611,26 @@ class MedusaProposer(Proposer):
             saved = saved_tree(meta, path, heads.num_heads) if saved_applies else None
             tree = saved or [c for c in DEFAULT_TREE if len(c) <= heads.num_heads]
         choice = check_shape_choice(meta.get("shape_choice"), f"{path}/medusa_config.json")
-        measured = None
+        candidates: list[ShapeCandidate] = []
         if choice == "measured" and config.tree is None and config.tree_nodes is None and target.device.type == "cpu":
             if not meta.get("path_counts"):
                 raise ModelLoadError(
                     f"medusa heads '{path}': shape_choice \"measured\" needs the heads' path_counts to choose from"
                 )
-            tree, measured = fastest_tree(saved_path_counts(meta, path, heads.num_heads), target.model)
+            # The tree fastest with the target timed on this machine (specframe/step_costs.py); the heads cost one
+            # small product per step whatever the tree, so only the verification forward's size is weighed.
+            costs = measure_step_costs(target.model)
+            candidates = tree_candidates(saved_path_counts(meta, path, heads.num_heads), costs)
+            tree = list(fastest_shape(candidates, costs).shape)
         saved = meta.get("confidence_threshold")
         check_confidence_threshold(saved, f"confidence_threshold in {path}/medusa_config.json")
         proposer = cls(config, target, heads, vocab_ids, tree, saved)
-        proposer.shape_choice = measured
-        proposer.measured_shape = f"{len(tree)}-node tree" if measured else None
+        if candidates:
+            proposer.measured_shape = f"{len(tree)}-node tree"
+            measured = f"measured: trees of 1-{len(candidates)} nodes, {costs.describe()}"
+            proposer.shape_choice = f"{proposer.measured_shape} ({measured})"
+            if config.adapt_shape:
+                proposer.use_online_choice(candidates, costs)
         return proposer
 
     @classmethod
@@ -607,14 +663,24 @@ class MedusaProposer(Proposer):
             # change through `.data`)
             forget_outdated([self.lm_rows])
         self.feature = hidden_states[-1][-1]
+        if self.online is not None:
+            self.online.reset()
 
     def accepted(self, result: Acceptance) -> None:
         self.feature = result.hidden_states[-1][-1]
+        if self.online is not None:
+            self.online.observe(len(result.accepted_nodes), self.whole)
 
     def end(self) -> None:
         self.feature = None
 
     def propose(self, state: DecodeState) -> Proposal:
+        self.whole = False
+        if self.online is not None:
+            shape = self.online.choose().shape
+            if shape is None:  # (a plain step)
+                return Proposal.empty(state.tokens.device)
+            self._use_tree(shape)
         depth = min(self.used_heads, state.max_depth)
         if depth == 0 or self.feature is None:
             return Proposal.empty(state.tokens.device)
@@ -636,6 +702,7 @@ class MedusaProposer(Proposer):
         parents = self.parents[:n].clone()
         if self.threshold > 0:
             tokens, parents = self._confident(logits, top, tokens, parents, depth)
+        self.whole = tokens.numel() == len(self.tree)  # (the whole tree, not cut by the token budget or threshold)
         det = torch.ones(tokens.numel(), dtype=torch.bool, device=tokens.device)
         return Proposal(tokens, parents, det)
 
