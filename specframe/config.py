@@ -51,7 +51,8 @@ class TargetConfig:
     def __post_init__(self) -> None:
         check_field_types(self, "target.")
         # (the spelling only: whether CUDA is there is known when the model loads, specframe.models.resolve_device)
-        if str(self.dtype).strip().lower().removeprefix("torch.") not in TARGET_DTYPES:  # (a torch.dtype too)
+        dtype = self.dtype if isinstance(self.dtype, str) else str(self.dtype).removeprefix("torch.")  # (torch.dtype)
+        if dtype.strip().lower() not in TARGET_DTYPES:
             raise ConfigError(f"target.dtype must be one of auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(self.device).strip().lower()):
             raise ConfigError(f"target.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")

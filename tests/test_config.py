@@ -138,6 +138,10 @@ def test_packaged_configs_load_by_name(tmp_path, monkeypatch):
         (["proposer=${oops}"], r"^proposer: Interpolation key 'oops' not found"),
         # (before: accepted here, refused when the model loaded, by a message without the key)
         (["target.dtype=float64"], r"^target.dtype must be one of auto, float32, bfloat16 or float16, got 'float64'$"),
+        (
+            ["target.dtype=torch.float16"],
+            r"^target.dtype must be one of .*, got 'torch.float16'$",
+        ),  # (the text; a torch.dtype itself is read)
         (["target.device=gpu"], r"^target.device must be auto, cpu, cuda or cuda:N, got 'gpu'$"),
         (["target.device=cuda:x"], r"^target.device must be auto, cpu, cuda or cuda:N, got 'cuda:x'$"),
     ],

@@ -511,6 +511,7 @@ def test_heads_may_have_their_cpu_tree_measured_on_the_machine(trained, tmp_path
     write({**meta, "shape_choice": "measured", "tree": [[0]], "shape_tuned_on": "cpu"})
     info = target_info(target)
     config = MedusaConfig(model=str(tmp_path / "tuned"))
+    monkeypatch.setattr(medusa, "relative_cost", lambda call, model: call() is None or 0.0)  # (a head: free)
     for relative, nodes in (((1.0, 1.0, 1.0, 1.0), 3), ((1.0, 1.0, 9.0, 9.0), 1)):
         monkeypatch.setattr(medusa, "measure_step_costs", lambda model, r=relative: StepCosts(0.01, r))
         p = MedusaProposer.from_config(config, info)
@@ -532,6 +533,16 @@ def test_heads_may_have_their_cpu_tree_measured_on_the_machine(trained, tmp_path
             shares[len(path) - 1] += counts["counts"].get(",".join(map(str, path)), 0) / counts["positions"]
         assert c.reach == pytest.approx(shares) and [len(c.shape) for c in candidates] == [1, 2, 3]
         assert c.accepted_length == pytest.approx(1 + sum(c.reach)) and c.verify_tokens == len(c.shape) + 1
+    # A head's product is timed (its logits' top candidate), and weighed once per level of a tree, in the load-time
+    # choice and in each step's.
+    timed = []
+    monkeypatch.setattr(medusa, "measure_step_costs", lambda model: StepCosts(0.01, (1.0, 1.0, 1.0, 1.0)))
+    monkeypatch.setattr(medusa, "relative_cost", lambda call, model: timed.append(call()) or 0.5)
+    p = MedusaProposer.from_config(config, info)
+    assert len(timed) == 1 and timed[0].indices.shape == (1, 1) and ", a head 0.50) at first" in p.shape_choice
+    assert [c.drafter_forwards for c in candidates] == [len(c.shape[-1]) for c in candidates]
+    assert p.online.cost[1:] == [1.0 + 0.5 * c.drafter_forwards for c in candidates]
+    monkeypatch.setattr(medusa, "relative_cost", lambda call, model: 0.0)
     # Two nodes win when a third token costs more than its expected gain and a second one costs nothing.
     one, two, three = (expected_accepted_length(counts, best_tree(counts, n)) for n in (1, 2, 3))
     monkeypatch.setattr(medusa, "measure_step_costs", lambda model: StepCosts(0.01, (1.0, 1.0, 1.0, 2 * three / two)))

@@ -442,7 +442,7 @@ def test_a_step_cut_short_by_the_token_budget_is_not_counted_as_its_shape(name):
 
     target = tiny_llama(vocab_size=16, seed=0, hidden_size=32, num_layers=3)
     proposer = switching(name).random(target_info(target), seed=1)
-    proposer.online.current = len(proposer.online.candidates) - 1
+    proposer.online.first = len(proposer.online.candidates) - 1  # (where `begin` starts the choice)
     tokens = torch.tensor([1, 2, 3, 4])
     assert fresh_proposal(proposer, target, tokens).tokens.numel() == (2 if name == "medusa" else 3)
     assert proposer.whole

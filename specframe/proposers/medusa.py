@@ -62,6 +62,7 @@ from specframe.step_costs import (
     check_shape_choice,
     fastest_shape,
     measure_step_costs,
+    relative_cost,
 )
 from specframe.training.medusa import MedusaTrainConfig
 
@@ -476,10 +477,11 @@ def saved_path_counts(meta: dict, path: str | Path, num_heads: int) -> dict:
 
 
 def tree_candidates(path_counts: dict, costs: StepCosts) -> list[ShapeCandidate]:
-    """The trees a CPU chooses from (`MedusaProposer.from_config`): the best of each size from 1 to
+    """The trees a CPU chooses from (`MedusaProposer.use_fastest_tree`): the best of each size from 1 to
     MAX_VERIFY_TOKENS - 1 nodes by held-out path counts (`shape`: the tree, a tuple of paths), each with its
-    expected accepted length and, for step_costs.OnlineShapeChoice, each depth's held-out chance of acceptance
-    (the paths at one depth are distinct candidates of the same head: at most one of them matches)."""
+    expected accepted length, a head's product per level (`drafter_forwards`) and, for
+    step_costs.OnlineShapeChoice, each depth's held-out chance of acceptance (the paths at one depth are
+    distinct candidates of the same head: at most one of them matches)."""
     from specframe.training.medusa import best_tree, expected_accepted_length, key
 
     positions = max(1, path_counts["positions"])
@@ -491,7 +493,7 @@ def tree_candidates(path_counts: dict, costs: StepCosts) -> list[ShapeCandidate]
             for depth in range(1, len(tree[-1]) + 1)
         )
         accepted = expected_accepted_length(path_counts, tree)
-        candidates.append(ShapeCandidate(tuple(tree), accepted, len(tree) + 1, reach=reach))
+        candidates.append(ShapeCandidate(tuple(tree), accepted, len(tree) + 1, len(reach), reach))
     return candidates
 
 
@@ -555,20 +557,35 @@ class MedusaProposer(Proposer):
 
     def _use_tree(self, tree: list[tuple[int, ...]] | tuple[tuple[int, ...], ...]) -> None:
         """Draft `tree` (checked, and laid out once per tree) from the next step on."""
-        layout = self._layouts.get(tuple(tree))
+        key = tuple(map(tuple, tree))  # (paths given as lists too)
+        layout = self._layouts.get(key)
         if layout is None:
             layout = TreeLayout.of(check_tree(list(tree), self.num_heads), len(self.vocab_ids), self.target.device)
-            self._layouts[tuple(tree)] = layout
+            self._layouts[key] = layout
         self.tree, self.parents, self.node_head, self.node_rank = layout.tree, *layout.tensors
         self.depth_ends, self.top, self.used_heads = layout.depth_ends, layout.top, layout.used_heads
 
-    def use_online_choice(self, candidates: list[ShapeCandidate], costs: StepCosts) -> None:
-        """Re-choose the tree every step among `candidates` (trees) and no draft (`config.adapt_shape`)."""
+    def use_fastest_tree(self, path_counts: dict) -> None:
+        """Draft the tree of `tree_candidates` that is fastest on this machine (specframe/step_costs.py): the
+        target's forwards and a head's product (its residual blocks and its logits, the top candidate) timed here;
+        with `config.adapt_shape`, re-chosen every step among those trees and no draft."""
+        costs = measure_step_costs(self.target.model)
+        feature = torch.zeros(self.target.hidden_size, dtype=self.dtype, device=self.target.device)
+        with torch.no_grad():
+            head_cost = relative_cost(lambda: self._head_logits(feature, 1).topk(1), self.target.model)
+        candidates = tree_candidates(path_counts, costs)
+        best = fastest_shape(candidates, costs, head_cost)
         for candidate in candidates:
             self._use_tree(candidate.shape)  # (each checked and laid out now, not in a step)
-        self.online = OnlineShapeChoice(candidates, costs)
-        self._use_tree(self.online.choose().shape)
-        self.measured_shape, self.shape_choice = self.online.said(self.measured_shape, self.shape_choice)
+        self._use_tree(best.shape)
+        self.measured_shape = f"{len(best.shape)}-node tree"
+        self.shape_choice = (
+            f"{self.measured_shape} (measured: trees of 1-{len(candidates)} nodes, {costs.describe()}, a head "
+            f"{head_cost:.2f})"
+        )
+        if self.config.adapt_shape:
+            self.online = OnlineShapeChoice(candidates, costs, head_cost)
+            self.measured_shape, self.shape_choice = self.online.said(self.measured_shape, self.shape_choice)
 
     @classmethod
     def train(cls, config: MedusaTrainConfig, target: torch.nn.Module, tokenizer, resume: bool = False) -> dict:
@@ -611,26 +628,16 @@ class MedusaProposer(Proposer):
             saved = saved_tree(meta, path, heads.num_heads) if saved_applies else None
             tree = saved or [c for c in DEFAULT_TREE if len(c) <= heads.num_heads]
         choice = check_shape_choice(meta.get("shape_choice"), f"{path}/medusa_config.json")
-        candidates: list[ShapeCandidate] = []
-        if choice == "measured" and config.tree is None and config.tree_nodes is None and target.device.type == "cpu":
-            if not meta.get("path_counts"):
-                raise ModelLoadError(
-                    f"medusa heads '{path}': shape_choice \"measured\" needs the heads' path_counts to choose from"
-                )
-            # The tree fastest with the target timed on this machine (specframe/step_costs.py); the heads cost one
-            # small product per step whatever the tree, so only the verification forward's size is weighed.
-            costs = measure_step_costs(target.model)
-            candidates = tree_candidates(saved_path_counts(meta, path, heads.num_heads), costs)
-            tree = list(fastest_shape(candidates, costs).shape)
+        measured = choice == "measured" and config.tree is None and config.tree_nodes is None
+        if measured and target.device.type == "cpu" and not meta.get("path_counts"):
+            raise ModelLoadError(
+                f"medusa heads '{path}': shape_choice \"measured\" needs the heads' path_counts to choose from"
+            )
         saved = meta.get("confidence_threshold")
         check_confidence_threshold(saved, f"confidence_threshold in {path}/medusa_config.json")
         proposer = cls(config, target, heads, vocab_ids, tree, saved)
-        if candidates:
-            proposer.measured_shape = f"{len(tree)}-node tree"
-            measured = f"measured: trees of 1-{len(candidates)} nodes, {costs.describe()}"
-            proposer.shape_choice = f"{proposer.measured_shape} ({measured})"
-            if config.adapt_shape:
-                proposer.use_online_choice(candidates, costs)
+        if measured and target.device.type == "cpu":
+            proposer.use_fastest_tree(saved_path_counts(meta, path, heads.num_heads))
         return proposer
 
     @classmethod
@@ -685,14 +692,7 @@ class MedusaProposer(Proposer):
         if depth == 0 or self.feature is None:
             return Proposal.empty(state.tokens.device)
         n = self.depth_ends[depth]  # nodes are sorted by depth: the first n are those within reach
-        h = self.feature.to(self.dtype)
-        feats = torch.stack([self.heads.heads[k](h) for k in range(depth)])  # [depth, H]
-        if self.lm_rows is None:  # heads from the Medusa repository: each its own projection, [depth, V]
-            logits = own_logits(feats, self.heads.projection)
-        elif self.target.fast_cpu_kernels:  # [depth, Vr]; on the target's CPU kernels, the faster layout for few rows
-            logits = few_rows_linear(feats, self.lm_rows)
-        else:
-            logits = feats @ self.lm_rows.T
+        logits = self._head_logits(self.feature.to(self.dtype), depth)
         # (with penalties, every head's as the target's row after the root has them: its history, not the tree's
         # paths, as the tree is one shape for all heads' candidates)
         logits = state.penalised(logits, columns=self.vocab_ids)
@@ -705,6 +705,16 @@ class MedusaProposer(Proposer):
         self.whole = tokens.numel() == len(self.tree)  # (the whole tree, not cut by the token budget or threshold)
         det = torch.ones(tokens.numel(), dtype=torch.bool, device=tokens.device)
         return Proposal(tokens, parents, det)
+
+    def _head_logits(self, h: torch.Tensor, depth: int) -> torch.Tensor:
+        """Heads 1..`depth`'s logits ([depth, Vr]; heads from the Medusa repository: [depth, V]) from the feature
+        `h` ([H])."""
+        feats = torch.stack([self.heads.heads[k](h) for k in range(depth)])  # [depth, H]
+        if self.lm_rows is None:  # heads from the Medusa repository: each its own projection, [depth, V]
+            return own_logits(feats, self.heads.projection)
+        if self.target.fast_cpu_kernels:  # [depth, Vr]; on the target's CPU kernels, the faster layout for few rows
+            return few_rows_linear(feats, self.lm_rows)
+        return feats @ self.lm_rows.T
 
     def _confident(self, logits, top, tokens, parents, depth):
         """Keep the tree's first node and the nodes whose path probability reaches the threshold (a set closed
