@@ -381,17 +381,45 @@ class OnlineShapeChoice:
         speeds = [c.expected_length(self.scale) / cost for c, cost in zip(self.candidates, self.cost, strict=True)]
         return max(range(1 if drafting else 0, len(speeds)), key=speeds.__getitem__)
 
-    def said(self, measured_shape: str, shape_choice: str) -> tuple[str, str]:
-        """A proposer's `measured_shape` and `shape_choice` (its load-time shape in a few words, and how it was
-        chosen) once this choice re-chooses the shape each step."""
-        return (
-            f"{measured_shape} at first (re-chosen each step by the acceptance so far)",
-            f"{shape_choice} at first; then {self.describe()}",
-        )
-
     def describe(self) -> str:
         """The choice in words, for reports."""
         return (
             f"re-chosen every step from this generation's acceptance so far, a plain step among the shapes (prior: "
             f"{self.prior_steps:g} steps of the held-out acceptance; memory {self.memory:g} a step)"
         )
+
+
+@dataclass(frozen=True)
+class MeasuredChoice:
+    """A proposer's shape chosen at load from this machine's timings (`choose_measured`)."""
+
+    best: ShapeCandidate  # the candidate expected fastest: where every generation starts
+    online: OnlineShapeChoice | None  # the shape re-chosen every step (a proposer's `adapt_shape`), or None
+    measured_shape: str  # the shape in a few words ("chain of 2"), for the stats line
+    shape_choice: str  # that, and how it was chosen, for the benchmark's method description
+
+
+def choose_measured(
+    candidates: Sequence[ShapeCandidate],
+    costs: StepCosts,
+    drafter_cost: float,
+    adapt: bool,
+    words: Callable[[Any], str],
+    searched: str,
+    drafter: str,
+) -> MeasuredChoice:
+    """The fastest of `candidates` with the target's `costs` and a drafter forward of `drafter_cost` (`fastest_shape`)
+    and, with `adapt`, an OnlineShapeChoice starting there; `words` says a shape in a few words, `searched` what the
+    candidates were ("γ of 1-3") and `drafter` what was timed with the target ("a draft step")."""
+    best = fastest_shape(candidates, costs, drafter_cost)
+    shape = words(best.shape)
+    how = f"{shape} (measured: {searched}, {costs.describe()}, {drafter} {drafter_cost:.2f})"
+    if not adapt:
+        return MeasuredChoice(best, None, shape, how)
+    online = OnlineShapeChoice(candidates, costs, drafter_cost)
+    return MeasuredChoice(
+        best,
+        online,
+        f"{shape} at first (re-chosen each step by the acceptance so far)",
+        f"{how} at first; then {online.describe()}",
+    )

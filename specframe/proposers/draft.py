@@ -51,7 +51,7 @@ from specframe.step_costs import (
     OnlineShapeChoice,
     ShapeCandidate,
     check_shape_choice,
-    fastest_shape,
+    choose_measured,
     measure_step_costs,
     relative_cost,
 )
@@ -220,17 +220,11 @@ class DraftProposer(Proposer):
                 cache.crop(-1)
 
             draft_cost = relative_cost(step, self.target.model)
-        best = fastest_shape(candidates, costs, draft_cost)
-        self.gamma = best.shape
-        self.measured_shape = f"γ = {best.shape}"
-        self.shape_choice = (
-            f"{self.measured_shape} (measured: γ of 1-{len(candidates)}, {costs.describe()}, "
-            f"a draft step {draft_cost:.2f})"
-        )
-        if self.config.adapt_shape:
-            self.online = OnlineShapeChoice(candidates, costs, draft_cost)
-            self.measured_shape, self.shape_choice = self.online.said(self.measured_shape, self.shape_choice)
-        return best
+        words, searched, adapt = lambda gamma: f"γ = {gamma}", f"γ of 1-{len(candidates)}", self.config.adapt_shape
+        choice = choose_measured(candidates, costs, draft_cost, adapt, words, searched, "a draft step")
+        self.gamma, self.online = choice.best.shape, choice.online
+        self.measured_shape, self.shape_choice = choice.measured_shape, choice.shape_choice
+        return choice.best
 
     def begin(self, prompt: torch.Tensor, hidden_states: dict[int, torch.Tensor]) -> None:
         self.cache = new_cache(self.model)

@@ -64,7 +64,7 @@ from specframe.step_costs import (
     OnlineShapeChoice,
     ShapeCandidate,
     check_shape_choice,
-    fastest_shape,
+    choose_measured,
     measure_step_costs,
     relative_cost,
 )
@@ -608,17 +608,11 @@ class EagleProposer(Proposer):
                 cache.crop(-1)
 
             drafter_cost = relative_cost(step, self.target.model)
-        best = fastest_shape(candidates, costs, drafter_cost)
-        self.depth, self.top_k, self.total_tokens = best.shape
-        self.measured_shape = best.shape.describe()
-        self.shape_choice = (
-            f"{self.measured_shape} (measured: {len(candidates)} shapes, {costs.describe()}, a drafter step "
-            f"{drafter_cost:.2f})"
-        )
-        if self.config.adapt_shape:
-            self.online = OnlineShapeChoice(candidates, costs, drafter_cost)
-            self.measured_shape, self.shape_choice = self.online.said(self.measured_shape, self.shape_choice)
-        return best
+        words, searched, adapt = EagleShape.describe, f"{len(candidates)} shapes", self.config.adapt_shape
+        choice = choose_measured(candidates, costs, drafter_cost, adapt, words, searched, "a drafter step")
+        (self.depth, self.top_k, self.total_tokens), self.online = choice.best.shape, choice.online
+        self.measured_shape, self.shape_choice = choice.measured_shape, choice.shape_choice
+        return choice.best
 
     # ------------------------------------------------------------------ state
 

@@ -60,7 +60,7 @@ from specframe.step_costs import (
     ShapeCandidate,
     StepCosts,
     check_shape_choice,
-    fastest_shape,
+    choose_measured,
     measure_step_costs,
     relative_cost,
 )
@@ -574,18 +574,12 @@ class MedusaProposer(Proposer):
         with torch.no_grad():
             head_cost = relative_cost(lambda: self._head_logits(feature, 1).topk(1), self.target.model)
         candidates = tree_candidates(path_counts, costs)
-        best = fastest_shape(candidates, costs, head_cost)
         for candidate in candidates:
             self._use_tree(candidate.shape)  # (each checked and laid out now, not in a step)
-        self._use_tree(best.shape)
-        self.measured_shape = f"{len(best.shape)}-node tree"
-        self.shape_choice = (
-            f"{self.measured_shape} (measured: trees of 1-{len(candidates)} nodes, {costs.describe()}, a head "
-            f"{head_cost:.2f})"
-        )
-        if self.config.adapt_shape:
-            self.online = OnlineShapeChoice(candidates, costs, head_cost)
-            self.measured_shape, self.shape_choice = self.online.said(self.measured_shape, self.shape_choice)
+        words, searched = lambda tree: f"{len(tree)}-node tree", f"trees of 1-{len(candidates)} nodes"
+        choice = choose_measured(candidates, costs, head_cost, self.config.adapt_shape, words, searched, "a head")
+        self._use_tree(choice.best.shape)
+        self.online, self.measured_shape, self.shape_choice = choice.online, choice.measured_shape, choice.shape_choice
 
     @classmethod
     def train(cls, config: MedusaTrainConfig, target: torch.nn.Module, tokenizer, resume: bool = False) -> dict:
