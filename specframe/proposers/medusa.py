@@ -502,7 +502,9 @@ class TreeLayout:
     """A tree as `propose` reads it: its paths sorted by depth, each node's parent index, head and rank."""
 
     tree: list[tuple[int, ...]]  # the paths, sorted by depth then ranks (check_tree)
-    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # parents (-1: the root), head (depth - 1), rank
+    parents: torch.Tensor  # each node's parent index (-1: the root)
+    node_head: torch.Tensor  # each node's head (depth - 1)
+    node_rank: torch.Tensor  # each node's rank among its head's candidates
     depth_ends: list[int]  # [d]: how many nodes are at most d deep
     top: int  # candidates needed per head
     used_heads: int  # the tree's depth
@@ -517,7 +519,7 @@ class TreeLayout:
         heads = torch.tensor([len(p) - 1 for p in tree], device=device)
         ranks = torch.tensor([p[-1] for p in tree], device=device)
         depth_ends = [sum(1 for p in tree if len(p) <= d) for d in range(len(tree[-1]) + 1)]
-        return cls(tree, (parents, heads, ranks), depth_ends, max(p[-1] for p in tree) + 1, len(tree[-1]))
+        return cls(tree, parents, heads, ranks, depth_ends, max(p[-1] for p in tree) + 1, len(tree[-1]))
 
 
 class MedusaProposer(Proposer):
@@ -545,6 +547,7 @@ class MedusaProposer(Proposer):
             self.lm_rows = target.model.get_output_embeddings().weight.detach()[self.vocab_ids].to(dtype)
         self.num_heads = heads.num_heads
         self._layouts: dict[tuple, TreeLayout] = {}  # tree (a tuple of paths) -> its layout, made once
+        self.layout: TreeLayout  # the tree drafted now (`_use_tree`)
         self._use_tree(tree)
         self.feature: torch.Tensor | None = None  # h at the position that produced the current root
         self.shape_choice: str | None = None  # how the tree was measured on this machine (from_config)
@@ -562,8 +565,17 @@ class MedusaProposer(Proposer):
         if layout is None:
             layout = TreeLayout.of(check_tree(list(tree), self.num_heads), len(self.vocab_ids), self.target.device)
             self._layouts[key] = layout
-        self.tree, self.parents, self.node_head, self.node_rank = layout.tree, *layout.tensors
-        self.depth_ends, self.top, self.used_heads = layout.depth_ends, layout.top, layout.used_heads
+        self.layout = layout
+
+    @property
+    def tree(self) -> list[tuple[int, ...]]:
+        """The tree drafted now (its paths, sorted by depth then ranks)."""
+        return self.layout.tree
+
+    @property
+    def used_heads(self) -> int:
+        """The heads the tree drafted now reads: its depth."""
+        return self.layout.used_heads
 
     def use_fastest_tree(self, path_counts: dict) -> None:
         """Draft the tree of `tree_candidates` that is fastest on this machine (specframe/step_costs.py): the
@@ -622,15 +634,16 @@ class MedusaProposer(Proposer):
             saved = saved_tree(meta, path, heads.num_heads) if saved_applies else None
             tree = saved or [c for c in DEFAULT_TREE if len(c) <= heads.num_heads]
         choice = check_shape_choice(meta.get("shape_choice"), f"{path}/medusa_config.json")
-        measured = choice == "measured" and config.tree is None and config.tree_nodes is None
-        if measured and target.device.type == "cpu" and not meta.get("path_counts"):
+        configured = config.tree is not None or config.tree_nodes is not None
+        measured = choice == "measured" and not configured and target.device.type == "cpu"
+        if measured and not meta.get("path_counts"):
             raise ModelLoadError(
                 f"medusa heads '{path}': shape_choice \"measured\" needs the heads' path_counts to choose from"
             )
         saved = meta.get("confidence_threshold")
         check_confidence_threshold(saved, f"confidence_threshold in {path}/medusa_config.json")
         proposer = cls(config, target, heads, vocab_ids, tree, saved)
-        if measured and target.device.type == "cpu":
+        if measured:
             proposer.use_fastest_tree(saved_path_counts(meta, path, heads.num_heads))
         return proposer
 
@@ -682,21 +695,22 @@ class MedusaProposer(Proposer):
             if shape is None:  # (a plain step)
                 return Proposal.empty(state.tokens.device)
             self._use_tree(shape)
-        depth = min(self.used_heads, state.max_depth)
+        layout = self.layout
+        depth = min(layout.used_heads, state.max_depth)
         if depth == 0 or self.feature is None:
             return Proposal.empty(state.tokens.device)
-        n = self.depth_ends[depth]  # nodes are sorted by depth: the first n are those within reach
+        n = layout.depth_ends[depth]  # nodes are sorted by depth: the first n are those within reach
         logits = self._head_logits(self.feature.to(self.dtype), depth)
         # (with penalties, every head's as the target's row after the root has them: its history, not the tree's
         # paths, as the tree is one shape for all heads' candidates)
         logits = state.penalised(logits, columns=self.vocab_ids)
-        top = logits.topk(self.top, dim=-1).indices  # [depth, top] positions in the reduced vocabulary
+        top = logits.topk(layout.top, dim=-1).indices  # [depth, top] positions in the reduced vocabulary
         cand = self.vocab_ids[top]
-        tokens = cand[self.node_head[:n], self.node_rank[:n]]
-        parents = self.parents[:n].clone()
+        tokens = cand[layout.node_head[:n], layout.node_rank[:n]]
+        parents = layout.parents[:n].clone()
         if self.threshold > 0:
             tokens, parents = self._confident(logits, top, tokens, parents, depth)
-        self.whole = tokens.numel() == len(self.tree)  # (the whole tree, not cut by the token budget or threshold)
+        self.whole = tokens.numel() == len(layout.tree)  # (the whole tree, not cut by the token budget or threshold)
         det = torch.ones(tokens.numel(), dtype=torch.bool, device=tokens.device)
         return Proposal(tokens, parents, det)
 
@@ -715,9 +729,10 @@ class MedusaProposer(Proposer):
         under ancestors, since a path's probability only falls as it deepens), re-indexing their parents."""
         n = tokens.numel()
         probs = logits.float().softmax(-1).gather(1, top)  # [depth, top] each head's candidate probabilities
-        path = probs[self.node_head[:n], self.node_rank[:n]]
+        layout = self.layout
+        path = probs[layout.node_head[:n], layout.node_rank[:n]]
         for d in range(1, depth):  # nodes are sorted by depth; multiply in each parent's path probability
-            lo, hi = self.depth_ends[d], self.depth_ends[d + 1]
+            lo, hi = layout.depth_ends[d], layout.depth_ends[d + 1]
             path[lo:hi] = path[lo:hi] * path[parents[lo:hi]]
         keep = path >= self.threshold
         keep[0] = True  # the tree's first node: its best-ranked depth-1 choice ((0,), head 1's best, by default)
