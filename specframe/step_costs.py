@@ -294,6 +294,10 @@ class OnlineShapeChoice:
     are chosen the observations fade and the estimate returns towards the held-out one, and after PROBE_AFTER
     plain steps in a row one step drafts anyway, so drafting resumes now and then and the choice can change back.
 
+    A step is: `choose()`, the proposer drafting, `drafted(nodes, depth)` (what it drafted), then `observe(accepted)`
+    after verification. Only a step that drafted its whole shape is counted (`drafted`): one cut short says
+    nothing of the shape's acceptance.
+
     Which shape a step drafts depends only on earlier steps' outcomes, so exactness is untouched (the rule is
     exact for any proposal made before the step's target forward)."""
 
@@ -332,21 +336,31 @@ class OnlineShapeChoice:
         self.scale = 1.0
         self.plain_run = 0  # plain steps in a row
         self.current = self.first
+        self.whole = False  # whether the step being verified drafted all of its shape (`drafted`)
 
     def choose(self) -> ShapeCandidate:
         """The shape for the next step."""
         return self.candidates[self.current]
 
-    def observe(self, accepted: int, whole: bool = True) -> None:
+    def drafted(self, nodes: int, depth: int) -> None:
+        """The proposal of the latest `choose()` holds `nodes` nodes, drafted to at most `depth` levels (the
+        shape's own depth unless the generation's token budget cut it). It is that shape whole when both are the
+        shape's (`verify_tokens - 1` nodes, `len(reach)` levels); a step cut short (by the token budget or a
+        confidence threshold) is not counted by `observe`. A tree cut to one level can hold as many nodes as the
+        whole shape, all at depth 1, which is why the depth is compared too. Not called: not counted."""
+        shape = self.candidates[self.current]
+        self.whole = nodes == shape.verify_tokens - 1 and depth == len(shape.reach)
+
+    def observe(self, accepted: int) -> None:
         """The step drafted with the latest `choose()` accepted `accepted` of its drafts (0 for a plain step).
-        `whole` false: the step drafted less than that shape (cut by the token budget or a confidence threshold),
-        so it says nothing of the shape's acceptance and is not counted."""
+        Counted only where `drafted` said the step drafted its whole shape; the next step's shape is chosen."""
         m = self.memory
         self.steps = [n * m for n in self.steps]
         self.accepted *= m
-        if self.current and whole:  # (a plain step says nothing of the drafts' acceptance)
+        if self.current and self.whole:  # (a plain step says nothing of the drafts' acceptance)
             self.steps[self.current] += 1
             self.accepted += accepted
+        self.whole = False
         self.plain_run = 0 if self.current else self.plain_run + 1
         self.scale = self._fitted_scale()
         self.current = self._fastest()
@@ -411,12 +425,12 @@ def choose_measured(
     """The fastest of `candidates` with the target's `costs` and a drafter forward of `drafter_cost` (`fastest_shape`)
     and, with `adapt`, an OnlineShapeChoice starting there; `words` says a shape in a few words, `searched` what the
     candidates were ("γ of 1-3") and `drafter` what was timed with the target ("a draft step")."""
-    best = fastest_shape(candidates, costs, drafter_cost)
+    online = OnlineShapeChoice(candidates, costs, drafter_cost) if adapt else None
+    best = online.choose() if online else fastest_shape(candidates, costs, drafter_cost)  # (the same one)
     shape = words(best.shape)
     how = f"{shape} (measured: {searched}, {costs.describe()}, {drafter} {drafter_cost:.2f})"
-    if not adapt:
+    if online is None:
         return MeasuredChoice(best, None, shape, how)
-    online = OnlineShapeChoice(candidates, costs, drafter_cost)
     return MeasuredChoice(
         best,
         online,

@@ -56,19 +56,26 @@ REACHED = [
 ]
 
 
+def whole_step(online: OnlineShapeChoice, accepted: int) -> None:
+    """A step that drafted the shape chosen for it whole (`drafted`), then had `accepted` of its drafts accepted."""
+    shape = online.choose()
+    online.drafted(shape.verify_tokens - 1, len(shape.reach))
+    online.observe(accepted)
+
+
 def test_the_online_choice_starts_where_the_load_time_choice_does_and_follows_the_acceptance_seen():
     free = StepCosts(0.01, (1.0, 1.05, 1.1, 1.15))
     online = OnlineShapeChoice(REACHED, free, drafter_cost=0.05)
     assert online.choose() is fastest_shape(REACHED, free, 0.05) and online.scale == 1.0
     # Every draft accepted: the acceptance seen is twice the held-out one, and the deepest chain pays.
     for _ in range(30):
-        online.observe(online.choose().shape or 0)
+        whole_step(online, online.choose().shape or 0)
     assert online.choose().shape == 3 and online.scale == pytest.approx(online.most, abs=2e-3)
     # Nothing accepted in a new generation: within a few steps, the plain step, which costs least.
     online.reset()
     drafted = 0
     while online.choose() is not PLAIN_STEP:
-        online.observe(0)
+        whole_step(online, 0)
         drafted += 1
     assert 3 < drafted < 20 and online.scale < 0.2, drafted
     # Plain steps say nothing of the drafts: what was seen fades and the held-out acceptance returns, so drafting
@@ -76,7 +83,7 @@ def test_the_online_choice_starts_where_the_load_time_choice_does_and_follows_th
     plain = 0
     for _ in range(200):
         plain += online.choose() is PLAIN_STEP
-        online.observe(0)
+        whole_step(online, 0)
     assert 0.5 < plain / 200 < 0.95, plain  # (59% with these costs)
     online.reset()  # (a new generation: the load-time choice again)
     assert online.choose() is fastest_shape(REACHED, free, 0.05) and online.scale == 1.0
@@ -90,22 +97,35 @@ def test_a_generation_starts_with_the_load_time_choice_and_plain_steps_are_probe
     costs = StepCosts(0.01, (1.0, 1.04, 1.10, 1.26))
     online = OnlineShapeChoice(low, costs, drafter_cost=0.2)
     assert online.choose() is fastest_shape(low, costs, 0.2) and online.candidates[online.first] is online.choose()
-    online.observe(0)
+    whole_step(online, 0)
     assert online.choose() is PLAIN_STEP
     drafted = []
     for _ in range(3 * (step_costs.PROBE_AFTER + 1)):
         drafted.append(online.choose() is not PLAIN_STEP)
-        online.observe(0)
+        whole_step(online, 0)
     assert [i for i, d in enumerate(drafted) if d] == [16, 33, 50]
     online.current = online.first  # (a probe accepted: the estimate rises, drafting goes on)
-    online.observe(1)
+    whole_step(online, 1)
     assert online.choose() is not PLAIN_STEP and online.scale > 1
-    # A step cut short (`whole` false: the token budget, a confidence threshold) is not counted: nothing accepted
-    # there lowers the estimate only as a plain step's fading does, not as a counted rejection.
-    counted, cut = copy.deepcopy(online), copy.deepcopy(online)
-    counted.observe(0)
-    cut.observe(0, whole=False)
-    assert cut.scale > counted.scale and cut.steps == [0.95 * n for n in online.steps]
+    # A step cut short (by the token budget, a confidence threshold) is not counted: nothing accepted there lowers
+    # the estimate only as a plain step's fading does, not as a counted rejection. Cut short: fewer nodes than the
+    # shape's, or fewer levels (a tree cut to one level can hold as many nodes), or `drafted` not told at all.
+    shape = online.choose()
+    nodes, depth = shape.verify_tokens - 1, len(shape.reach)
+    counted = copy.deepcopy(online)
+    whole_step(counted, 0)
+    assert counted.steps != [0.95 * n for n in online.steps]
+    for told in ((nodes - 1, depth), (nodes, depth - 1), None):
+        cut = copy.deepcopy(online)
+        if told:
+            cut.drafted(*told)
+        cut.observe(0)
+        assert cut.scale > counted.scale and cut.steps == [0.95 * n for n in online.steps], told
+    # What `drafted` said counts for its own step only: the step after it is not counted unless told again.
+    again = copy.deepcopy(counted)
+    again.current = again.first
+    again.observe(0)
+    assert again.steps == [0.95 * n for n in counted.steps]
 
 
 def test_the_online_scale_is_fitted_to_the_steps_seen_and_the_prior():
@@ -113,9 +133,9 @@ def test_the_online_scale_is_fitted_to_the_steps_seen_and_the_prior():
     chain = ShapeCandidate(1, 1.5, 2, 1, reach=(0.5,))
     costs = StepCosts(0.01, (1.0, 1.0, 1.0, 1.0))
     online = OnlineShapeChoice([chain], costs, prior_steps=3.0, memory=0.0)
-    online.observe(1)
+    whole_step(online, 1)
     assert online.scale == pytest.approx((1 + 3 * 0.5) / (4 * 0.5), abs=1e-3)  # (capped at 1 / 0.5 = 2: 1.25)
-    online.observe(0)
+    whole_step(online, 0)
     assert online.scale == pytest.approx((0 + 3 * 0.5) / (4 * 0.5), abs=1e-3)
     # Depth k's reach scales as s^k: a chain of 2's expected tokens at s = 0.5 is 1 + 0.5 * 0.5 + 0.25 * 0.25.
     assert REACHED[1].expected_length(0.5) == pytest.approx(1 + 0.509 * 0.5 + 0.227 * 0.25)
@@ -129,9 +149,9 @@ def test_the_online_scale_is_fitted_to_the_steps_seen_and_the_prior():
     # Steps of two shapes: each is expected what its own shape expects at the scale.
     online = OnlineShapeChoice(REACHED, costs, prior_steps=1.0, memory=0.5)
     online.current = 1
-    online.observe(1)  # (chain of 1, one accepted)
+    whole_step(online, 1)  # (chain of 1, one accepted)
     online.current = 2
-    online.observe(0)  # (chain of 2, none)
+    whole_step(online, 0)  # (chain of 2, none)
     s = online.scale
     seen = 0.5 * (REACHED[0].expected_length(s) - 1) + (REACHED[1].expected_length(s) - 1)
     assert seen + (REACHED[0].expected_length(s) - 1) == pytest.approx(0.5 * 1 + 0 + 0.509, abs=2e-3)
@@ -423,10 +443,10 @@ def test_a_proposer_with_its_shape_rechosen_every_step_decodes_exactly_with_plai
     assert runs[0] == runs[1] and runs[0][0] == online.first
     # The choice follows the step before it: a plain step after a rejection, the deepest after an acceptance.
     online.reset()
-    online.observe(0)
+    whole_step(online, 0)
     assert online.choose().shape is None
     online.current = 1
-    online.observe(1)
+    whole_step(online, 1)
     assert online.choose() is online.candidates[-1]
     if name == "draft":
         assert proposer.gamma != 0  # (the γ chosen at load is kept; a step's own γ is its online choice)
@@ -445,9 +465,9 @@ def test_a_step_cut_short_by_the_token_budget_is_not_counted_as_its_shape(name):
     proposer.online.first = len(proposer.online.candidates) - 1  # (where `begin` starts the choice)
     tokens = torch.tensor([1, 2, 3, 4])
     assert fresh_proposal(proposer, target, tokens).tokens.numel() == (2 if name == "medusa" else 3)
-    assert proposer.whole
+    assert proposer.online.whole
     cut = fresh_proposal(proposer, target, tokens, max_depth=1)
-    assert cut.tokens.numel() == (3 if name == "eagle" else 1) and not proposer.whole
+    assert cut.tokens.numel() == (3 if name == "eagle" else 1) and not proposer.online.whole
 
 
 @pytest.mark.slow

@@ -144,7 +144,6 @@ class DraftProposer(Proposer):
         self.shape_choice: str | None = None  # how γ was measured on this machine (use_fastest_gamma)
         self.measured_shape: str | None = None  # that γ in a few words, "γ = 2" (None: not measured)
         self.online: OnlineShapeChoice | None = None  # γ re-chosen every step (config.adapt_shape)
-        self.whole = False  # whether the latest proposal drafted all of its γ
 
     @classmethod
     def from_config(cls, config: DraftConfig, target: TargetInfo) -> DraftProposer:
@@ -253,10 +252,8 @@ class DraftProposer(Proposer):
         gamma = self.gamma
         if self.online is not None:  # (γ 0, a plain step: the tokens since are fed with the next draft's)
             gamma = self.online.choose().shape or 0
-        chosen = gamma
         gamma = max(min(gamma, state.max_depth, self.window - len(state.tokens) + 1), 0)
         self.fed_drafts = 0
-        self.whole = False
         if gamma == 0:
             return Proposal.empty(state.tokens.device)
         greedy = self.config.greedy or state.sampling.greedy
@@ -287,7 +284,8 @@ class DraftProposer(Proposer):
             logits = state.penalised(self._next_logits(x), torch.cat(tokens))
             self.fed_drafts += 1
         drafted = torch.cat(tokens)
-        self.whole = len(tokens) == chosen  # (all of the step's γ drafted: see `accepted`)
+        if self.online is not None:  # (fewer than γ where the token budget or the threshold cut the chain)
+            self.online.drafted(len(tokens), gamma)
         return Proposal.chain(drafted, None if greedy else torch.stack(qs), deterministic=greedy)
 
     def draw(
@@ -302,7 +300,7 @@ class DraftProposer(Proposer):
     def accepted(self, result: Acceptance) -> None:
         # The cache holds the sequence up to the root plus the fed drafts; keep the root and the accepted drafts.
         if self.online is not None:
-            self.online.observe(len(result.accepted_nodes), self.whole)
+            self.online.observe(len(result.accepted_nodes))
         keep = min(len(result.accepted_nodes), self.fed_drafts)
         if self.fed_drafts > keep:
             self.cache.crop(-(self.fed_drafts - keep))

@@ -465,7 +465,6 @@ class EagleProposer(Proposer):
         self.shape_choice: str | None = None  # how the shape was measured on this machine (use_fastest_shape)
         self.measured_shape: str | None = None  # that shape in a few words, e.g. "chain of 2" (None: not measured)
         self.online: OnlineShapeChoice | None = None  # the shape re-chosen every step (config.adapt_shape)
-        self.whole = False  # whether the latest proposal drafted all of its shape's nodes
         threshold = resolve_confidence_threshold(
             config.confidence_threshold,
             shape.get("confidence_threshold"),
@@ -649,7 +648,7 @@ class EagleProposer(Proposer):
         feats = self._features(result.hidden_states, len(result.accepted_tokens) + 1)  # the root, then each node
         self.pending_feats = torch.cat([self.pending_feats, feats])
         if self.online is not None:
-            self.online.observe(len(result.accepted_nodes), self.whole)
+            self.online.observe(len(result.accepted_nodes))
 
     # ------------------------------------------------------------------ drafting
 
@@ -665,7 +664,6 @@ class EagleProposer(Proposer):
     @torch.no_grad()
     def propose(self, state: DecodeState) -> Proposal:
         device = state.tokens.device
-        self.whole = False
         if self.online is not None:  # (a plain step: its features wait, and are fed with the next draft's)
             shape = self.online.choose().shape
             if shape is None:
@@ -698,9 +696,8 @@ class EagleProposer(Proposer):
             if extra > 0:
                 self.cache.crop(-extra)
         self.last_scores = scores
-        # (all of the step's shape drafted, to its full depth: see `accepted`; a tree cut to fewer levels by the
-        # token budget can still hold as many nodes, all at depth 1)
-        self.whole = depth == self.depth and tokens.numel() == self.total_tokens
+        if self.online is not None:  # (the depth the token budget left: see OnlineShapeChoice.drafted)
+            self.online.drafted(tokens.numel(), depth)
         return Proposal(
             tokens.to(device), parents.to(device), torch.ones(tokens.numel(), dtype=torch.bool, device=device)
         )

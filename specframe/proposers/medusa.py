@@ -553,7 +553,6 @@ class MedusaProposer(Proposer):
         self.shape_choice: str | None = None  # how the tree was measured on this machine (from_config)
         self.measured_shape: str | None = None  # that tree in a few words, "2-node tree" (None: not measured)
         self.online: OnlineShapeChoice | None = None  # the tree re-chosen every step (config.adapt_shape)
-        self.whole = False  # whether the latest proposal drafted all of its tree
         self.threshold = resolve_confidence_threshold(
             config.confidence_threshold, saved_threshold, "the confidence_threshold saved with the heads"
         )  # minimum path probability of a proposed node
@@ -683,13 +682,12 @@ class MedusaProposer(Proposer):
     def accepted(self, result: Acceptance) -> None:
         self.feature = result.hidden_states[-1][-1]
         if self.online is not None:
-            self.online.observe(len(result.accepted_nodes), self.whole)
+            self.online.observe(len(result.accepted_nodes))
 
     def end(self) -> None:
         self.feature = None
 
     def propose(self, state: DecodeState) -> Proposal:
-        self.whole = False
         if self.online is not None:
             shape = self.online.choose().shape
             if shape is None:  # (a plain step)
@@ -710,7 +708,8 @@ class MedusaProposer(Proposer):
         parents = layout.parents[:n].clone()
         if self.threshold > 0:
             tokens, parents = self._confident(logits, top, tokens, parents, depth)
-        self.whole = tokens.numel() == len(layout.tree)  # (the whole tree, not cut by the token budget or threshold)
+        if self.online is not None:  # (fewer where the token budget or the threshold cut the tree)
+            self.online.drafted(tokens.numel(), depth)
         det = torch.ones(tokens.numel(), dtype=torch.bool, device=tokens.device)
         return Proposal(tokens, parents, det)
 
