@@ -53,9 +53,11 @@ def test_every_proposer_equals_transformers_greedy(decoders, prompt):
         assert "".join(pieces) == res.text and len(pieces) > 1, name
 
 
-# Floors under what each shipped artifact measures on these prompts (mean accepted length over all three,
-# 64 new tokens, 173 tokens in all, measured 2026-12-01 with the artifacts shipped then: draft 1.22, Medusa
-# 1.28, EAGLE 1.47; union of eagle + ngram 1.92) and on the benchmark (their cards, docs/results.md).
+# Floors under what each shipped artifact accepts on these prompts: tokens per step that drafted (1 + accepted
+# drafts / steps that drafted), over all three, 64 new tokens each. Not tokens per forward: on a CPU each
+# re-chooses its shape every step, plain steps among them, by this machine's timings (a slower draft step, more
+# plain steps), which say nothing of the artifact. Measured 2026-12-08 (AMD EPYC, two loads): draft 1.33-1.34,
+# Medusa 1.36-1.39, EAGLE 1.68, union of eagle + ngram 2.11 (tokens per forward: 1.15, 1.19-1.25, 1.65, 2.06).
 @pytest.mark.parametrize(
     "name, floor",
     [("draft", DRAFT_FLOOR), ("medusa", MEDUSA_FLOOR), ("eagle", EAGLE_FLOOR), ("union", UNION_FLOOR)],
@@ -65,9 +67,9 @@ def test_shipped_artifacts_are_present_and_accept_tokens(decoders, name, floor):
         require_proposers(*DEFAULT_MEMBERS)
     assert name in decoders, f"the default target must ship with a trained {name} artifact"
     results = [decoders[name].generate(p, max_new_tokens=64) for p in PROMPTS]
-    tokens = sum(r.stats["new_tokens"] for r in results)
-    forwards = sum(r.stats["target_forwards"] for r in results)
-    assert tokens / forwards > floor
+    drafting = sum((r.stats["proposed_by_position"] or [0])[0] for r in results)  # (steps with a depth-1 node)
+    accepted = sum(r.stats["accepted_tokens"] for r in results)
+    assert drafting > 0 and 1 + accepted / drafting > floor, (accepted, drafting)
 
 
 def test_sampling_runs_and_is_reproducible(decoders):
